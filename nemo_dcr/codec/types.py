@@ -1,0 +1,102 @@
+"""The unit every stage after the diff speaks: a delta for one canonical tensor.
+
+A ``TensorDelta`` is expressed in *canonical* coordinates (the Hugging Face checkpoint
+tensor named ``name``, flattened row-major).  It never refers to a training shard: the
+layout stage has already projected shard-local positions into canonical ones.
+
+Values are carried as the raw bit patterns of the tensor's dtype (``BITS_DTYPE``), never
+as floats, so nothing on the path can round, canonicalise a NaN or flush a subnormal.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Element dtypes the wire format knows, mapped to the unsigned integer dtype that carries
+#: their bits.  Names are the torch names without the ``torch.`` prefix.
+BITS_DTYPE: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(np.uint16),
+    "float16": np.dtype(np.uint16),
+    "float32": np.dtype(np.uint32),
+    "float8_e4m3fn": np.dtype(np.uint8),
+    "float8_e5m2": np.dtype(np.uint8),
+    "int8": np.dtype(np.uint8),
+    "uint8": np.dtype(np.uint8),
+    "int16": np.dtype(np.uint16),
+    "int32": np.dtype(np.uint32),
+    "int64": np.dtype(np.uint64),
+    "bool": np.dtype(np.uint8),
+}
+
+
+class DeltaOp(enum.Enum):
+    """How the receiver combines ``values`` with what it holds at ``positions``."""
+
+    XOR = "xor"
+    """``new_bits = old_bits ^ values``: valid where the placement copies bits unchanged."""
+    OVERWRITE = "overwrite"
+    """``new_bits = values``: idempotent; used for residual tensors, dense fallbacks and
+    journal repairs (a retried XOR would undo itself, an overwrite cannot)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TensorDelta:
+    """Changes to one canonical tensor (or to a part of it, see ``element_range``).
+
+    positions: sorted, unique int64 flat indices into the canonical tensor.
+    values: ``BITS_DTYPE[dtype]`` array, same length as ``positions``.
+    element_range: ``[start, stop)`` flat range this record is authoritative for; every
+        position lies inside it.  Several records (from several trainer ranks) may cover
+        disjoint ranges of the same tensor.  Defaults to the whole tensor.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    op: DeltaOp
+    positions: np.ndarray
+    values: np.ndarray
+    element_range: tuple[int, int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in BITS_DTYPE:
+            raise ValueError(f"{self.name}: unsupported dtype {self.dtype!r}")
+        if any(int(s) < 0 for s in self.shape):
+            raise ValueError(f"{self.name}: negative dimension in shape {self.shape}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not isinstance(self.op, DeltaOp):
+            object.__setattr__(self, "op", DeltaOp(self.op))
+        pos = np.asarray(self.positions)
+        val = np.asarray(self.values)
+        if pos.ndim != 1 or val.ndim != 1 or pos.shape != val.shape:
+            raise ValueError(
+                f"{self.name}: positions {pos.shape} and values {val.shape} must be 1-D and equal"
+            )
+        if pos.dtype != np.int64:
+            raise ValueError(f"{self.name}: positions must be int64, got {pos.dtype}")
+        want = BITS_DTYPE[self.dtype]
+        if val.dtype != want:
+            raise ValueError(f"{self.name}: values for {self.dtype} must be {want}, got {val.dtype}")
+        numel = self.numel
+        lo, hi = self.element_range if self.element_range is not None else (0, numel)
+        if not (0 <= lo <= hi <= numel):
+            raise ValueError(f"{self.name}: element_range {(lo, hi)} outside [0, {numel}]")
+        object.__setattr__(self, "element_range", (int(lo), int(hi)))
+        if pos.size:
+            if pos[0] < lo or pos[-1] >= hi:
+                raise ValueError(f"{self.name}: positions outside element_range {(lo, hi)}")
+            if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+                raise ValueError(f"{self.name}: positions must be strictly increasing")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nnz(self) -> int:
+        return int(self.positions.size)
