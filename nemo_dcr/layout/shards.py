@@ -115,18 +115,29 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
     sharded: list = []
     _flatten_sharded(module.sharded_state_dict(), sharded)
     params = dict(module.named_parameters())
-    by_storage: dict[int, tuple[str, torch.Tensor]] = {}
+    # Parameters may be views into one flat buffer (Megatron DDP / distributed optimizer),
+    # so a ShardedTensor is matched by storage AND element range, not by storage alone.
+    by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in params.items():
         if not p.is_contiguous():
             raise ValueError(f"parameter {name} is not contiguous")
-        by_storage.setdefault(p.untyped_storage().data_ptr(), (name, p))
+        by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(
+            (p.storage_offset(), p.numel(), name, p)
+        )
+
+    def owner_of(t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        lo, hi = t.storage_offset(), t.storage_offset() + t.numel()
+        for off, n, name, p in by_storage.get(t.untyped_storage().data_ptr(), ()):
+            if off <= lo and hi <= off + n and t.dtype == p.dtype:
+                return name, p
+        return None
 
     views: dict[str, list[ParamView]] = {name: [] for name in params}
     for st in sharded:
         data = st.data
         if data is None or not isinstance(data, torch.Tensor):
             raise ValueError(f"ShardedTensor {st.key} carries no local data")
-        owner = by_storage.get(data.untyped_storage().data_ptr())
+        owner = owner_of(data)
         if owner is None:
             continue  # a buffer or a tensor that is not a parameter (not refit here)
         name, p = owner

@@ -1,0 +1,291 @@
+"""Trainer side of a refit: diff -> project -> encode -> upload, on every rank, streaming.
+
+Hot path (``publish``), per local parameter in model order::
+
+    xor_diff(param, baseline)      one read of param + baseline: 2 x numel x 2 B (BF16)
+    project changed positions      O(changed): unravel, add shard offsets, fused-layout math
+    encode + upload                on a thread pool, while the next parameters are diffed
+
+Nothing is gathered across ranks: each rank emits only the canonical elements of its main
+replicas (Megatron's ``replica_id``), so every canonical element is sent exactly once.
+Only chunk descriptors (a few hundred bytes per chunk) travel to rank 0, which publishes
+the manifest and runs the joint commit: the baselines advance only when every receiver
+acknowledged the version.
+"""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_dcr.baseline.pinned import Baseline
+from nemo_dcr.codec import chunk_digest, encode_chunk
+from nemo_dcr.codec.types import DeltaOp, TensorDelta
+from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
+from nemo_dcr.layout.shards import ParamView
+from nemo_dcr.protocol.manifest import (
+    COMMITTED_KEY,
+    Ack,
+    ChunkRef,
+    Committed,
+    Manifest,
+    ack_key,
+    chunk_key,
+    manifest_key,
+)
+from nemo_dcr.transport.store import ObjectStore
+
+
+class CommitTimeout(RuntimeError):
+    pass
+
+
+class ReceiverRefused(RuntimeError):
+    pass
+
+
+@dataclass(kw_only=True, frozen=True)
+class SenderConfig:
+    model_id: str
+    """Identifies the model lineage; receivers refuse manifests of another model."""
+    receivers: tuple[str, ...]
+    """Receiver ids whose acknowledgement a joint commit needs."""
+    chunk_bytes: int = 4 << 20
+    """Flush a chunk once its records hold this many bytes of positions + values."""
+    upload_workers: int = 2
+    """Threads encoding and uploading chunks while later parameters are diffed."""
+    ack_timeout_s: float = 300.0
+    """How long rank 0 waits for every receiver's acknowledgement of a version."""
+    ack_poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.receivers:
+            raise ValueError("at least one receiver is needed for a joint commit")
+        if self.chunk_bytes <= 0 or self.upload_workers <= 0 or self.ack_timeout_s <= 0:
+            raise ValueError("chunk_bytes, upload_workers and ack_timeout_s must be positive")
+
+
+@dataclass
+class PublishStats:
+    version: int
+    base_version: int
+    changed: int = 0
+    numel: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    chunks: int = 0
+    diff_s: float = 0.0
+    project_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    publish_s: float = 0.0
+    commit_wait_s: float = 0.0
+    committed: bool = False
+    acks: list[dict] = field(default_factory=list)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class RefitSender:
+    """One per trainer rank; all ranks call ``refit(version)`` together (it is collective)."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        views: dict[str, list[ParamView]],
+        projector: CanonicalProjector,
+        store: ObjectStore,
+        cfg: SenderConfig,
+        *,
+        committed_version: int = 0,
+    ):
+        self.params = params
+        self.views = views
+        self.projector = projector
+        self.store = store
+        self.cfg = cfg
+        self.baseline = Baseline(params, version=committed_version)
+        # canonical inventory: every canonical tensor and which rank covers which part
+        mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
+                for c in projector.canonical_specs(v.spec)}
+        allspecs: list[dict[str, CanonicalSpec]] = [mine]
+        if _world() > 1:
+            allspecs = [None] * _world()  # type: ignore[list-item]
+            dist.all_gather_object(allspecs, mine)
+        self.canonical: dict[str, CanonicalSpec] = {}
+        for d in allspecs:
+            for name, c in d.items():
+                prev = self.canonical.setdefault(name, c)
+                if prev != c:
+                    raise RuntimeError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
+        self.dense_bytes = sum(
+            int(np.prod(c.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, c.dtype)).element_size()
+            for c in self.canonical.values()
+        )
+
+    # ------------------------------------------------------------------ publish
+    def _deltas_for_param(self, name: str, positions: np.ndarray, xor: np.ndarray, stats: PublishStats):
+        t0 = time.perf_counter()
+        per_name: dict[str, tuple[CanonicalSpec, list[np.ndarray], list[np.ndarray]]] = {}
+        for v in self.views[name]:
+            if not v.spec.is_main_replica:
+                continue
+            lo, hi = np.searchsorted(positions, [v.start, v.start + v.spec.numel])
+            if lo == hi:
+                continue
+            local = positions[lo:hi] - v.start
+            vals = xor[lo:hi]
+            for cspec, cflat, sel in self.projector.project(v.spec, local):
+                entry = per_name.setdefault(cspec.name, (cspec, [], []))
+                entry[1].append(cflat)
+                entry[2].append(vals[sel])
+        out = []
+        for cname, (cspec, pos_l, val_l) in per_name.items():
+            pos = np.concatenate(pos_l)
+            val = np.concatenate(val_l)
+            if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+                order = np.argsort(pos, kind="stable")
+                pos, val = pos[order], val[order]
+            out.append(TensorDelta(name=cname, dtype=cspec.dtype, shape=cspec.shape, op=DeltaOp.XOR,
+                                   positions=pos, values=val))
+        stats.project_s += time.perf_counter() - t0
+        return out
+
+    def _encode_upload(self, key: str, deltas: list[TensorDelta], meta: dict[str, str]) -> tuple[ChunkRef, float, float]:
+        t0 = time.perf_counter()
+        blob = encode_chunk(deltas, meta=meta)
+        t1 = time.perf_counter()
+        self.store.put(key, blob)
+        t2 = time.perf_counter()
+        ref = ChunkRef(key=key, nbytes=len(blob), digest=chunk_digest(blob), rank=_rank(),
+                       tensors=len(deltas), changed=sum(d.nnz for d in deltas))
+        return ref, t1 - t0, t2 - t1
+
+    def publish(self, version: int) -> tuple[list[ChunkRef], PublishStats]:
+        """Diff every local parameter against the committed baseline and upload the chunks
+        of ``version`` (not yet the manifest).  Returns this rank's chunk refs."""
+        base = self.baseline.version
+        if version <= base:
+            raise ValueError(f"version {version} must be newer than the committed {base}")
+        stats = PublishStats(version=version, base_version=base)
+        meta = {"model_id": self.cfg.model_id, "version": str(version), "base_version": str(base),
+                "rank": str(_rank())}
+        t_start = time.perf_counter()
+        futures: list[Future] = []
+        pending: list[TensorDelta] = []
+        pending_bytes = 0
+        seq = 0
+        with ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload") as pool:
+            def flush():
+                nonlocal pending, pending_bytes, seq
+                if pending:
+                    futures.append(pool.submit(self._encode_upload, chunk_key(version, _rank(), seq), pending, meta))
+                    seq += 1
+                pending, pending_bytes = [], 0
+
+            for name, p in self.params.items():
+                t0 = time.perf_counter()
+                d = self.baseline.diff(name, p)
+                stats.diff_s += time.perf_counter() - t0
+                stats.numel += d.numel
+                if d.positions.size == 0:
+                    continue
+                for delta in self._deltas_for_param(name, d.positions, d.xor_values, stats):
+                    pending.append(delta)
+                    stats.changed += delta.nnz
+                    pending_bytes += delta.nnz * (8 + delta.values.itemsize)
+                if pending_bytes >= self.cfg.chunk_bytes:
+                    flush()
+            flush()
+            refs = []
+            for f in futures:
+                ref, enc_s, up_s = f.result()
+                refs.append(ref)
+                stats.encode_s += enc_s
+                stats.upload_s += up_s
+        stats.chunks = len(refs)
+        stats.wire_bytes = sum(r.nbytes for r in refs)
+        stats.publish_s = time.perf_counter() - t_start
+        return refs, stats
+
+    # ------------------------------------------------------------------ commit
+    def _wait_for_acks(self, version: int) -> list[Ack]:
+        deadline = time.monotonic() + self.cfg.ack_timeout_s
+        acks: dict[str, Ack] = {}
+        while True:
+            for rid in self.cfg.receivers:
+                if rid not in acks and self.store.exists(ack_key(rid, version)):
+                    acks[rid] = Ack.from_json(self.store.get(ack_key(rid, version)))
+            if len(acks) == len(self.cfg.receivers):
+                return [acks[r] for r in self.cfg.receivers]
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.cfg.receivers) - set(acks))
+                raise CommitTimeout(f"version {version}: no acknowledgement from {missing} "
+                                    f"within {self.cfg.ack_timeout_s}s")
+            time.sleep(self.cfg.ack_poll_s)
+
+    def refit(self, version: int, *, on_published=None) -> PublishStats:
+        """Collective: publish ``version`` and run the joint commit.
+
+        ``on_published(manifest)`` runs on rank 0 after the manifest is written and before
+        waiting for acknowledgements (the demo writes its dense reference there).
+        On a refusal or timeout every rank discards the staged masks (the baseline stays
+        at the committed version, so the next delta still applies) and raises
+        ``ReceiverRefused``.  The returned stats are totals on rank 0, local elsewhere.
+        """
+        refs, stats = self.publish(version)
+        gathered = [(refs, stats)]
+        if _world() > 1:
+            gathered = [None] * _world() if _rank() == 0 else None
+            dist.gather_object((refs, stats), gathered, dst=0)
+        error: str | None = None
+        if _rank() == 0:
+            all_refs = tuple(r for rank_refs, _ in gathered for r in rank_refs)
+            # totals over ranks; per-stage times are the slowest rank's (ranks run in parallel)
+            others = [st for _, st in gathered[1:]]
+            for st in others:
+                stats.changed += st.changed
+                stats.numel += st.numel
+                for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s"):
+                    setattr(stats, t, max(getattr(stats, t), getattr(st, t)))
+            stats.chunks = len(all_refs)
+            stats.wire_bytes = sum(r.nbytes for r in all_refs)
+            stats.dense_bytes = self.dense_bytes
+            manifest = Manifest(model_id=self.cfg.model_id, version=version, base_version=stats.base_version,
+                                chunks=all_refs, stats={"changed": float(stats.changed)})
+            self.store.put(manifest_key(version), manifest.to_json())
+            if on_published is not None:
+                on_published(manifest)
+            t0 = time.perf_counter()
+            try:
+                acks = self._wait_for_acks(version)
+                bad = [a for a in acks if not a.ok]
+                if bad:
+                    error = "; ".join(f"{a.receiver}: {a.error}" for a in bad)
+                stats.acks = [json.loads(a.to_json()) for a in acks]
+            except CommitTimeout as e:
+                error = str(e)
+            stats.commit_wait_s = time.perf_counter() - t0
+        decision = [error]
+        if _world() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        if decision[0] is None:
+            self.baseline.commit(version)
+            stats.committed = True
+            if _rank() == 0:
+                self.store.put(COMMITTED_KEY, Committed(version, self.cfg.receivers).to_json())
+        else:
+            self.baseline.discard()
+            raise ReceiverRefused(f"version {version} not committed: {decision[0]}")
+        return stats
