@@ -1,0 +1,553 @@
+"""Apply canonical XOR / overwrite deltas in place, through the runtime's own loader.
+
+The receiver never says "canonical tensor X lives in parameter Y at offset Z".  It asks the
+runtime: ``prewarm`` feeds each canonical name to the adapter's loader as a probe under
+``WriteCapture(execute=False)`` and records every write the loader would make into a
+parameter/buffer storage (the writes are suppressed: the model is not touched).  From those
+writes each canonical tensor gets a placement:
+
+* ``DIRECT``: one plain ``copy_`` of the whole fed tensor into a contiguous destination of
+  the same shape and dtype.  Canonical flat index == destination flat index, so ``apply``
+  XORs (or overwrites) exactly the changed elements of an integer view of the destination:
+  O(nnz) work, no loader call.  (transformers' ``load_state_dict`` gives this for every
+  tensor of a Llama.)
+* ``VIEW``: only plain copies, but with other geometry (a slice of a fused parameter, a
+  transpose, several destinations).  ``apply`` feeds the loader a zero canonical tensor
+  carrying the XOR bits at the changed positions, captures its copies without running
+  them, checks they match the prewarm placement, then runs each as ``dest ^= src`` on
+  integer views.  A copy that copies ``x`` now XORs ``x``: exact because, for a
+  bit-preserving placement, destination bits equal fed bits.
+* ``TRANSFORM``: the loader changes bits (a cast, a scale, a computed source, an in-place
+  op after the copy) or writes one destination element twice.  XOR on the destination
+  would be wrong, so the engine keeps a canonical mirror of the tensor (seeded from
+  ``adapter.initial_tensor``), applies the delta to the mirror and feeds the whole new
+  tensor through the loader, executing its writes: exactly what a dense refit does.
+* ``DROPPED``: the loader never writes the tensor.  A dense refit ignores it too; the
+  default ``CoveragePolicy.STRICT`` refuses such a runtime at prewarm.
+* ``EMPTY``: zero elements; nothing to place.
+
+Atomicity: ``apply`` validates the whole batch (names, dtypes, shapes, ranges, positions,
+placement unchanged since prewarm) and prepares every write before the first one; only a
+runtime loader that raises while executing a ``TRANSFORM`` overwrite can leave a batch
+half-applied (those run first, so a failure on the first leaves everything unchanged).
+"""
+from __future__ import annotations
+
+import enum
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.receiver.capture import (
+    CapturedWrite,
+    Geometry,
+    WriteCapture,
+    module_storages,
+    storage_fingerprint,
+)
+from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
+from nemo_dcr.runtimes.base import RuntimeAdapter, TensorSpec
+
+_INT_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_NUMPY = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """Same-width integer view of ``t`` (any strides); bit operations on it are exact."""
+    return t.view(_INT_TORCH[t.element_size()])
+
+
+def _bits_to_torch(values: np.ndarray) -> torch.Tensor:
+    """Unsigned wire bit patterns -> signed torch integers of the same width (no copy)."""
+    values = np.ascontiguousarray(values)
+    return torch.from_numpy(values.view(_INT_NUMPY[values.dtype.itemsize]))
+
+
+class PlacementKind(enum.Enum):
+    DIRECT = "direct"
+    VIEW = "view"
+    TRANSFORM = "transform"
+    DROPPED = "dropped"
+    EMPTY = "empty"
+
+
+class CoveragePolicy(enum.Enum):
+    """What prewarm does with a canonical tensor the loader never writes."""
+
+    STRICT = "strict"
+    """Refuse the runtime (``PlacementError``)."""
+    ALLOW_DROPPED = "allow_dropped"
+    """Mark it ``DROPPED``; deltas for it are validated, not written, and reported in
+    ``ApplyResult.dropped`` (a dense refit through the same loader drops them too)."""
+
+
+@dataclass(frozen=True)
+class CopyPlacement:
+    """One write the loader makes for a canonical tensor (geometries in elements)."""
+
+    dest: str
+    """Name of the parameter/buffer owning the written storage."""
+    dest_geometry: Geometry
+    source_geometry: Geometry | None
+    """View of the fed canonical tensor that was copied; ``None`` if the source is not one."""
+    plain: bool
+    op: str
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    spec: TensorSpec
+    kind: PlacementKind
+    copies: tuple[CopyPlacement, ...]
+    reason: str
+    """Why this kind (for TRANSFORM: the first write that is not bit-preserving)."""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    applied: frozenset[str]
+    """Canonical names whose records were all applied (including empty records)."""
+    dropped: frozenset[str]
+    """Names whose loader drops them (only under ``CoveragePolicy.ALLOW_DROPPED``)."""
+    through_loader: frozenset[str]
+    """Names applied by running the loader (VIEW and TRANSFORM placements)."""
+    xor_elements: int
+    overwrite_elements: int
+
+
+@dataclass
+class _Prepared:
+    """Everything a name needs for the commit phase, computed before any write."""
+
+    name: str
+    kind: PlacementKind
+    xor_idx: torch.Tensor | None = None
+    xor_val: torch.Tensor | None = None
+    ow_idx: torch.Tensor | None = None
+    ow_val: torch.Tensor | None = None
+    fed: torch.Tensor | None = None  # VIEW: zero tensor with XOR bits; TRANSFORM: new mirror
+
+
+class DeltaApplier:
+    """In-place delta apply for one runtime (see the module docstring).
+
+    probe_bytes: prewarm feeds probes in groups of at most this many bytes per loader call;
+        a group whose writes cannot all be attributed to one fed tensor is re-probed name by
+        name.
+    """
+
+    def __init__(
+        self,
+        adapter: RuntimeAdapter,
+        *,
+        coverage: CoveragePolicy = CoveragePolicy.STRICT,
+        probe_bytes: int = 1 << 30,
+    ) -> None:
+        if not isinstance(adapter, RuntimeAdapter):
+            raise TypeError(f"{type(adapter).__name__} does not implement RuntimeAdapter")
+        if probe_bytes <= 0:
+            raise ValueError("probe_bytes must be positive")
+        self._adapter = adapter
+        self._coverage = coverage
+        self._probe_bytes = probe_bytes
+        self._specs: dict[str, TensorSpec] = dict(adapter.tensor_specs())
+        self._placements: dict[str, TensorPlacement] = {}
+        self._direct: dict[str, torch.Tensor] = {}
+        self._view_writes: dict[str, list[CapturedWrite]] = {}
+        self._mirror: dict[str, torch.Tensor] = {}
+        self._fingerprint: dict[str, tuple[int, int]] | None = None
+
+    @property
+    def placements(self) -> Mapping[str, TensorPlacement]:
+        return dict(self._placements)
+
+    # ------------------------------------------------------------------ prewarm
+    def prewarm(self) -> Mapping[str, TensorPlacement]:
+        """Learn where the loader puts every canonical tensor; the module is not written."""
+        module = self._adapter.module
+        storages = module_storages(module)
+        writes: dict[str, list[CapturedWrite]] = {}
+        for group in self._probe_groups():
+            captured = self._probe(group, storages)
+            if len(group) == 1:
+                writes[group[0]] = captured
+            elif all(w.fed_name is not None for w in captured):
+                for name in group:
+                    writes[name] = [w for w in captured if w.fed_name == name]
+            else:
+                for name in group:
+                    writes[name] = self._probe([name], storages)
+
+        placements = {name: self._classify(self._specs[name], writes.get(name, [])) for name in self._specs}
+        placements = self._check_overlaps(placements, writes)
+
+        dropped = sorted(n for n, p in placements.items() if p.kind is PlacementKind.DROPPED)
+        if dropped and self._coverage is CoveragePolicy.STRICT:
+            raise PlacementError(
+                f"the loader never writes {len(dropped)} canonical tensors, e.g. {dropped[:3]} "
+                "(CoveragePolicy.ALLOW_DROPPED accepts a runtime that drops them)"
+            )
+
+        mirror: dict[str, torch.Tensor] = {}
+        unseeded = []
+        for name, p in placements.items():
+            if p.kind is not PlacementKind.TRANSFORM:
+                continue
+            initial = self._adapter.initial_tensor(name)
+            if initial is None:
+                unseeded.append(name)
+                continue
+            spec = self._specs[name]
+            if initial.dtype != spec.torch_dtype or tuple(initial.shape) != spec.shape:
+                raise PlacementError(f"{name}: initial tensor {initial.dtype}{tuple(initial.shape)} != spec {spec}")
+            mirror[name] = initial.detach().to("cpu").contiguous().clone()
+        if unseeded:
+            raise PlacementError(
+                f"{len(unseeded)} tensors need a canonical mirror (their loader is not bit-preserving: "
+                f"{placements[unseeded[0]].reason}) but the adapter cannot provide their initial bits, "
+                f"e.g. {sorted(unseeded)[:3]}"
+            )
+        self._check_mirror_consistent(mirror, writes)
+
+        self._placements = placements
+        self._mirror = mirror
+        self._direct = {}
+        self._view_writes = {}
+        for name, p in placements.items():
+            if p.kind is PlacementKind.DIRECT:
+                (w,) = writes[name]
+                flat = int_view(w.dest.detach().view(-1))
+                assert flat.untyped_storage().data_ptr() == w.dest.untyped_storage().data_ptr()
+                self._direct[name] = flat
+            elif p.kind is PlacementKind.VIEW:
+                self._view_writes[name] = writes[name]
+        self._fingerprint = storage_fingerprint(module)
+        return self.placements
+
+    def _probe_groups(self) -> Iterable[list[str]]:
+        group: list[str] = []
+        size = 0
+        for name, spec in self._specs.items():
+            if spec.numel == 0:
+                continue
+            nbytes = spec.numel * spec.torch_dtype.itemsize
+            if group and size + nbytes > self._probe_bytes:
+                yield group
+                group, size = [], 0
+            group.append(name)
+            size += nbytes
+        if group:
+            yield group
+
+    def _probe(self, names: list[str], storages) -> list[CapturedWrite]:
+        module = self._adapter.module
+        fed = {n: torch.zeros(self._specs[n].shape, dtype=self._specs[n].torch_dtype) for n in names}
+        before = storage_fingerprint(module)
+        saved = _snapshot_slots(module)
+        capture = WriteCapture(storages, fed, execute=False)
+        try:
+            with torch.no_grad(), capture:
+                self._adapter.load_weights(fed.items())
+        except Exception as e:
+            _restore_slots(module, saved)
+            raise PlacementError(f"the loader failed on probes {names[:3]}: {e}") from e
+        if storage_fingerprint(module) != before:
+            _restore_slots(module, saved)
+            raise PlacementError(
+                f"the loader rebinds parameters or buffers instead of writing into them (probing {names[:3]}); "
+                "in-place apply needs a loader that copies into existing storage (restored the originals)"
+            )
+        return capture.writes
+
+    def _classify(self, spec: TensorSpec, writes: list[CapturedWrite]) -> TensorPlacement:
+        if spec.numel == 0:
+            return TensorPlacement(spec, PlacementKind.EMPTY, (), "no elements")
+        if not writes:
+            return TensorPlacement(spec, PlacementKind.DROPPED, (), "the loader never writes it")
+        copies = []
+        reason = ""
+        for w in writes:
+            plain = w.plain and w.fed_name == spec.name and w.dest.dtype == w.dest_owner.tensor.dtype
+            source_geometry = Geometry.of(w.source) if plain else None
+            copies.append(CopyPlacement(w.dest_owner.name, w.dest_geometry, source_geometry, plain, w.op))
+            if not plain and not reason:
+                reason = _describe_nonplain(spec, w)
+        copies_t = tuple(copies)
+        if reason:
+            return TensorPlacement(spec, PlacementKind.TRANSFORM, copies_t, reason)
+        if (
+            len(writes) == 1
+            and copies_t[0].source_geometry.is_contiguous_whole(spec.shape)
+            and tuple(writes[0].dest.shape) == spec.shape
+            and writes[0].dest.is_contiguous()
+        ):
+            return TensorPlacement(spec, PlacementKind.DIRECT, copies_t, "one plain whole-tensor copy")
+        return TensorPlacement(spec, PlacementKind.VIEW, copies_t, f"{len(writes)} plain strided copies")
+
+    def _check_overlaps(
+        self, placements: dict[str, TensorPlacement], writes: dict[str, list[CapturedWrite]]
+    ) -> dict[str, TensorPlacement]:
+        """Every destination element must be written by at most one canonical element.
+
+        A plain placement writing an element twice (last copy wins, two XORs cancel) is
+        downgraded to TRANSFORM; two canonical tensors sharing a destination element are
+        refused (their dense result depends on load order).
+        """
+        by_storage: dict[int, list[str]] = defaultdict(list)
+        for name, ws in writes.items():
+            for ptr in {w.dest_owner.tensor.untyped_storage().data_ptr() for w in ws}:
+                by_storage[ptr].append(name)
+        out = dict(placements)
+        for ptr, names in by_storage.items():
+            owner = next(w.dest_owner for w in writes[names[0]] if w.dest_owner.tensor.untyped_storage().data_ptr() == ptr)
+            numel = owner.tensor.untyped_storage().nbytes() // owner.tensor.element_size()
+            counter = torch.zeros(numel, dtype=torch.int16)
+            masks = {}
+            for name in names:
+                mask = torch.zeros(numel, dtype=torch.bool)
+                total = 0
+                for w in writes[name]:
+                    if w.dest_owner.tensor.untyped_storage().data_ptr() != ptr:
+                        continue
+                    if w.dest.element_size() != owner.tensor.element_size():
+                        if out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
+                            raise PlacementError(f"{name}: plain write through a reinterpreting view of {owner.name}")
+                        continue  # a transform writing through another dtype: elements not comparable
+                    view = torch.as_strided(mask, w.dest.shape, w.dest.stride(), w.dest.storage_offset())
+                    view.fill_(True)
+                    total += w.dest.numel()
+                if total != int(mask.sum()) and out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
+                    p = out[name]
+                    out[name] = TensorPlacement(
+                        p.spec, PlacementKind.TRANSFORM, p.copies, f"writes elements of {owner.name} more than once"
+                    )
+                counter += mask
+                masks[name] = mask
+            if int(counter.max()) > 1:
+                shared = sorted(n for n, m in masks.items() if bool((counter[m] > 1).any()))
+                raise PlacementError(f"canonical tensors {shared} are written into the same elements of {owner.name}")
+        return out
+
+    def _check_mirror_consistent(self, mirror: dict[str, torch.Tensor], writes: dict[str, list[CapturedWrite]]) -> None:
+        """Where the loader's writes are ``copy_`` (a cast), check the seeded mirror reproduces
+        the destination bits: a stale checkpoint would otherwise corrupt the first apply."""
+        if not mirror:
+            return
+        storages = module_storages(self._adapter.module)
+        for name, initial in mirror.items():
+            if not all(w.op == "aten.copy_.default" for w in writes[name]):
+                continue
+            fed = {name: initial.clone()}
+            capture = WriteCapture(storages, fed, execute=False)
+            with torch.no_grad(), capture:
+                self._adapter.load_weights(fed.items())
+            for w in capture.writes:
+                with torch.no_grad():
+                    would = torch.empty_like(w.dest).copy_(w.source)
+                if not torch.equal(int_view(would), int_view(w.dest.detach())):
+                    raise PlacementError(
+                        f"{name}: the adapter's initial tensor does not reproduce {w.dest_owner.name} "
+                        "through the loader (stale checkpoint?)"
+                    )
+
+    # -------------------------------------------------------------------- apply
+    def apply(self, deltas: Sequence[TensorDelta]) -> ApplyResult:
+        """Apply ``deltas`` in place; validate and prepare everything before the first write."""
+        if self._fingerprint is None:
+            self.prewarm()
+        if storage_fingerprint(self._adapter.module) != self._fingerprint:
+            raise PlacementError("parameters or buffers were rebound since prewarm; call prewarm() again")
+        grouped = self._validate(deltas)
+        with torch.no_grad():
+            prepared = {name: self._prepare(name, records) for name, records in grouped.items()}
+            view_writes = self._capture_view_xors([p for p in prepared.values() if p.kind is PlacementKind.VIEW])
+
+            # ---- first write from here on ----
+            touched: set[str] = set()
+            for p in prepared.values():
+                if p.kind is PlacementKind.TRANSFORM:
+                    self._overwrite_through_loader(p)
+                    touched.add(p.name)
+            for p in prepared.values():
+                if p.kind is PlacementKind.DIRECT:
+                    flat = self._direct[p.name]
+                    if p.xor_idx is not None:
+                        assert p.xor_val.dtype == flat.dtype
+                        flat.index_put_((p.xor_idx,), flat.index_select(0, p.xor_idx) ^ p.xor_val)
+                    if p.ow_idx is not None:
+                        assert p.ow_val.dtype == flat.dtype
+                        flat.index_put_((p.ow_idx,), p.ow_val)
+                    touched.add(p.name)
+                elif p.kind is PlacementKind.EMPTY:
+                    touched.add(p.name)
+            for name, ws in view_writes.items():
+                for w in ws:
+                    dest, src = int_view(w.dest), int_view(w.source)
+                    assert dest.dtype == src.dtype
+                    dest.bitwise_xor_(src)
+                touched.add(name)
+
+        dropped = {n for n in grouped if self._placements[n].kind is PlacementKind.DROPPED}
+        missing = set(grouped) - touched - dropped
+        if missing:
+            raise IncompleteApplyError(f"requested but not written: {sorted(missing)[:5]}")
+        self._adapter.post_load(frozenset(touched))
+        n_xor = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.XOR)
+        n_ow = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.OVERWRITE)
+        return ApplyResult(
+            applied=frozenset(touched),
+            dropped=frozenset(dropped),
+            through_loader=frozenset(
+                n for n, p in prepared.items() if p.kind in (PlacementKind.VIEW, PlacementKind.TRANSFORM)
+            ),
+            xor_elements=n_xor,
+            overwrite_elements=n_ow,
+        )
+
+    def _validate(self, deltas: Sequence[TensorDelta]) -> dict[str, list[TensorDelta]]:
+        grouped: dict[str, list[TensorDelta]] = defaultdict(list)
+        for d in deltas:
+            if not isinstance(d, TensorDelta):
+                raise DeltaValidationError(f"expected TensorDelta, got {type(d).__name__}")
+            spec = self._specs.get(d.name)
+            if spec is None:
+                raise DeltaValidationError(f"{d.name}: not a canonical tensor of this runtime")
+            if d.dtype != spec.dtype or tuple(d.shape) != spec.shape:
+                raise DeltaValidationError(f"{d.name}: delta is {d.dtype}{d.shape}, runtime has {spec.dtype}{spec.shape}")
+            pos, val = d.positions, d.values
+            if not (isinstance(pos, np.ndarray) and pos.dtype == np.int64 and pos.ndim == 1):
+                raise DeltaValidationError(f"{d.name}: positions must be a 1-D int64 array")
+            if not (isinstance(val, np.ndarray) and val.dtype == BITS_DTYPE[spec.dtype] and val.shape == pos.shape):
+                raise DeltaValidationError(f"{d.name}: values must be {BITS_DTYPE[spec.dtype]} matching positions")
+            lo, hi = d.element_range if d.element_range is not None else (0, spec.numel)
+            if not 0 <= lo <= hi <= spec.numel:
+                raise DeltaValidationError(f"{d.name}: element_range {(lo, hi)} outside [0, {spec.numel})")
+            if pos.size:
+                if pos[0] < lo or pos[-1] >= hi:
+                    raise DeltaValidationError(
+                        f"{d.name}: positions [{pos[0]}, {pos[-1]}] outside element_range [{lo}, {hi})"
+                    )
+                if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+                    raise DeltaValidationError(f"{d.name}: positions are not strictly increasing")
+            grouped[d.name].append(d)
+        for name, records in grouped.items():
+            spans = sorted(r.element_range or (0, self._specs[name].numel) for r in records)
+            for (_, stop), (start, _) in zip(spans, spans[1:]):
+                if start < stop:
+                    raise DeltaValidationError(f"{name}: records cover overlapping element ranges {spans}")
+        return dict(grouped)
+
+    def _prepare(self, name: str, records: list[TensorDelta]) -> _Prepared:
+        kind = self._placements[name].kind
+        p = _Prepared(name, kind)
+        if kind in (PlacementKind.DROPPED, PlacementKind.EMPTY):
+            return p
+        xors = [r for r in records if r.op is DeltaOp.XOR and r.nnz]
+        ows = [r for r in records if r.op is DeltaOp.OVERWRITE and r.nnz]
+        if xors:
+            p.xor_idx = torch.from_numpy(np.concatenate([r.positions for r in xors]))
+            p.xor_val = _bits_to_torch(np.concatenate([r.values for r in xors]))
+        if ows:
+            p.ow_idx = torch.from_numpy(np.concatenate([r.positions for r in ows]))
+            p.ow_val = _bits_to_torch(np.concatenate([r.values for r in ows]))
+        spec = self._specs[name]
+        if kind is PlacementKind.VIEW:
+            if p.xor_idx is None and p.ow_idx is None:
+                p.kind = PlacementKind.EMPTY  # nothing changes; no loader call needed
+                return p
+            fed = torch.zeros(spec.shape, dtype=spec.torch_dtype)
+            bits = int_view(fed.view(-1))
+            if p.xor_idx is not None:
+                bits.index_put_((p.xor_idx,), p.xor_val)
+            if p.ow_idx is not None:  # overwrite = XOR with (current ^ new)
+                current = self._read_view_bits(name)
+                bits.index_put_((p.ow_idx,), current.index_select(0, p.ow_idx) ^ p.ow_val)
+            p.fed = fed
+        elif kind is PlacementKind.TRANSFORM:
+            if p.xor_idx is None and p.ow_idx is None:
+                p.kind = PlacementKind.EMPTY
+                return p
+            new = self._mirror[name].clone()
+            bits = int_view(new.view(-1))
+            if p.xor_idx is not None:
+                bits.index_put_((p.xor_idx,), bits.index_select(0, p.xor_idx) ^ p.xor_val)
+            if p.ow_idx is not None:
+                bits.index_put_((p.ow_idx,), p.ow_val)
+            p.fed = new
+        return p
+
+    def _read_view_bits(self, name: str) -> torch.Tensor:
+        """Current canonical bits of a VIEW tensor, gathered back through its copies.
+
+        Elements no copy covers read as 0: the loader drops them, so their value never
+        reaches the runtime.  O(numel) int64 index memory; used only for overwrites.
+        """
+        spec = self._specs[name]
+        out = torch.zeros(spec.numel, dtype=_INT_TORCH[spec.torch_dtype.itemsize])
+        positions = torch.arange(spec.numel, dtype=torch.int64)
+        for w in self._view_writes[name]:
+            g = Geometry.of(w.source)
+            src_pos = torch.as_strided(positions, g.shape, g.stride, g.offset).expand(w.dest.shape)
+            out.index_put_((src_pos.reshape(-1),), int_view(w.dest).reshape(-1))
+        return out
+
+    def _capture_view_xors(self, prepared: list[_Prepared]) -> dict[str, list[CapturedWrite]]:
+        """Run the loader on XOR-carrying tensors with every write suppressed, and check the
+        writes are exactly the prewarm placement (so executing them as XOR is exact)."""
+        if not prepared:
+            return {}
+        fed = {p.name: p.fed for p in prepared}
+        capture = WriteCapture(module_storages(self._adapter.module), fed, execute=False)
+        with capture:
+            self._adapter.load_weights(fed.items())
+        out: dict[str, list[CapturedWrite]] = defaultdict(list)
+        for w in capture.writes:
+            if not w.plain or w.fed_name is None:
+                raise PlacementError(f"loader made a non-plain write {w.op} into {w.dest_owner.name} during a VIEW apply")
+            out[w.fed_name].append(w)
+        for name in fed:
+            seen = Counter((w.dest_owner.name, w.dest_geometry, Geometry.of(w.source)) for w in out.get(name, []))
+            want = Counter((c.dest, c.dest_geometry, c.source_geometry) for c in self._placements[name].copies)
+            if seen != want:
+                raise PlacementError(f"{name}: the loader's placement changed since prewarm; call prewarm() again")
+        return dict(out)
+
+    def _overwrite_through_loader(self, p: _Prepared) -> None:
+        fed = {p.name: p.fed}
+        capture = WriteCapture(module_storages(self._adapter.module), fed, execute=True)
+        with capture:
+            self._adapter.load_weights(fed.items())
+        want = {c.dest for c in self._placements[p.name].copies}
+        if {w.dest_owner.name for w in capture.writes} != want:
+            raise IncompleteApplyError(f"{p.name}: the loader wrote other destinations than at prewarm ({sorted(want)})")
+        self._mirror[p.name] = p.fed
+
+
+def _describe_nonplain(spec: TensorSpec, w: CapturedWrite) -> str:
+    if w.source is None:
+        return f"{w.op} into {w.dest_owner.name}"
+    if w.fed_name is None:
+        return f"{w.op} into {w.dest_owner.name} from a computed tensor (not a view of the fed {spec.name})"
+    if w.fed_name != spec.name:
+        return f"{w.op} into {w.dest_owner.name} from the tensor fed as {w.fed_name}"
+    return f"{w.op} casts {w.source.dtype} -> {w.dest.dtype} into {w.dest_owner.name}"
+
+
+def _snapshot_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool, torch.Tensor | None]]:
+    slots = []
+    for sub in module.modules():
+        for key, t in sub._parameters.items():
+            slots.append((sub, key, False, t))
+        for key, t in sub._buffers.items():
+            slots.append((sub, key, True, t))
+    return slots
+
+
+def _restore_slots(module: torch.nn.Module, slots) -> None:
+    del module
+    for sub, key, is_buffer, t in slots:
+        (sub._buffers if is_buffer else sub._parameters)[key] = t

@@ -1,0 +1,20 @@
+"""Errors the apply engine raises.  Every one is raised before the first write unless its
+docstring says otherwise."""
+from __future__ import annotations
+
+
+class DeltaValidationError(ValueError):
+    """A delta batch does not fit the runtime's canonical tensors (unknown name, dtype or
+    shape differing from the spec, overlapping element ranges, position out of range)."""
+
+
+class PlacementError(RuntimeError):
+    """The runtime's loader does not behave as in-place apply needs (never copies a
+    tensor, rebinds a parameter, writes one destination twice, changed placement since
+    prewarm, transforms a tensor no canonical mirror can be seeded for)."""
+
+
+class IncompleteApplyError(PlacementError):
+    """Names were requested but not written (set difference of requested vs touched).
+    For tensors that go through the loader as overwrites this is detected after the
+    loader ran, so earlier writes of the same batch may have happened."""

@@ -1,0 +1,203 @@
+"""Hugging Face transformers as a receiver runtime (CPU, in place).
+
+Loader choice (transformers 5.19).  ``from_pretrained`` loads through
+``core_model_loading.convert_and_load_state_dict_in_model``, which materialises each
+tensor on a thread pool and then *rebinds* it (``setattr(module, name, Parameter(...))``,
+see ``set_param_for_module``).  Rebinding is not an in-place update: it drops the storage
+any other holder (a tied head, an optimizer, a serving engine's captured graph) still
+points to, and the copies happen on worker threads a dispatch mode does not see.  The path
+transformers models offer that writes *into* the existing storages is the one
+``PreTrainedModel`` inherits from ``torch.nn.Module``: ``load_state_dict(sd, strict=False,
+assign=False)``, whose per-module ``_load_from_state_dict`` does ``param.copy_(input)``
+under ``no_grad`` (after any load-state-dict pre-hooks a model registers).  That is the
+loader this adapter exposes.
+
+Consequences, stated rather than hidden:
+
+* Canonical names are the module's state-dict names as ``save_pretrained`` writes them
+  (``_keys_to_ignore_on_save`` and tied aliases removed, via transformers' own
+  ``remove_tied_weights_from_state_dict``).  Models whose checkpoint layout differs from
+  the module layout through transformers' weight-conversion mapping (e.g. v5's fused MoE
+  experts) are refused at construction: ``load_state_dict`` would not know their names.
+* Tied weights behave as the runtime does: ``lm_head.weight`` and
+  ``model.embed_tokens.weight`` are one ``Parameter``; the checkpoint carries only the
+  source name and writing it updates both.
+* Nothing is derived from the weights after loading (rotary ``inv_freq`` comes from the
+  config), so ``post_load`` is a no-op.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from nemo_dcr.runtimes.base import TensorSpec, dtype_name
+
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+}
+
+
+def checkpoint_specs(directory: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """Canonical specs read from the safetensors headers of an HF checkpoint directory."""
+    return {name: spec for name, (spec, _) in _checkpoint_index(directory).items()}
+
+
+def _checkpoint_index(directory: str | os.PathLike[str]) -> dict[str, tuple[TensorSpec, Path]]:
+    from safetensors import safe_open
+
+    root = Path(directory)
+    index_file = root / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = sorted({root / f for f in weight_map.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {root}")
+    out: dict[str, tuple[TensorSpec, Path]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                st_dtype = sl.get_dtype()
+                if st_dtype not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{path.name}: {name} has dtype {st_dtype} the wire format cannot carry")
+                if name in out:
+                    raise ValueError(f"{name} appears in both {out[name][1].name} and {path.name}")
+                out[name] = (TensorSpec(name, _SAFETENSORS_DTYPES[st_dtype], tuple(sl.get_shape())), path)
+    return out
+
+
+def module_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:
+    """The canonical specs ``save_pretrained`` would write for ``model`` (no conversion)."""
+    state = dict(model.state_dict())
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:
+        from transformers import PreTrainedModel
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # a plain torch module: no tied-key conventions to honour
+        PreTrainedModel = None  # noqa: N806
+    if PreTrainedModel is not None and isinstance(model, PreTrainedModel):
+        state = remove_tied_weights_from_state_dict(state, model)
+    return {name: TensorSpec.of(name, t) for name, t in state.items()}
+
+
+def _refuse_converted_layouts(model: torch.nn.Module) -> None:
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return
+    if not isinstance(model, PreTrainedModel):
+        return
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = [
+        c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+    ]
+    if conversions:
+        raise ValueError(
+            f"{type(model).__name__}: its checkpoint layout differs from its module layout "
+            f"({len(conversions)} weight conversions); load_state_dict cannot take its canonical "
+            "tensors, so this adapter cannot update it in place"
+        )
+
+
+class HFTransformersAdapter:
+    """``RuntimeAdapter`` for a transformers model held on CPU (see the module docstring).
+
+    specs: canonical specs; default: what ``save_pretrained`` would write for ``model``.
+        Pass the checkpoint's own specs when the model holds another dtype (e.g. an fp32
+        model serving a bf16 checkpoint): the wire carries the checkpoint's bits.
+    checkpoint_dir: the safetensors directory the current weights were loaded from;
+        lets ``initial_tensor`` seed the mirror of tensors the loader transforms.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        specs: Mapping[str, TensorSpec] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        _refuse_converted_layouts(model)
+        self._model = model
+        self._specs = dict(specs) if specs is not None else module_specs(model)
+        for key, spec in self._specs.items():
+            if key != spec.name:
+                raise ValueError(f"spec under key {key!r} is named {spec.name!r}")
+        loadable = set(model.state_dict().keys())
+        unknown = sorted(set(self._specs) - loadable)
+        if unknown:
+            raise ValueError(
+                f"{type(model).__name__}.load_state_dict does not know {len(unknown)} canonical "
+                f"names, e.g. {unknown[:3]}"
+            )
+        self._files = (
+            {name: path for name, (_, path) in _checkpoint_index(checkpoint_dir).items()}
+            if checkpoint_dir is not None
+            else {}
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        model_class: type | None = None,
+    ) -> HFTransformersAdapter:
+        """Load ``directory`` (no hub access) and adapt it; specs come from its headers."""
+        if model_class is None:
+            from transformers import AutoModelForCausalLM as model_class  # noqa: N813
+        model = model_class.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+        model.eval()
+        return cls(model, specs=checkpoint_specs(directory), checkpoint_dir=directory)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._model
+
+    def tensor_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        batch: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if name in batch:
+                raise ValueError(f"load_weights: {name} given twice")
+            batch[name] = tensor
+        result = self._model.load_state_dict(batch, strict=False, assign=False)
+        if result.unexpected_keys:
+            raise KeyError(f"load_state_dict did not take {sorted(result.unexpected_keys)}")
+
+    def post_load(self, names: frozenset[str]) -> None:
+        del names
+
+    def initial_tensor(self, name: str) -> torch.Tensor | None:
+        path = self._files.get(name)
+        if path is None:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            t = f.get_tensor(name)
+        spec = self._specs[name]
+        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise ValueError(f"{path.name}: {name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
+        return t
