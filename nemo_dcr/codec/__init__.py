@@ -1,0 +1,35 @@
+"""Delta codec: v1 chunks of per-tensor records (wire format in ``docs/wire-format.md``).
+
+Encode: ``encode_chunk(deltas, meta=..., base=...) -> bytes``.  Decode:
+``decode_chunk(data, base=..., limits=...) -> DecodedChunk`` (returns arrays, writes
+nothing).  Apply: ``apply_delta_(bits, delta)``.  A manifest names a chunk by
+``chunk_digest(data)``.
+"""
+from nemo_dcr.codec.apply import apply_delta_
+from nemo_dcr.codec.chunk import DecodedChunk, RecordInfo, chunk_digest, decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec.format import (
+    ChunkFormatError,
+    ChunkLimits,
+    Coding,
+    ContentMismatchError,
+    MissingBaseError,
+)
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+
+__all__ = [
+    "BITS_DTYPE",
+    "ChunkFormatError",
+    "ChunkLimits",
+    "Coding",
+    "ContentMismatchError",
+    "DecodedChunk",
+    "DeltaOp",
+    "MissingBaseError",
+    "RecordInfo",
+    "TensorDelta",
+    "apply_delta_",
+    "chunk_digest",
+    "decode_chunk",
+    "encode_chunk",
+    "read_chunk_index",
+]

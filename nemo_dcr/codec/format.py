@@ -1,0 +1,130 @@
+"""Wire format v1 of a delta chunk: constants, binary layouts, limits and the error type.
+
+The normative description is ``docs/wire-format.md``; this module is its executable form.
+Everything is little-endian and fixed-width; no pickle, no eval, no torch.load.
+
+    chunk   = header meta record* trailer
+    header  = magic[8] version:u16 flags:u16 n_records:u32 meta_len:u32 reserved:u32
+              total_len:u64 header_crc:u32 reserved:u32                          (40 bytes)
+    meta    = meta_body[meta_len] meta_crc:u32
+    record  = fixed[48] name[name_len] shape:u64[ndim] head_crc:u32 payload[payload_len]
+    trailer = chunk_crc:u32 end_magic[4]
+
+CRCs are zlib's crc32.  ``chunk_crc`` covers every byte before it; a manifest names a chunk
+by the sha256 of all of its bytes (``chunk_digest``).
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
+
+MAGIC = b"NEMODCR\x00"
+END_MAGIC = b"DCR\x00"
+FORMAT_VERSION = 1
+
+HEADER = struct.Struct("<8sHHIIIQII")
+TRAILER = struct.Struct("<I4s")
+#: name_len, dtype code, op, ndim, coding, flags, reserved, range_lo, range_hi, nnz,
+#: payload_len, payload_crc, content_crc, reserved
+RECORD_FIXED = struct.Struct("<HBBBBBBQQQQIII")
+U32 = struct.Struct("<I")
+
+#: Record flag: the payload was coded in context mode; decoding needs the base bits.
+FLAG_CONTEXT = 0x01
+RECORD_FLAGS_KNOWN = FLAG_CONTEXT
+
+#: Wire code of each dtype.  Append only: a code, once published, never changes meaning.
+DTYPE_CODES: dict[str, int] = {
+    "bfloat16": 1,
+    "float16": 2,
+    "float32": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+    "int8": 6,
+    "uint8": 7,
+    "int16": 8,
+    "int32": 9,
+    "int64": 10,
+    "bool": 11,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+assert set(DTYPE_CODES) == set(BITS_DTYPE)
+
+OP_CODES = {DeltaOp.XOR: 0, DeltaOp.OVERWRITE: 1}
+OP_FROM_CODE = {v: k for k, v in OP_CODES.items()}
+
+
+class Coding(enum.IntEnum):
+    """How a record's payload represents its positions and values."""
+
+    DENSE_RAW = 0
+    """``range_len`` raw elements: the XOR mask over the range (zeros where unchanged), or
+    for an overwrite that covers every element of its range, the new values."""
+    SPARSE_RAW = 1
+    """``nnz`` u64 absolute positions, then ``nnz`` raw values."""
+    SPARSE_ZSTD = 2
+    """A zstd frame of ``nnz`` gap-minus-one integers (u32, or u64 if the range exceeds
+    2**32 elements) followed by ``nnz`` raw values."""
+    MODEL = 3
+    """Adaptive binary range coding with the context models of ``codec/csrc/ans.c``."""
+
+
+class ChunkFormatError(ValueError):
+    """The bytes are not a valid v1 chunk (corrupt, truncated, hostile or over a limit)."""
+
+
+class ContentMismatchError(ChunkFormatError):
+    """A record decoded to content whose checksum differs from the one the encoder stored:
+    the payload is corrupt or, for a context-mode record, the base is not the encoder's."""
+
+
+class MissingBaseError(ValueError):
+    """A context-mode record was decoded without the base bits it was coded against (a
+    caller error, not a malformed chunk)."""
+
+
+@dataclass(frozen=True)
+class ChunkLimits:
+    """Upper bounds a decoder enforces before it allocates anything a chunk asks for."""
+
+    max_chunk_bytes: int = 1 << 34
+    """Largest chunk accepted at all."""
+    max_records: int = 1 << 20
+    """Records (tensor parts) per chunk."""
+    max_name_bytes: int = 1024
+    """UTF-8 bytes of one tensor name."""
+    max_ndim: int = 16
+    """Dimensions of one tensor."""
+    max_numel: int = 1 << 40
+    """Elements of one tensor."""
+    max_meta_entries: int = 1024
+    """Key/value pairs in the chunk's metadata."""
+    max_meta_bytes: int = 1 << 20
+    """Bytes of the metadata section."""
+    max_decoded_bytes: int = 1 << 34
+    """Total bytes of decoded positions (8 per entry) and values, summed over the chunk."""
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"ChunkLimits.{name} must be a non-negative int, got {v!r}")
+
+
+def crc32(*parts: bytes | bytearray | memoryview | np.ndarray) -> int:
+    c = 0
+    for p in parts:
+        c = zlib.crc32(p, c)
+    return c & 0xFFFFFFFF
+
+
+def content_crc(positions: np.ndarray, values: np.ndarray) -> int:
+    """Checksum of a record's decoded content (int64 LE positions, then LE values)."""
+    return crc32(np.ascontiguousarray(positions, dtype="<i8"),
+                 np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")))

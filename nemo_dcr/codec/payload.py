@@ -1,0 +1,148 @@
+"""Record payloads: the byte forms of one record's (positions, values).
+
+``encode_payload`` tries every coding that applies and keeps the smallest, so a record
+never costs more than its dense bytes (``DENSE_RAW``), except an overwrite that leaves some
+elements of its range alone, which cannot be dense without the base and then costs at most
+``SPARSE_RAW``.  ``decode_payload`` checks every declared size against the payload length
+and the limits before it allocates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from nemo_dcr.codec import model
+from nemo_dcr.codec.format import ChunkFormatError, Coding
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
+
+ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """What a payload is about (everything in the record header except the payload)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    op: DeltaOp
+    lo: int
+    hi: int
+    nnz: int
+
+    @property
+    def width(self) -> int:
+        return BITS_DTYPE[self.dtype].itemsize
+
+    @property
+    def range_len(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def row_len(self) -> int:
+        """Elements per row of the canonical tensor (the neighbour one row up), 0 if 1-D."""
+        return self.shape[-1] if len(self.shape) >= 2 else 0
+
+
+def _le(dtype: np.dtype) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _gap_dtype(spec: RecordSpec) -> np.dtype:
+    return np.dtype("<u4") if spec.range_len <= 1 << 32 else np.dtype("<u8")
+
+
+def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
+                   base: np.ndarray | None, *, allow_model: bool = True) -> tuple[Coding, bytes]:
+    """Smallest payload for the record; ``base`` (full flat base bits) enables context mode."""
+    w = spec.width
+    cands: list[tuple[int, Coding, bytes | None]] = []
+    dense_ok = spec.op is DeltaOp.XOR or spec.nnz == spec.range_len
+    if dense_ok:
+        cands.append((spec.range_len * w, Coding.DENSE_RAW, None))
+    cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
+    if allow_model and model.available():
+        coded = model.encode(spec, positions, values, base)
+        cands.append((len(coded), Coding.MODEL, coded))
+    elif spec.nnz:
+        coded = _zstd_sparse(spec, positions, values)
+        cands.append((len(coded), Coding.SPARSE_ZSTD, coded))
+    # Ties go to the simpler coding (listed first).
+    size, coding, coded = min(cands, key=lambda c: (c[0], int(c[1])))
+    if coding is Coding.DENSE_RAW:
+        dense = np.zeros(spec.range_len, dtype=_le(BITS_DTYPE[spec.dtype]))
+        dense[positions - spec.lo] = values
+        return coding, dense.tobytes()
+    if coding is Coding.SPARSE_RAW:
+        return coding, positions.astype("<i8").tobytes() + values.astype(_le(values.dtype)).tobytes()
+    assert coded is not None and len(coded) == size
+    return coding, coded
+
+
+def _zstd_sparse(spec: RecordSpec, positions: np.ndarray, values: np.ndarray) -> bytes:
+    gaps = np.diff(positions, prepend=spec.lo - 1) - 1
+    raw = gaps.astype(_gap_dtype(spec)).tobytes() + values.astype(_le(values.dtype)).tobytes()
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+
+
+def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
+                   base: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError."""
+    bits = BITS_DTYPE[spec.dtype]
+    w = spec.width
+    n = len(payload)
+    if coding is Coding.DENSE_RAW:
+        if n != spec.range_len * w:
+            raise ChunkFormatError(f"dense payload is {n} bytes, range needs {spec.range_len * w}")
+        dense = np.frombuffer(payload, dtype=_le(bits)).astype(bits)
+        if spec.op is DeltaOp.OVERWRITE:
+            if spec.nnz != spec.range_len:
+                raise ChunkFormatError("dense overwrite must cover its whole range")
+            return np.arange(spec.lo, spec.hi, dtype=np.int64), dense
+        rel = np.flatnonzero(dense)
+        if rel.size != spec.nnz:
+            raise ChunkFormatError(f"dense XOR has {rel.size} changed elements, header says {spec.nnz}")
+        return rel.astype(np.int64) + spec.lo, dense[rel]
+    if coding is Coding.SPARSE_RAW:
+        if n != spec.nnz * (8 + w):
+            raise ChunkFormatError(f"sparse payload is {n} bytes, {spec.nnz} entries need {spec.nnz * (8 + w)}")
+        pos = np.frombuffer(payload, dtype="<i8", count=spec.nnz).astype(np.int64)
+        val = np.frombuffer(payload, dtype=_le(bits), offset=8 * spec.nnz).astype(bits)
+        _check_positions(spec, pos)
+        return pos, val
+    if coding is Coding.SPARSE_ZSTD:
+        gd = _gap_dtype(spec)
+        want = spec.nnz * (gd.itemsize + w)
+        try:
+            params = zstandard.get_frame_parameters(payload)
+        except zstandard.ZstdError as e:
+            raise ChunkFormatError(f"bad zstd frame: {e}") from None
+        if params.content_size not in (want, zstandard.CONTENTSIZE_UNKNOWN):
+            raise ChunkFormatError(f"zstd frame declares {params.content_size} bytes, record needs {want}")
+        if want == 0:
+            raise ChunkFormatError("zstd coding of an empty record")
+        try:
+            # max_output_size bounds the allocation when the frame omits its content size.
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=want)
+        except zstandard.ZstdError as e:
+            raise ChunkFormatError(f"bad zstd frame: {e}") from None
+        if len(raw) != want:
+            raise ChunkFormatError(f"zstd frame holds {len(raw)} bytes, record needs {want}")
+        gaps = np.frombuffer(raw, dtype=gd, count=spec.nnz).astype(np.uint64)
+        val = np.frombuffer(raw, dtype=_le(bits), offset=gd.itemsize * spec.nnz).astype(bits)
+        if spec.nnz and int(gaps.max()) >= spec.range_len:
+            raise ChunkFormatError("gap outside the record's range")
+        pos = (np.cumsum(gaps + np.uint64(1), dtype=np.uint64).astype(np.int64) - 1) + spec.lo
+        _check_positions(spec, pos)
+        return pos, val
+    if coding is Coding.MODEL:
+        if not model.available():
+            raise ChunkFormatError("record needs the native range coder (nemo_dcr.codec._cans), not built")
+        return model.decode(spec, payload, base)
+    raise ChunkFormatError(f"unknown coding {coding!r}")
+
+
+def _check_positions(spec: RecordSpec, pos: np.ndarray) -> None:
+    if pos.size and (pos[0] < spec.lo or pos[-1] >= spec.hi or not bool(np.all(pos[1:] > pos[:-1]))):
+        raise ChunkFormatError("positions are not strictly increasing inside the record's range")

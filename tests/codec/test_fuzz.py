@@ -1,0 +1,175 @@
+"""Hostile and damaged chunks: always ChunkFormatError, never another exception or a write."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
+from nemo_dcr.codec.format import HEADER, RECORD_FIXED, TRAILER, U32, crc32
+
+from codec_helpers import random_bits, xor_delta
+
+
+def _valid_chunk(context: bool = False) -> tuple[bytes, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    bases, targets, deltas = {}, {}, []
+    for name, dtype, shape, rate in [("a.weight", "bfloat16", (40, 64), 0.05), ("b.bias", "float32", (300,), 0.3),
+                                      ("c", "float8_e4m3fn", (16, 16), 1.0), ("d", "int64", (50,), 0.1)]:
+        n = int(np.prod(shape))
+        b = random_bits(rng, dtype, n)
+        t = b.copy()
+        idx = np.flatnonzero(rng.random(n) < rate)
+        t[idx] = random_bits(rng, dtype, idx.size)
+        bases[name], targets[name] = b, t
+        deltas.append(xor_delta(name, dtype, shape, b, t))
+    return encode_chunk(deltas, meta={"base": "v1"}, base=bases if context else None), bases, targets
+
+
+CHUNKS = {ctx: _valid_chunk(ctx) for ctx in (False, True)}
+
+
+def _decode_and_apply(data: bytes, bases: dict[str, np.ndarray], context: bool) -> dict[str, np.ndarray]:
+    """The receiver's order: decode the whole chunk, then apply; returns the targets."""
+    targets = {k: v.copy() for k, v in bases.items()}
+    decoded = decode_chunk(data, base=bases if context else None)
+    for d in decoded.deltas:
+        apply_delta_(targets[d.name], d)
+    return targets
+
+
+def _expect_rejected_untouched(data: bytes, context: bool) -> None:
+    _, bases, _ = CHUNKS[context]
+    targets = {k: v.copy() for k, v in bases.items()}
+    snapshot = {k: v.copy() for k, v in targets.items()}
+    with pytest.raises(ChunkFormatError):
+        decoded = decode_chunk(data, base=bases if context else None)
+        for d in decoded.deltas:  # only reached if decoding (wrongly) succeeded
+            apply_delta_(targets[d.name], d)
+    for k in targets:
+        assert np.array_equal(targets[k], snapshot[k]), f"{k} was written"
+
+
+def test_valid_chunks_apply():
+    for ctx, (data, bases, targets) in CHUNKS.items():
+        out = _decode_and_apply(data, bases, ctx)
+        for k in targets:
+            assert np.array_equal(out[k], targets[k])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans(), st.data())
+def test_random_byte_flips(context, data):
+    chunk = bytearray(CHUNKS[context][0])
+    where = data.draw(st.sets(st.integers(0, len(chunk) - 1), min_size=1, max_size=4))
+    for i in where:  # distinct offsets, non-zero masks: the chunk really differs
+        chunk[i] ^= data.draw(st.integers(1, 255))
+    _expect_rejected_untouched(bytes(chunk), context)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.booleans(), st.data())
+def test_truncations_and_extensions(context, data):
+    chunk = CHUNKS[context][0]
+    if data.draw(st.booleans()):
+        cut = data.draw(st.integers(0, len(chunk) - 1))
+        bad = chunk[:cut]
+    else:
+        bad = chunk + data.draw(st.binary(min_size=1, max_size=64))
+    _expect_rejected_untouched(bad, context)
+
+
+def test_every_single_byte_truncation():
+    chunk = CHUNKS[False][0]
+    for cut in range(len(chunk)):
+        with pytest.raises(ChunkFormatError):
+            decode_chunk(chunk[:cut])
+
+
+# ---------------------------------------------------------------- forged chunks (valid CRCs)
+
+def _forge(records: list[tuple[tuple, bytes, tuple[int, ...], bytes]], meta: bytes | None = None,
+           n_records: int | None = None) -> bytes:
+    """A chunk whose every checksum is right, with arbitrary header fields."""
+    meta_body = meta if meta is not None else U32.pack(0)
+    body = meta_body + U32.pack(crc32(meta_body))
+    for fields, name, shape, payload in records:
+        f = list(fields)
+        f[11] = crc32(payload) if f[11] is None else f[11]
+        fixed = RECORD_FIXED.pack(*f)
+        head = fixed + name + struct.pack(f"<{len(shape)}Q", *shape)
+        body += head + U32.pack(crc32(head)) + payload
+    total = HEADER.size + len(body) + TRAILER.size
+    h = HEADER.pack(b"NEMODCR\x00", 1, 0, len(records) if n_records is None else n_records,
+                    len(meta_body), 0, total, 0, 0)
+    h = h[:-8] + U32.pack(crc32(h[:-8])) + U32.pack(0)
+    pre = h + body
+    return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
+
+
+def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, lo=0, hi=4, nnz=1, plen=10,
+            pcrc=None, ccrc=0):
+    return (name_len, dtype, op, ndim, coding, flags, 0, lo, hi, nnz, plen, pcrc, ccrc, 0)
+
+
+HOSTILE = {
+    "huge nnz raw": [(_fields(nnz=2**40, hi=2**41, plen=0), b"w", (2**41,), b"")],
+    "huge numel": [(_fields(hi=0, nnz=0, plen=0), b"w", (2**32, 2**32), b"")],
+    "nnz beyond range": [(_fields(nnz=5, hi=4, plen=50), b"w", (4,), b"\0" * 50)],
+    "range beyond tensor": [(_fields(lo=2, hi=9, nnz=0, plen=0), b"w", (4,), b"")],
+    "unknown dtype": [(_fields(dtype=99, plen=0, nnz=0), b"w", (4,), b"")],
+    "unknown op": [(_fields(op=7, plen=0, nnz=0), b"w", (4,), b"")],
+    "unknown coding": [(_fields(coding=42, plen=0, nnz=0), b"w", (4,), b"")],
+    "unknown flag": [(_fields(flags=0x80, plen=0, nnz=0), b"w", (4,), b"")],
+    "context on raw": [(_fields(flags=1, plen=0, nnz=0), b"w", (4,), b"")],
+    "payload beyond buffer": [(_fields(plen=2**31), b"w", (4,), b"")],
+    "name not utf8": [(_fields(name_len=2, plen=0, nnz=0), b"\xff\xfe", (4,), b"")],
+    "dense wrong size": [(_fields(coding=0, plen=7, nnz=1), b"w", (4,), b"\1" * 7)],
+    "unsorted raw positions": [(_fields(nnz=2, plen=20), b"w", (4,),
+                                struct.pack("<qq", 3, 1) + b"\1\0\1\0")],
+    "negative raw position": [(_fields(nnz=1, plen=10), b"w", (4,), struct.pack("<q", -1) + b"\1\0")],
+    "zstd bomb": [(_fields(coding=2, nnz=1, plen=0), b"w", (4,), b"")],
+    "model garbage": [(_fields(coding=3, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
+    "model garbage ctx": [(_fields(coding=3, flags=1, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_forged_records_are_rejected(case):
+    data = _forge(HOSTILE[case])
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(data, base={"w": np.zeros(4, np.uint16)})
+
+
+def test_zstd_bomb_is_bounded():
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (64 << 20))
+    data = _forge([(_fields(coding=2, nnz=1, plen=len(bomb)), b"w", (4,), bomb)])
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(data)
+
+
+def test_forged_header_counts():
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge([], n_records=2**31))
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge([], n_records=3))
+    meta = U32.pack(2**31)
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge([], meta=meta))
+    dup = U32.pack(2) + (U32.pack(1) + b"k" + U32.pack(1) + b"v") * 2
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge([], meta=dup))
+
+
+def test_limits_are_enforced_before_decoding():
+    data = CHUNKS[False][0]
+    for lim in [ChunkLimits(max_records=3), ChunkLimits(max_name_bytes=3), ChunkLimits(max_decoded_bytes=100),
+                ChunkLimits(max_chunk_bytes=100), ChunkLimits(max_numel=1000), ChunkLimits(max_meta_entries=0)]:
+        with pytest.raises(ChunkFormatError):
+            decode_chunk(data, limits=lim)
+    assert len(decode_chunk(data, limits=ChunkLimits()).deltas) == 4
