@@ -43,7 +43,7 @@ class StateComparison:
         return not (self.only_left or self.only_right or self.differences)
 
     @property
-    def differing_names(self) -> frozenset[str]:
+    def mismatched_names(self) -> frozenset[str]:
         return frozenset(d.name for d in self.differences) | frozenset(self.only_left) | frozenset(self.only_right)
 
     def summary(self, limit: int = 5) -> str:

@@ -1,0 +1,220 @@
+"""Placement discovery on loaders shaped like other runtimes' (fused QKV slices, transposed
+storage, one canonical tensor split over two parameters), and the loaders in-place apply
+must refuse (rebinding, dropping, two tensors into one place)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_dcr.codec.types import DeltaOp
+from nemo_dcr.receiver.apply import CoveragePolicy, DeltaApplier, PlacementKind
+from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.verify import compare_modules, load_dense, state_digest
+from nemo_dcr.runtimes.base import TensorSpec
+
+from receiver_helpers import deltas, flip_one_bit, perturb
+
+D = 8
+BF16 = torch.bfloat16
+
+
+class Fused(torch.nn.Module):
+    """vLLM-like storage: q/k/v fused on dim 0, an MLP weight stored transposed, and a
+    canonical gate_up tensor split over two parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * D, D, dtype=BF16))
+        self.down_t = torch.nn.Parameter(torch.zeros(2 * D, D, dtype=BF16))  # canonical (D, 2D)
+        self.gate = torch.nn.Parameter(torch.zeros(D, D, dtype=BF16))
+        self.up = torch.nn.Parameter(torch.zeros(D, D, dtype=BF16))
+        self.register_buffer("scale", torch.ones(D, dtype=BF16))
+
+
+SPECS = {
+    "q": TensorSpec("q", "bfloat16", (D, D)),
+    "k": TensorSpec("k", "bfloat16", (D, D)),
+    "v": TensorSpec("v", "bfloat16", (D, D)),
+    "down": TensorSpec("down", "bfloat16", (D, 2 * D)),
+    "gate_up": TensorSpec("gate_up", "bfloat16", (2 * D, D)),
+    "scale": TensorSpec("scale", "bfloat16", (D,)),
+}
+
+
+def fused_loader(m: Fused, name: str, t: torch.Tensor) -> None:
+    """The hand-written placement lives HERE, in the 'runtime', never in the receiver."""
+    if name in ("q", "k", "v"):
+        i = "qkv".index(name)
+        m.qkv.narrow(0, i * D, D).copy_(t)
+    elif name == "down":
+        m.down_t.copy_(t.t())
+    elif name == "gate_up":
+        m.gate.copy_(t.narrow(0, 0, D))
+        m.up.copy_(t.narrow(0, D, D))
+    elif name == "scale":
+        m.scale.copy_(t)
+    else:
+        raise KeyError(name)
+
+
+class ToyAdapter:
+    def __init__(self, loader: Callable = fused_loader, specs=SPECS, initial=None):
+        self._module = Fused()
+        self._loader = loader
+        self._specs = dict(specs)
+        self._initial = initial or {}
+
+    @property
+    def module(self):
+        return self._module
+
+    def tensor_specs(self):
+        return self._specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            self._loader(self._module, name, t)
+
+    def post_load(self, names):
+        pass
+
+    def initial_tensor(self, name):
+        return self._initial.get(name)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s.shape, generator=g).to(BF16) for n, s in SPECS.items()}
+
+
+def _runtime(state, loader=fused_loader, **kw) -> ToyAdapter:
+    adapter = ToyAdapter(loader, **kw)
+    load_dense(adapter, state)
+    return adapter
+
+
+def test_fused_transposed_and_split_placements():
+    base = _state(0)
+    adapter = _runtime(base)
+    placements = DeltaApplier(adapter).prewarm()
+    kinds = {n: p.kind for n, p in placements.items()}
+    # a contiguous slice of the fused qkv is still a whole-tensor copy at an offset
+    assert kinds == {
+        "q": PlacementKind.DIRECT,
+        "k": PlacementKind.DIRECT,
+        "v": PlacementKind.DIRECT,
+        "down": PlacementKind.VIEW,
+        "gate_up": PlacementKind.VIEW,
+        "scale": PlacementKind.DIRECT,
+    }
+    assert {c.dest for c in placements["gate_up"].copies} == {"gate", "up"}
+    assert placements["k"].copies[0].dest_geometry.offset == D * D
+
+
+@pytest.mark.parametrize("op", [DeltaOp.XOR, DeltaOp.OVERWRITE])
+def test_view_placements_apply_bit_exact(op):
+    base = _state(0)
+    adapter = _runtime(base)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    target = perturb(base, np.random.default_rng(20), frac=0.2, special=True)
+    result = applier.apply(deltas(base, target, op=op))
+    assert result.through_loader == {"down", "gate_up"}
+    reference = _runtime(target)
+    report = compare_modules(adapter.module, reference.module)
+    assert report.equal, report.summary()
+    flip_one_bit(adapter.module.down_t, 5)
+    assert compare_modules(adapter.module, reference.module).mismatched_names == {"down_t"}
+
+
+def test_loader_that_rebinds_is_refused_and_restored():
+    def rebinding(m, name, t):
+        if name == "scale":
+            m.scale = t.clone()  # replaces the buffer instead of writing into it
+        else:
+            fused_loader(m, name, t)
+
+    adapter = _runtime(_state(0), rebinding)
+    buffer = adapter.module.scale
+    digest = state_digest(adapter.module)
+    with pytest.raises(PlacementError, match="rebinds"):
+        DeltaApplier(adapter).prewarm()
+    assert adapter.module.scale is buffer and state_digest(adapter.module) == digest
+
+
+def test_dropped_tensor_policy():
+    def dropping(m, name, t):
+        if name != "scale":
+            fused_loader(m, name, t)
+
+    base = _state(0)
+    adapter = _runtime(base, dropping)
+    with pytest.raises(PlacementError, match="never writes"):
+        DeltaApplier(adapter).prewarm()
+    applier = DeltaApplier(adapter, coverage=CoveragePolicy.ALLOW_DROPPED)
+    assert applier.prewarm()["scale"].kind is PlacementKind.DROPPED
+    target = perturb(base, np.random.default_rng(21), frac=0.2)
+    result = applier.apply(deltas(base, target))
+    assert result.dropped == {"scale"} and "scale" not in result.applied
+    report = compare_modules(adapter.module, _runtime(target, dropping).module)
+    assert report.equal, report.summary()
+
+
+def test_two_tensors_into_one_place_is_refused():
+    def colliding(m, name, t):
+        fused_loader(m, "q" if name == "k" else name, t)
+
+    with pytest.raises(PlacementError, match="same elements"):
+        DeltaApplier(_runtime(_state(0), colliding)).prewarm()
+
+
+def test_double_write_is_treated_as_transform():
+    def twice(m, name, t):
+        if name == "scale":
+            m.scale.copy_(t)
+            m.scale.copy_(t)  # XORing twice would cancel; copying twice does not
+        else:
+            fused_loader(m, name, t)
+
+    base = _state(0)
+    adapter = _runtime(base, twice, initial=base)
+    applier = DeltaApplier(adapter)
+    assert applier.prewarm()["scale"].kind is PlacementKind.TRANSFORM
+    target = perturb(base, np.random.default_rng(22), frac=0.3)
+    applier.apply(deltas(base, target))
+    report = compare_modules(adapter.module, _runtime(target, twice).module)
+    assert report.equal, report.summary()
+
+
+def test_rebound_after_prewarm_is_refused():
+    base = _state(0)
+    adapter = _runtime(base)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    adapter.module.gate = torch.nn.Parameter(adapter.module.gate.detach().clone())
+    with pytest.raises(PlacementError, match="prewarm"):
+        applier.apply(deltas(base, perturb(base, np.random.default_rng(23))))
+
+
+def test_changed_view_placement_is_refused_before_writing():
+    flip = {"on": False}
+
+    def shifting(m, name, t):
+        if name == "gate_up" and flip["on"]:
+            m.up.copy_(t.narrow(0, 0, D))
+            m.gate.copy_(t.narrow(0, D, D))
+        else:
+            fused_loader(m, name, t)
+
+    base = _state(0)
+    adapter = _runtime(base, shifting)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    flip["on"] = True
+    digest = state_digest(adapter.module)
+    with pytest.raises(PlacementError, match="changed since prewarm"):
+        applier.apply(deltas(base, perturb(base, np.random.default_rng(24), frac=0.2)))
+    assert state_digest(adapter.module) == digest
