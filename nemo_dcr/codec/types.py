@@ -47,9 +47,11 @@ class TensorDelta:
 
     positions: sorted, unique int64 flat indices into the canonical tensor.
     values: ``BITS_DTYPE[dtype]`` array, same length as ``positions``.
-    element_range: ``[start, stop)`` flat range this record is authoritative for; every
-        position lies inside it.  Several records (from several trainer ranks) may cover
-        disjoint ranges of the same tensor.  Defaults to the whole tensor.
+    element_range: ``[start, stop)`` flat range bounding the positions (every position
+        lies inside it); defaults to the whole tensor.  Several records (e.g. from several
+        trainer ranks) may target the same tensor: their positions must be disjoint, their
+        ranges may interleave (row-parallel shards split columns, so each rank's range
+        spans nearly the whole tensor).
     """
 
     name: str

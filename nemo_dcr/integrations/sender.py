@@ -85,6 +85,8 @@ class PublishStats:
     upload_s: float = 0.0
     publish_s: float = 0.0
     commit_wait_s: float = 0.0
+    reference_s: float = 0.0
+    """Verification only: time to gather the dense reference (not part of a refit)."""
     committed: bool = False
     acks: list[dict] = field(default_factory=list)
 
@@ -129,6 +131,7 @@ class RefitSender:
                 prev = self.canonical.setdefault(name, c)
                 if prev != c:
                     raise RuntimeError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
+        self.canonical_numel = sum(int(np.prod(c.shape, dtype=np.int64)) for c in self.canonical.values())
         self.dense_bytes = sum(
             int(np.prod(c.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, c.dtype)).element_size()
             for c in self.canonical.values()
@@ -158,7 +161,8 @@ class RefitSender:
                 order = np.argsort(pos, kind="stable")
                 pos, val = pos[order], val[order]
             out.append(TensorDelta(name=cname, dtype=cspec.dtype, shape=cspec.shape, op=DeltaOp.XOR,
-                                   positions=pos, values=val))
+                                   positions=pos, values=val,
+                                   element_range=(int(pos[0]), int(pos[-1]) + 1)))
         stats.project_s += time.perf_counter() - t0
         return out
 
@@ -235,11 +239,12 @@ class RefitSender:
                                     f"within {self.cfg.ack_timeout_s}s")
             time.sleep(self.cfg.ack_poll_s)
 
-    def refit(self, version: int, *, on_published=None) -> PublishStats:
+    def refit(self, version: int, *, before_manifest=None) -> PublishStats:
         """Collective: publish ``version`` and run the joint commit.
 
-        ``on_published(manifest)`` runs on rank 0 after the manifest is written and before
-        waiting for acknowledgements (the demo writes its dense reference there).
+        ``before_manifest(manifest)`` runs on rank 0 just before the manifest is written,
+        i.e. before any receiver can see the version (the demo writes its dense reference
+        there).
         On a refusal or timeout every rank discards the staged masks (the baseline stays
         at the committed version, so the next delta still applies) and raises
         ``ReceiverRefused``.  The returned stats are totals on rank 0, local elsewhere.
@@ -264,9 +269,9 @@ class RefitSender:
             stats.dense_bytes = self.dense_bytes
             manifest = Manifest(model_id=self.cfg.model_id, version=version, base_version=stats.base_version,
                                 chunks=all_refs, stats={"changed": float(stats.changed)})
+            if before_manifest is not None:
+                before_manifest(manifest)
             self.store.put(manifest_key(version), manifest.to_json())
-            if on_published is not None:
-                on_published(manifest)
             t0 = time.perf_counter()
             try:
                 acks = self._wait_for_acks(version)

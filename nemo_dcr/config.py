@@ -1,0 +1,117 @@
+"""Configuration of the end-to-end job: keyword-only dataclasses are the schema, Hydra
+(``configs/*.yaml`` + command-line overrides) is only the edge.
+
+``load_demo_config(overrides)`` composes ``configs/demo.yaml`` with Hydra's override
+grammar (``model.vocab_size=1003``, ``steps=5``), then merges the result into the typed
+schema: unknown keys and wrong types are errors, and every dataclass's ``__post_init__``
+validates its values.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from nemo_dcr.megatron.model import ModelConfig
+from nemo_dcr.megatron.train import TrainConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 2
+    """Megatron tensor parallelism (ranks per model replica along hidden dims)."""
+    pipeline_model_parallel_size: int = 1
+    """Megatron pipeline parallelism (stages)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    uri: str = "runs/demo/store"
+    """Where chunks and manifests go: a directory (the embedded default) or an fsspec URI."""
+    reset: bool = True
+    """Demo only: empty a previous demo store at this URI first (only if it holds a
+    nemo_dcr store marker; any other non-empty directory is refused)."""
+
+
+@dataclass(kw_only=True)
+class RefitConfig:
+    receivers: int = 1
+    """Receiver processes; the joint commit waits for all of them."""
+    chunk_bytes: int = 1 << 20
+    """Flush a chunk once its records hold this many raw bytes (positions + values)."""
+    upload_workers: int = 2
+    """Encode/upload threads per trainer rank (overlap with diffing later layers)."""
+    ack_timeout_s: float = 300.0
+    """How long the trainer waits for every receiver's acknowledgement."""
+    verify_dense: bool = True
+    """Also publish a dense reference per version and have each receiver compare itself
+    against it bit for bit (verification: costs dense bytes on the store)."""
+
+    def __post_init__(self) -> None:
+        if self.receivers < 1 or self.chunk_bytes < 1 or self.upload_workers < 1 or self.ack_timeout_s <= 0:
+            raise ValueError("refit: receivers, chunk_bytes, upload_workers must be >= 1, ack_timeout_s > 0")
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    steps: int = 4
+    """Optimizer steps; a refit follows every step."""
+    model_id: str = "demo-llama"
+    """Lineage name carried by manifests and chunks."""
+    run_dir: str = "runs/demo"
+    """Logs, per-step stats (steps.jsonl) and the resolved config go here."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError("steps must be >= 1")
+        self.model.check_parallel(tp=self.parallel.tensor_model_parallel_size,
+                                  pp=self.parallel.pipeline_model_parallel_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DemoConfig":
+        return cls(
+            steps=d["steps"], model_id=d["model_id"], run_dir=d["run_dir"],
+            model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
+            parallel=ParallelConfig(**d["parallel"]), store=StoreConfig(**d["store"]),
+            refit=RefitConfig(**d["refit"]),
+        )
+
+
+def _writable(node) -> None:
+    from omegaconf import DictConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, False)
+    if isinstance(node, DictConfig):
+        for k in node:
+            child = node._get_node(k)
+            if isinstance(child, DictConfig):
+                _writable(child)
+
+
+def load_demo_config(overrides: list[str], *, config_dir: str = CONFIG_DIR, config_name: str = "demo") -> DemoConfig:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+        composed = compose(config_name=config_name, overrides=list(overrides))
+    schema = OmegaConf.structured(DemoConfig)
+    _writable(schema)  # frozen dataclasses make read-only nodes; the merge must write them
+    merged = OmegaConf.merge(schema, composed)
+    return DemoConfig.from_dict(OmegaConf.to_container(merged, resolve=True))

@@ -1,0 +1,57 @@
+"""Trainer processes of the demo: ``torchrun ... -m nemo_dcr.integrations.run_trainer --config C``.
+
+Every rank trains the Megatron-Core model and runs the refit hook after each step; rank 0
+appends one JSON line per step to ``<run_dir>/steps.jsonl`` (what ``nemo-dcr demo`` prints).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+from nemo_dcr.config import DemoConfig
+from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
+from nemo_dcr.integrations.sender import SenderConfig
+from nemo_dcr.megatron.train import Trainer
+from nemo_dcr.transport.store import open_store
+
+
+def receiver_ids(n: int) -> tuple[str, ...]:
+    return tuple(f"r{i}" for i in range(n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nemo_dcr.integrations.run_trainer")
+    ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = DemoConfig.from_dict(json.load(f))
+
+    trainer = Trainer(cfg.model, cfg.train, tp=cfg.parallel.tensor_model_parallel_size,
+                      pp=cfg.parallel.pipeline_model_parallel_size)
+    store = open_store(cfg.store.uri)
+    sender_cfg = SenderConfig(model_id=cfg.model_id, receivers=receiver_ids(cfg.refit.receivers),
+                              chunk_bytes=cfg.refit.chunk_bytes, upload_workers=cfg.refit.upload_workers,
+                              ack_timeout_s=cfg.refit.ack_timeout_s)
+    hook = MegatronRefitHook(trainer.gpt, cfg.model, store, sender_cfg, verify_dense=cfg.refit.verify_dense)
+    hook.export_initial()
+    trainer.add_post_step_hook(hook)
+    rank = dist.get_rank()
+    steps_path = os.path.join(cfg.run_dir, "steps.jsonl")
+    for _ in range(cfg.steps):
+        result = trainer.train_step()
+        if rank == 0:
+            row = {"step": result.step, "loss": result.loss, "canonical_numel": hook.sender.canonical_numel,
+                   **asdict(hook.last_stats)}
+            with open(steps_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
