@@ -381,7 +381,7 @@ class DeltaApplier:
                     flat = self._direct[p.name]
                     if p.xor_idx is not None:
                         assert p.xor_val.dtype == flat.dtype
-                        flat.index_put_((p.xor_idx,), p.xor_val)
+                        flat.index_put_((p.xor_idx,), flat.index_select(0, p.xor_idx) ^ p.xor_val)
                     if p.ow_idx is not None:
                         assert p.ow_val.dtype == flat.dtype
                         flat.index_put_((p.ow_idx,), p.ow_val)
