@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class DeltaValidationError(ValueError):
     """A delta batch does not fit the runtime's canonical tensors (unknown name, dtype or
-    shape differing from the spec, overlapping element ranges, position out of range)."""
+    shape differing from the spec, a position out of range or named by two records)."""
 
 
 class PlacementError(RuntimeError):

@@ -70,7 +70,8 @@ def deltas(
     split_every: int = 2,
 ) -> list[TensorDelta]:
     """Delta records taking ``base`` to ``target``; every ``split_every``-th tensor is sent
-    as two records over disjoint element ranges (as two trainer ranks would)."""
+    as two records, alternately over disjoint element ranges (column-parallel ranks) and
+    over interleaved positions with overlapping ranges (row-parallel ranks)."""
     out = []
     for i, name in enumerate(sorted(base)):
         a, b = bits(base[name]), bits(target[name])
@@ -79,6 +80,12 @@ def deltas(
         vals = x[pos] if op is DeltaOp.XOR else b[pos]
         dtype = str(base[name].dtype).removeprefix("torch.")
         shape = tuple(base[name].shape)
+        if split_every and i % (2 * split_every) == split_every and pos.size > 1:
+            for parity in (0, 1):
+                sel = (pos // 7) % 2 == parity
+                span = (int(pos[sel][0]), int(pos[sel][-1]) + 1) if sel.any() else (0, 0)
+                out.append(TensorDelta(name, dtype, shape, op, pos[sel], vals[sel], element_range=span))
+            continue
         cuts = [0, a.size // 3, a.size] if split_every and i % split_every == 0 else [0, a.size]
         for lo, hi in zip(cuts, cuts[1:]):
             sel = (pos >= lo) & (pos < hi)
