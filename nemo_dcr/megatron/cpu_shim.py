@@ -1,0 +1,233 @@
+"""Make megatron-core 0.16.1 train on CPU with the gloo backend.
+
+megatron-core assumes CUDA in a handful of places that lie on the training path.  This module
+is the one place where we bend those assumptions, and :func:`apply` is the one call that does
+it (importing this module changes nothing).  Every patch is listed here with its reason; the
+rule that keeps them safe is that each one only replaces behaviour that *raises* on a CPU-only
+torch build, except the type-name patch, which is scoped to two megatron functions.
+
+What :func:`apply` patches
+--------------------------
+1. ``torch.cuda.current_device`` -> ``torch.device("cpu")``.
+   Megatron allocates activations, communication buffers and gradient buffers with
+   ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py, layers.py,
+   distributed/param_and_grad_buffer.py, p2p_communication.py, ...).  On a CPU build the
+   original raises "Torch not compiled with CUDA enabled".
+2. ``torch.cuda.synchronize`` -> no-op.
+   Called after every pipeline p2p exchange (p2p_communication.py, "race condition with
+   batch_isend_irecv") and by DDP's buffer teardown.  CPU ops are synchronous.
+3. The name ``torch`` inside a few megatron modules is rebound to :class:`_CpuFactoryTorch`,
+   a proxy of the torch module whose tensor factories (``zeros``, ``ones``, ``empty``,
+   ``tensor``, ``full``, ``arange``) map ``device="cuda"`` to the CPU.  These modules allocate
+   small bookkeeping tensors with a literal ``device="cuda"`` that no config switch avoids:
+   the token counter in every pipeline schedule (pipeline_parallel/schedules.py), the unit
+   loss scale of the mixed-precision optimizer (optimizer/optimizer.py), the grad-norm and
+   clip buffers (optimizer/clip_grads.py), the result of the non-Apex fallback of the
+   multi-tensor L2 norm (utils.py, ``local_multi_tensor_l2_norm``) and the default causal mask
+   (transformer/utils.py).
+   Everything else in those modules sees the real torch.
+4. ``torch.Tensor.type()`` reports ``torch.cuda.<X>Tensor`` for CPU tensors, **only while**
+   ``Float16OptimizerWithFloat16Params.__init__`` or ``clip_grad_by_total_norm_fp32`` runs.
+   Both decide what a parameter is by comparing that legacy string with the CUDA names
+   (optimizer.py: bf16 params get fp32 master copies, fp32 params are used as they are;
+   clip_grads.py asserts fp32 grads).  Outside those two calls ``Tensor.type`` is untouched.
+
+What it does not patch, and how callers avoid it instead
+--------------------------------------------------------
+* RNG: megatron's ``CudaRNGStatesTracker`` stores and restores CUDA generator states.  Call
+  :func:`seed_model_parallel_rng` (``model_parallel_cuda_manual_seed(seed,
+  inference_rng_tracker=True, force_reset_rng=True)``): the inference tracker's ``fork()`` is a
+  null context, so no CUDA generator is touched.  What it gives up is a separate RNG stream for
+  tensor-parallel regions, which only dropout inside those regions would use; the models built
+  here have no dropout, and weights are initialised on CPU from the default generator
+  (``use_cpu_initialization=True``: the full master weight is drawn, then split), so every TP
+  rank draws identical full tensors and keeps its slice.
+* psutil: megatron's checkpoint writer (dist_checkpointing async/filesystem strategies) imports
+  it; it is a declared dependency (``pyproject.toml``, extra ``megatron``), not a patch.
+
+The shim refuses to run where CUDA is available: there megatron must use the GPU, and
+redirecting ``current_device`` would silently train on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CpuShimError", "ShimReport", "apply", "is_applied", "seed_model_parallel_rng"]
+
+
+class CpuShimError(RuntimeError):
+    """The shim cannot (or must not) be applied in this process."""
+
+
+@dataclass(frozen=True)
+class ShimReport:
+    """What :func:`apply` changed, for logs and tests."""
+
+    torch_cuda_functions: tuple[str, ...]
+    """Attributes of ``torch.cuda`` replaced (patches 1 and 2)."""
+    factory_proxied_modules: tuple[str, ...]
+    """Megatron modules whose global ``torch`` is the CPU-factory proxy (patch 3)."""
+    type_name_scoped: tuple[str, ...]
+    """Megatron callables during which ``Tensor.type()`` reports CUDA names (patch 4)."""
+
+
+# Modules with literal ``device="cuda"`` allocations on the training path (patch 3).
+_FACTORY_PROXIED_MODULES: tuple[str, ...] = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.transformer.utils",
+    "megatron.core.utils",
+)
+
+_FACTORIES: frozenset[str] = frozenset({"zeros", "ones", "empty", "tensor", "full", "arange"})
+
+_lock = threading.Lock()
+_report: ShimReport | None = None
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device: Any = None) -> None:  # noqa: ARG001 - signature of the original
+    return None
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return False
+
+
+class _CpuFactoryTorch(types.ModuleType):
+    """Stands in for ``torch`` inside one megatron module: CUDA factory calls land on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self._wrapped: dict[str, Callable[..., torch.Tensor]] = {}
+        for name in _FACTORIES:
+            self._wrapped[name] = self._wrap(getattr(torch, name))
+
+    @staticmethod
+    def _wrap(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(fn)
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+
+        return factory
+
+    def __getattr__(self, name: str) -> Any:
+        wrapped = self.__dict__.get("_wrapped", {})
+        if name in wrapped:
+            return wrapped[name]
+        return getattr(torch, name)
+
+
+_ORIGINAL_TENSOR_TYPE = torch.Tensor.type
+_type_scope_depth = threading.local()
+
+
+def _cuda_named_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any):
+    if dtype is None and not kw and getattr(_type_scope_depth, "n", 0) > 0 and self.device.type == "cpu":
+        name = _ORIGINAL_TENSOR_TYPE(self)  # e.g. "torch.BFloat16Tensor"
+        return name.replace("torch.", "torch.cuda.", 1)
+    return _ORIGINAL_TENSOR_TYPE(self, dtype, non_blocking, **kw)
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    depth = getattr(_type_scope_depth, "n", 0)
+    _type_scope_depth.n = depth + 1
+    try:
+        yield
+    finally:
+        _type_scope_depth.n = depth
+
+
+def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    inner.__nemo_dcr_cpu_shim__ = True  # type: ignore[attr-defined]
+    return inner
+
+
+def apply() -> ShimReport:
+    """Apply patches 1-4 (see the module docstring); idempotent and thread-safe.
+
+    Returns the report of what is patched.  Raises :class:`CpuShimError` when CUDA is usable.
+    """
+    global _report
+    with _lock:
+        if _report is not None:
+            return _report
+        if torch.cuda.is_available():
+            raise CpuShimError(
+                "CUDA is available: megatron-core must run on the GPU; the CPU shim is for "
+                "CPU-only torch builds"
+            )
+        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+        torch.cuda.synchronize = _cpu_synchronize  # type: ignore[assignment]
+
+        proxy = _CpuFactoryTorch()
+        for name in _FACTORY_PROXIED_MODULES:
+            module = importlib.import_module(name)
+            if getattr(module, "torch", None) is not torch:
+                raise CpuShimError(f"{name}: expected a module-level `torch`, megatron changed")
+            module.torch = proxy  # type: ignore[attr-defined]
+
+        # Patch 4: install the scoped Tensor.type once, then scope it to two callables.
+        torch.Tensor.type = _cuda_named_type  # type: ignore[method-assign]
+        from megatron.core.optimizer import clip_grads, optimizer
+
+        cls = optimizer.Float16OptimizerWithFloat16Params
+        cls.__init__ = _scoped(cls.__init__)  # type: ignore[method-assign]
+        clip = _scoped(clip_grads.clip_grad_by_total_norm_fp32)
+        clip_grads.clip_grad_by_total_norm_fp32 = clip
+        optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
+
+        _report = ShimReport(
+            torch_cuda_functions=("current_device", "synchronize"),
+            factory_proxied_modules=_FACTORY_PROXIED_MODULES,
+            type_name_scoped=(
+                "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+                "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+            ),
+        )
+        return _report
+
+
+def is_applied() -> bool:
+    return _report is not None
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed the CPU generator and install megatron's CUDA-free (inference) RNG tracker.
+
+    Must run after ``parallel_state.initialize_model_parallel`` and before the model is built.
+    The seed is the same on every rank so that CPU-initialised master weights agree.
+    """
+    if not is_applied():
+        raise CpuShimError("call cpu_shim.apply() before seeding megatron's RNG")
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=True, force_reset_rng=True
+    )

@@ -1,0 +1,261 @@
+"""One optimizer step of megatron-core training, on CPU, with a hook after the BF16 write.
+
+The step is megatron's own machinery end to end:
+
+* forward/backward through ``get_forward_backward_func()`` (the no-pipelining schedule for
+  PP=1, the 1F1B schedule with p2p send/recv for PP>1), next-token cross-entropy computed by
+  ``GPTModel`` itself (vocab-parallel cross-entropy over the padded vocabulary);
+* megatron ``DistributedDataParallel`` with FP32 gradient buffers (``main_grad``), and
+  ``finalize_model_grads`` (data-parallel all-reduce; the embedding / layer-norm all-reduces it
+  also does are no-ops for this model: untied embeddings, no sequence parallelism);
+* megatron's ``Float16OptimizerWithFloat16Params`` from ``get_megatron_optimizer(bf16=True)``:
+  FP32 master copies of the BF16 params, ``torch.optim.AdamW`` on the masters, global-norm
+  gradient clipping, then the masters are rounded into the BF16 params.
+
+Why TP-replicated params stay identical across TP ranks: the RMSNorm weights (and nothing else
+here) are replicated over the TP group.  Their gradients are computed from activations and
+upstream gradients that are already identical on every TP rank (the input to a column-parallel
+linear is all-reduced in backward), the gradient norm used for clipping is all-reduced over the
+model-parallel group, and AdamW is elementwise; so every TP rank computes the same bits.  With
+sequence parallelism this would need ``finalize_model_grads``' layer-norm all-reduce, which the
+DDP path already calls.  ``tests/megatron`` checks the bit-identity.
+
+After ``optimizer.step()`` the BF16 params hold the new bits; then every hook registered with
+:meth:`Trainer.add_post_step_hook` runs on every rank, in registration order.  That is the seam
+the refit path plugs into.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from nemo_dcr.megatron.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
+
+__all__ = ["PostStepHook", "StepResult", "TrainConfig", "Trainer", "token_batch"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """Optimizer and data settings of :class:`Trainer`."""
+
+    lr: float = 1e-5
+    """AdamW learning rate (constant; RL refits typically use 1e-6..1e-5)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) applied to matrices; megatron exempts norms."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = 2
+    """Sequences per micro-batch."""
+    num_microbatches: int = 1
+    """Micro-batches per step (gradient accumulation; with PP, the pipeline's depth of work)."""
+    data_seed: int = 0
+    """Seed of the token stream; batch ``(step, microbatch)`` is the same on every rank."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"TrainConfig.{f.name} must be an int, got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be finite and > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.adam_eps <= 0:
+            raise ValueError("TrainConfig: weight_decay, clip_grad must be >= 0, adam_eps > 0")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError("TrainConfig: Adam betas must lie in [0, 1)")
+        if self.micro_batch_size < 1 or self.num_microbatches < 1 or self.data_seed < 0:
+            raise ValueError("TrainConfig: micro_batch_size, num_microbatches >= 1, data_seed >= 0")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did, as seen identically by every rank."""
+
+    step: int
+    """1-based index of the optimizer step just taken (= number of steps taken so far)."""
+    loss: float
+    """Mean next-token cross-entropy over the step's micro-batches (from the last PP stage)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    update_successful: bool
+    """False if megatron skipped the update (non-finite gradients)."""
+
+
+PostStepHook = Callable[["Trainer", int], None]
+"""``fn(trainer, step)``: called on every rank after the BF16 params of ``step`` are written."""
+
+
+def token_batch(
+    *, data_seed: int, step: int, microbatch: int, micro_batch_size: int, seq_length: int,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random ``(tokens, labels)`` int64 ``[micro_batch_size, seq_length]``; labels are
+    the tokens shifted by one.  A pure function of its arguments (own generator)."""
+    gen = torch.Generator().manual_seed(
+        (data_seed * 1_000_003 + step) * 1_000_003 + microbatch
+    )
+    seq = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+class Trainer:
+    """Megatron-core GPT + DDP + mixed-precision AdamW on this rank (see module docstring).
+
+    Construct it on every rank of a torchrun launch; ``tp * pp`` must divide the world size
+    (the rest is data parallelism).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, tp: int, pp: int = 1):
+        self.model_cfg = model_cfg
+        self.train_cfg = train_cfg
+        self.tp = tp
+        self.pp = pp
+        model_cfg.check_parallel(tp=tp, pp=pp)
+        init_parallel(tp, pp)
+
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        fp16_model = build_gpt(model_cfg, tp=tp, pp=pp)
+        self.config = fp16_model.config
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=False,
+            ),
+            module=fp16_model,
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train_cfg.lr,
+                min_lr=train_cfg.lr,
+                weight_decay=train_cfg.weight_decay,
+                adam_beta1=train_cfg.adam_beta1,
+                adam_beta2=train_cfg.adam_beta2,
+                adam_eps=train_cfg.adam_eps,
+                clip_grad=train_cfg.clip_grad,
+                bf16=True,
+                params_dtype=torch.bfloat16,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.steps_done = 0
+        self._hooks: list[PostStepHook] = []
+
+    @property
+    def gpt(self):
+        """The inner megatron ``GPTModel`` (BF16 params; ``sharded_state_dict()`` lives here)."""
+        return unwrap_gpt(self.model)
+
+    def add_post_step_hook(self, fn: PostStepHook) -> None:
+        """Run ``fn(trainer, step)`` on this rank after every future step's BF16 write."""
+        if not callable(fn):
+            raise TypeError(f"post-step hook must be callable, got {fn!r}")
+        self._hooks.append(fn)
+
+    def _batches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
+        cfg, tc = self.model_cfg, self.train_cfg
+        position_ids = torch.arange(cfg.seq_length).unsqueeze(0).expand(tc.micro_batch_size, -1)
+        for mb in range(tc.num_microbatches):
+            tokens, labels = token_batch(
+                data_seed=tc.data_seed, step=step, microbatch=mb,
+                micro_batch_size=tc.micro_batch_size, seq_length=cfg.seq_length,
+                vocab_size=cfg.vocab_size,
+            )
+            yield {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+
+    @staticmethod
+    def _forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        per_token = model(
+            batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+        )
+
+        def loss_func(output: torch.Tensor):
+            loss = output.float().mean()
+            # The schedule divides the returned loss by num_microbatches in place; report a copy.
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return per_token, loss_func
+
+    def train_step(self) -> StepResult:
+        """Forward/backward over ``num_microbatches`` micro-batches, AdamW step, hooks."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        step = self.steps_done + 1
+        tc = self.train_cfg
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=self._batches(step),
+            model=[self.model],
+            num_microbatches=tc.num_microbatches,
+            seq_length=self.model_cfg.seq_length,
+            micro_batch_size=tc.micro_batch_size,
+            forward_only=False,
+        )
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.steps_done = step
+
+        # The loss lives on the last pipeline stage; share it with the other stages.
+        loss = torch.zeros(1, dtype=torch.float64)
+        if parallel_state.is_pipeline_last_stage():
+            loss[0] = sum(float(d["lm loss"]) for d in losses) / len(losses)
+        if self.pp > 1:
+            torch.distributed.broadcast(
+                loss,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        result = StepResult(
+            step=step,
+            loss=float(loss[0]),
+            grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+            update_successful=bool(update_successful),
+        )
+        for hook in self._hooks:
+            hook(self, step)
+        return result
+
+    def bf16_params(self) -> dict[str, torch.Tensor]:
+        """This rank's BF16 parameters by ``GPTModel`` parameter name (live tensors, not copies)."""
+        return {n: p for n, p in self.gpt.named_parameters()}
+
+    def master_params(self) -> dict[str, torch.Tensor]:
+        """The optimizer's FP32 master copy of each BF16 parameter, by the same names as
+        :meth:`bf16_params` (after a step, each BF16 param is its master rounded to BF16)."""
+        masters = {}
+        for name, p in self.gpt.named_parameters():
+            main = getattr(p, "main_param", None)
+            if main is None:
+                raise RuntimeError(f"{name}: the optimizer holds no FP32 master copy")
+            masters[name] = main
+        return masters
+
+    def close(self) -> None:
+        """Tear down megatron's model-parallel state and the process group."""
+        from nemo_dcr.megatron.model import destroy_parallel
+
+        destroy_parallel()
+
+

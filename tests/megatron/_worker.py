@@ -1,0 +1,185 @@
+"""torchrun worker for tests/megatron: trains a few steps and writes what it saw as JSON.
+
+Run by the tests as ``torchrun --standalone --nproc-per-node N _worker.py OUT_DIR --tp T --pp P
+--steps S``; each rank writes ``OUT_DIR/rank{R}.json``.  It checks nothing itself: the tests
+compare what the ranks recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+import torch  # noqa: E402
+
+from nemo_dcr.megatron import cpu_shim  # noqa: E402
+from nemo_dcr.megatron.model import ModelConfig  # noqa: E402
+from nemo_dcr.megatron.train import TrainConfig, Trainer  # noqa: E402
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    assert t.dtype == torch.bfloat16
+    return t.detach().contiguous().view(torch.int16)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(bits(t).numpy().tobytes()).hexdigest()
+
+
+def layout_records(gpt) -> list[dict]:
+    """The ShardedTensor metadata of ``gpt.sharded_state_dict()``, factories built."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    storages = {p.untyped_storage().data_ptr(): n for n, p in gpt.named_parameters()}
+
+    def tensor_record(sd_name: str, st, factory: str | None) -> dict:
+        return {
+            "sd_name": sd_name,
+            "factory": factory,
+            "key": st.key,
+            "dtype": str(st.dtype).removeprefix("torch."),
+            "local_shape": list(st.local_shape),
+            "global_shape": list(st.global_shape),
+            "global_offset": list(st.global_offset),
+            "axis_fragmentations": list(st.axis_fragmentations),
+            "replica_id": list(st.replica_id) if isinstance(st.replica_id, tuple) else [st.replica_id],
+            "prepend_axis_num": st.prepend_axis_num,
+            "flattened_range": None if st.flattened_range is None else [
+                st.flattened_range.start, st.flattened_range.stop
+            ],
+            # Which parameter's storage the shard's data lives in (None: not a parameter).
+            "param_storage": storages.get(st.data.untyped_storage().data_ptr()),
+        }
+
+    out = []
+    for sd_name, v in gpt.sharded_state_dict().items():
+        if isinstance(v, ShardedTensor):
+            out.append(tensor_record(sd_name, v, None))
+        elif isinstance(v, ShardedTensorFactory):
+            built = v.build_fn(v.key, v.data, v.replica_id, v.flattened_range)
+            parts = built.values() if isinstance(built, dict) else built
+            fname = v.build_fn.__qualname__.split(".")[0]
+            for st in parts:
+                out.append(tensor_record(sd_name, st, fname))
+        elif isinstance(v, ShardedObject):
+            out.append({"sd_name": sd_name, "object_key": v.key})
+        else:
+            out.append({"sd_name": sd_name, "other": type(v).__name__})
+    return out
+
+
+def shim_checks() -> dict:
+    """What the shim changed, observed from outside (in a process that applied it)."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    first = cpu_shim.apply()
+    again = cpu_shim.apply()
+    probe = torch.zeros(2, dtype=torch.bfloat16)
+    with cpu_shim._cuda_type_names():
+        inside = probe.type()
+    return {
+        "idempotent": first is again,
+        "current_device": str(torch.cuda.current_device()),
+        "type_outside_scope": probe.type(),
+        "type_inside_scope": inside,
+        "clip_scoped": bool(getattr(optimizer.clip_grad_by_total_norm_fp32, "__nemo_dcr_cpu_shim__", False))
+        and optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32,
+        "report": {
+            "torch_cuda_functions": list(first.torch_cuda_functions),
+            "factory_proxied_modules": list(first.factory_proxied_modules),
+            "type_name_scoped": list(first.type_name_scoped),
+        },
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--vocab-size", type=int, default=1000)
+    ap.add_argument("--num-microbatches", type=int, default=1)
+    args = ap.parse_args()
+
+    trainer = Trainer(
+        ModelConfig(vocab_size=args.vocab_size),
+        TrainConfig(lr=args.lr, num_microbatches=args.num_microbatches),
+        tp=args.tp,
+        pp=args.pp,
+    )
+    from megatron.core import parallel_state as ps
+
+    rank = torch.distributed.get_rank()
+    record: dict = {
+        "rank": rank,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "shim": shim_checks(),
+        "layout": layout_records(trainer.gpt),
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.bf16_params().values()}),
+        "master_dtypes": sorted({str(p.dtype) for p in trainer.master_params().values()}),
+        "initial_digests": {n: digest(p) for n, p in trainer.bf16_params().items()},
+        "steps": [],
+    }
+
+    seen_in_hook: dict[int, dict[str, str]] = {}
+
+    def hook(tr: Trainer, step: int) -> None:
+        seen_in_hook[step] = {n: digest(p) for n, p in tr.bf16_params().items()}
+
+    trainer.add_post_step_hook(hook)
+    for _ in range(args.steps):
+        before = {n: bits(p).clone() for n, p in trainer.bf16_params().items()}
+        res = trainer.train_step()
+        params = trainer.bf16_params()
+        masters = trainer.master_params()
+        changed = {n: int((bits(p) != before[n]).sum()) for n, p in params.items()}
+        record["steps"].append({
+            "step": res.step,
+            "loss": res.loss if math.isfinite(res.loss) else str(res.loss),
+            "grad_norm": res.grad_norm,
+            "update_successful": res.update_successful,
+            "numel": {n: p.numel() for n, p in params.items()},
+            "changed": changed,
+            "digests": {n: digest(p) for n, p in params.items()},
+            "hook_digests": seen_in_hook.get(res.step),
+            "master_digests": {
+                n: hashlib.sha256(m.detach().contiguous().view(torch.int32).numpy().tobytes()).hexdigest()
+                for n, m in masters.items()
+            },
+            # BF16 param == its FP32 master rounded to BF16, bit for bit.
+            "bf16_is_rounded_master": {
+                n: bool(torch.equal(bits(masters[n].to(torch.bfloat16)), bits(p)))
+                for n, p in params.items()
+            },
+            # Master elements not representable in BF16 (the extra precision it carries).
+            "master_finer_than_bf16": sum(
+                int((masters[n] != p.float()).sum()) for n, p in params.items()
+            ),
+        })
+        if rank == 0:
+            tot = sum(record["steps"][-1]["numel"].values())
+            ch = sum(changed.values())
+            print(f"step {res.step} loss {res.loss:.5f} grad_norm {res.grad_norm:.4f} "
+                  f"changed {ch}/{tot} = {100 * ch / tot:.2f}% (rank 0)", flush=True)
+
+    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Pure-Python checks of the megatron configs and the data stream (no megatron import)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nemo_dcr.megatron.model import ModelConfig, padded_vocab_size
+from nemo_dcr.megatron.train import TrainConfig, token_batch
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_attention_heads": 4, "num_query_groups": 3}, "num_query_groups"),
+        ({"hidden_size": 130, "num_attention_heads": 4}, "hidden_size"),
+        ({"hidden_size": 12, "num_attention_heads": 4, "num_query_groups": 4}, "even"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"norm_epsilon": 0.0}, "norm_epsilon"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_model_config_rejects_inconsistent_shapes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
+
+
+def test_model_config_rejects_non_int_and_is_frozen_keyword_only():
+    with pytest.raises(TypeError):
+        ModelConfig(hidden_size=128.0)
+    with pytest.raises(TypeError):
+        ModelConfig(2)  # type: ignore[misc]
+    cfg = ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden_size = 64  # type: ignore[misc]
+    assert cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads
+
+
+@pytest.mark.parametrize(
+    "tp, pp, match",
+    [(3, 1, "num_query_groups"), (4, 1, "num_attention_heads"), (1, 3, "num_layers"), (0, 1, ">= 1")],
+)
+def test_parallel_layout_must_divide_the_model(tp, pp, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(num_attention_heads=6, num_query_groups=2, hidden_size=96).check_parallel(tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 128, 129, 1000, 32000, 50257])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_padded_vocab_is_the_smallest_multiple_of_128_tp(vocab, tp):
+    padded = padded_vocab_size(ModelConfig(vocab_size=vocab), tp)
+    unit = 128 * tp
+    assert padded % unit == 0 and vocab <= padded < vocab + unit
+
+
+def test_token_batch_is_a_pure_function_and_labels_are_shifted():
+    kw = dict(data_seed=3, step=2, microbatch=1, micro_batch_size=2, seq_length=16, vocab_size=50)
+    t1, l1 = token_batch(**kw)
+    torch.manual_seed(999)  # the global generator must not matter
+    t2, l2 = token_batch(**kw)
+    assert torch.equal(t1, t2) and torch.equal(l1, l2)
+    assert t1.shape == l1.shape == (2, 16) and t1.dtype == torch.int64
+    assert torch.equal(t1[:, 1:], l1[:, :-1])
+    assert 0 <= int(t1.min()) and int(t1.max()) < 50
+    other, _ = token_batch(**dict(kw, step=3))
+    assert not torch.equal(t1, other)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lr": 0.0}, {"lr": float("nan")}, {"adam_beta2": 1.0}, {"micro_batch_size": 0},
+     {"clip_grad": -1.0}, {"num_microbatches": 0}],
+)
+def test_train_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        TrainConfig(**kwargs)
