@@ -1,65 +1,114 @@
-"""XOR diff kernels: compare a tensor's current bits with its pinned baseline.
+"""XOR diff kernels: which elements of a tensor changed against its committed baseline.
 
-``xor_diff(current, baseline)`` is the one entry point; it dispatches to the fastest
-available implementation for the tensor's device.  All implementations return identical
-results (the tests check them against ``xor_diff_reference``).
+Entry points (all give results bit-identical to ``xor_diff_reference``; tests check it):
+
+``xor_diff(current, baseline, *, block_size=65536) -> XorDiff``
+    Allocating form.  Positions (sorted int64 flat indices), XOR values (unsigned, element
+    width) and per-block counts, as host numpy arrays.
+``xor_block_counts(current, baseline, *, block_size=65536) -> np.ndarray``
+    Counting pass only: reads both tensors, writes nothing but one int64 per block.  Lets
+    the caller decide before any output exists: a tensor whose delta would be larger than
+    its dense bytes goes dense, and the fill can be sized exactly.
+``xor_diff_into(current, baseline, out: DiffBuffers, *, block_counts=None, ...) -> XorDiff``
+    Non-allocating form for the trainer hook: writes into caller-owned, reusable (pinned)
+    buffers and returns views of them.  Given the counts from ``xor_block_counts`` it skips
+    the count pass, and blocks whose count is zero are never read again (block skipping).
+    Buffers too small -> ``DiffCapacityError`` (carries the counts, to retry without
+    recounting); counts that do not match the tensors -> ``StaleCountsError``.
+
+Dispatch: CPU tensors go to the C passes (``cpu.py``, ``csrc/xor_diff.c``), CUDA tensors
+to the Triton kernels (``triton_xor.py``).  With one operand on CUDA and the other on the
+CPU (a pinned host baseline) the CPU operand is copied to the device first: numel * w bytes
+over PCIe, which the caller avoids by keeping the baseline where the parameter lives.
+
+Hot path, for n elements of w bytes of which k changed, B blocks (two passes by blocks):
+  count:  reads 2nw bytes, writes 8B.           O(n), branch-light word/SIMD scan.
+  fill:   reads 2w bytes per element of non-empty blocks, writes k(8 + w).  O(n + k).
+  xor_diff = count + one exact allocation (k(8 + w) bytes) + fill; no O(n) temporary
+  (the numpy reference writes an n*w XOR array and reads it again).  Blocks are split over
+  threads (CPU) or tiles (GPU) with no atomics, so the output order is deterministic.
+Measured throughput: docs/benchmarks.md, "Diff kernel".
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from nemo_dcr.kernels.reference import xor_diff_reference
+from nemo_dcr.kernels.types import (
+    DiffBuffers,
+    DiffCapacityError,
+    StaleCountsError,
+    XorDiff,
+    bits_view_np,
+    check_pair,
+)
+
+__all__ = [
+    "DiffBuffers",
+    "DiffCapacityError",
+    "StaleCountsError",
+    "XorDiff",
+    "bits_view_np",
+    "xor_block_counts",
+    "xor_diff",
+    "xor_diff_into",
+    "xor_diff_reference",
+]
 
 
-@dataclass(frozen=True)
-class XorDiff:
-    """Changed elements of one flat tensor.
-
-    positions: int64 flat indices where ``current`` and ``baseline`` bits differ, sorted.
-    xor_values: ``current_bits ^ baseline_bits`` at those positions (unsigned, same width
-        as the element).
-    block_counts: int64 number of changed elements in each ``block_size`` block.
-    """
-
-    positions: np.ndarray
-    xor_values: np.ndarray
-    block_counts: np.ndarray
-    block_size: int
-    numel: int
-
-
-def bits_view_np(t: torch.Tensor) -> np.ndarray:
-    """Flat unsigned-integer numpy view (no copy) of a contiguous CPU tensor's bits."""
-    if t.device.type != "cpu":
-        raise ValueError("bits_view_np needs a CPU tensor")
-    if not t.is_contiguous():
-        raise ValueError("bits_view_np needs a contiguous tensor")
-    width = t.element_size()
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return np.empty(0, dtype=_BITS[width])
-    ints = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
-    return ints.numpy().view(_BITS[width])
-
-
-def xor_diff_reference(current: torch.Tensor, baseline: torch.Tensor, *, block_size: int = 1 << 16) -> XorDiff:
-    """Plain numpy reference (two passes over memory: XOR, then flatnonzero)."""
-    if current.dtype != baseline.dtype or current.shape != baseline.shape:
-        raise ValueError(
-            f"xor_diff: current {current.dtype}{tuple(current.shape)} vs baseline "
-            f"{baseline.dtype}{tuple(baseline.shape)}"
-        )
-    a = bits_view_np(current.detach().contiguous().cpu())
-    b = bits_view_np(baseline.detach().contiguous().cpu())
-    x = np.bitwise_xor(a, b)
-    pos = np.flatnonzero(x).astype(np.int64, copy=False)
-    nblocks = (a.size + block_size - 1) // block_size
-    counts = np.bincount(pos // block_size, minlength=nblocks).astype(np.int64)
-    return XorDiff(pos, x[pos], counts, block_size, int(a.size))
+def _placed(current: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Both operands on one device; True when that device is CUDA."""
+    cur_cuda, base_cuda = current.device.type == "cuda", baseline.device.type == "cuda"
+    if cur_cuda and not base_cuda:
+        baseline = baseline.to(current.device, non_blocking=True)
+    elif base_cuda and not cur_cuda:
+        current = current.to(baseline.device, non_blocking=True)
+    elif not cur_cuda and current.device != baseline.device:
+        raise ValueError(f"xor_diff: unsupported devices {current.device} / {baseline.device}")
+    if (cur_cuda or base_cuda) and current.device != baseline.device:
+        raise ValueError(f"xor_diff: current on {current.device}, baseline on {baseline.device}")
+    return current, baseline, cur_cuda or base_cuda
 
 
 def xor_diff(current: torch.Tensor, baseline: torch.Tensor, *, block_size: int = 1 << 16) -> XorDiff:
-    return xor_diff_reference(current, baseline, block_size=block_size)
+    check_pair(current, baseline, block_size)
+    current, baseline, on_cuda = _placed(current, baseline)
+    if on_cuda:
+        from nemo_dcr.kernels.triton_xor import xor_diff_triton
+
+        return xor_diff_triton(current, baseline, block_size=block_size)
+    from nemo_dcr.kernels.cpu import xor_diff_c
+
+    return xor_diff_c(current, baseline, block_size=block_size)
+
+
+def xor_block_counts(current: torch.Tensor, baseline: torch.Tensor, *, block_size: int = 1 << 16) -> np.ndarray:
+    check_pair(current, baseline, block_size)
+    current, baseline, on_cuda = _placed(current, baseline)
+    if on_cuda:
+        from nemo_dcr.kernels.triton_xor import block_counts_triton
+
+        return block_counts_triton(current, baseline, block_size=block_size)
+    from nemo_dcr.kernels.cpu import block_counts_c
+
+    return block_counts_c(current, baseline, block_size=block_size)
+
+
+def xor_diff_into(
+    current: torch.Tensor,
+    baseline: torch.Tensor,
+    out: DiffBuffers,
+    *,
+    block_size: int = 1 << 16,
+    block_counts: np.ndarray | None = None,
+) -> XorDiff:
+    check_pair(current, baseline, block_size)
+    current, baseline, on_cuda = _placed(current, baseline)
+    if on_cuda:
+        from nemo_dcr.kernels.triton_xor import xor_diff_into_triton
+
+        return xor_diff_into_triton(current, baseline, out, block_size=block_size, block_counts=block_counts)
+    from nemo_dcr.kernels.cpu import xor_diff_into_c
+
+    return xor_diff_into_c(current, baseline, out, block_size=block_size, block_counts=block_counts)
