@@ -55,6 +55,9 @@ class RefitConfig:
     verify_dense: bool = True
     """Also publish a dense reference per version and have each receiver compare itself
     against it bit for bit (verification: costs dense bytes on the store)."""
+    receiver_dump_dir: str = ""
+    """Testing aid: each receiver writes every parameter and buffer after each applied
+    version to ``<dir>/<receiver>/v<N>.safetensors`` ('' = off)."""
 
     def __post_init__(self) -> None:
         if self.receivers < 1 or self.chunk_bytes < 1 or self.upload_workers < 1 or self.ack_timeout_s <= 0:
@@ -105,13 +108,25 @@ def _writable(node) -> None:
                 _writable(child)
 
 
+SCHEMA_NAME = "nemo_dcr_demo_schema"
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(DemoConfig)
+    _writable(schema)  # frozen dataclasses make read-only nodes; overrides must write them
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=schema)
+
+
 def load_demo_config(overrides: list[str], *, config_dir: str = CONFIG_DIR, config_name: str = "demo") -> DemoConfig:
+    """Compose ``<config_dir>/<config_name>.yaml`` (whose defaults list starts with the
+    typed schema) with Hydra overrides, and build the validated dataclasses."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    _register_schema()
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
         composed = compose(config_name=config_name, overrides=list(overrides))
-    schema = OmegaConf.structured(DemoConfig)
-    _writable(schema)  # frozen dataclasses make read-only nodes; the merge must write them
-    merged = OmegaConf.merge(schema, composed)
-    return DemoConfig.from_dict(OmegaConf.to_container(merged, resolve=True))
+    return DemoConfig.from_dict(OmegaConf.to_container(composed, resolve=True))

@@ -121,6 +121,8 @@ def run(cfg: DemoConfig) -> dict:
                "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
         if cfg.refit.verify_dense:
             cmd.append("--verify-dense")
+        if cfg.refit.receiver_dump_dir:
+            cmd += ["--dump-dir", os.path.join(cfg.refit.receiver_dump_dir, rid)]
         receivers.append((rid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)

@@ -70,6 +70,7 @@ class Receiver:
         self.cfg = cfg
         self.held_version = held_version
         self.reference = reference
+        self.on_applied = None  # optional fn(version), called after each applied version
 
     # --------------------------------------------------------------- one version
     def fetch(self, manifest: Manifest) -> tuple[list[TensorDelta], dict]:
@@ -119,6 +120,8 @@ class Receiver:
             return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=False,
                        held_version=self.held_version, error=str(e))
         self.held_version = manifest.version
+        if self.on_applied is not None:
+            self.on_applied(manifest.version)
         if self.cfg.verify_dense:
             stats.update(self.verify_against_dense(manifest.version))
         return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
@@ -175,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--verify-dense", action="store_true")
     ap.add_argument("--init-dir", required=True, help="local directory with the initial HF checkpoint")
+    ap.add_argument("--dump-dir", default=None,
+                    help="testing aid: after each applied version write every parameter and buffer "
+                         "to DIR/v<version>.safetensors")
     args = ap.parse_args(argv)
 
     from nemo_dcr.receiver.apply import DeltaApplier
@@ -187,9 +193,23 @@ def main(argv: list[str] | None = None) -> int:
     reference = HFTransformersAdapter.from_pretrained(args.init_dir) if args.verify_dense else None
     cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense)
     rx = Receiver(applier, store, cfg, reference=reference)
+    if args.dump_dir:
+        rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
     print(json.dumps({"receiver": args.receiver_id, "ready": True}), flush=True)
     rx.run(until_version=args.until_version, timeout_s=args.timeout_s)
     return 0
+
+
+def dump_state(module, directory: str, version: int) -> None:
+    import os
+
+    from safetensors.torch import save_file
+
+    from nemo_dcr.receiver.verify import module_state
+
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous().clone() for k, v in module_state(module).items()},
+              os.path.join(directory, f"v{version}.safetensors"))
 
 
 if __name__ == "__main__":
