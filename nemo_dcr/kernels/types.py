@@ -159,5 +159,5 @@ def check_pair(current: torch.Tensor, baseline: torch.Tensor, block_size: int) -
         )
     if current.element_size() not in BITS_NP:
         raise ValueError(f"xor_diff: unsupported element size {current.element_size()} ({current.dtype})")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"xor_diff: block_size must be a positive int, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 1 << 62:
+        raise ValueError(f"xor_diff: block_size must be an int in [1, 2**62], got {block_size!r}")
