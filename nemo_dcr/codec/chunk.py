@@ -2,8 +2,9 @@
 
 The decoder validates in this order and allocates nothing a chunk declares before the
 declaration has passed both the limits and the remaining-buffer check:
-header (magic, version, CRC, total length) -> whole-chunk CRC -> metadata -> each record
-(head CRC, sizes, payload CRC, decode, content CRC).  It only returns arrays; applying them
+header (magic, version, CRC, section lengths) -> whole-chunk CRC -> metadata (CRC, limits)
+-> directory (CRC, bounded inflate, every entry against the limits and the decoded-size
+budget) -> payload section (CRC, lengths) -> each record (decode, content CRC).  It only returns arrays; applying them
 is ``apply_delta_``'s job, so a chunk that fails anywhere has written nothing.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import zstandard
 
 from nemo_dcr.codec.format import (
     DTYPE_CODES,
@@ -24,7 +26,8 @@ from nemo_dcr.codec.format import (
     MAGIC,
     OP_CODES,
     OP_FROM_CODE,
-    RECORD_FIXED,
+    DIR_ZSTD_LEVEL,
+    ENTRY_FIXED,
     RECORD_FLAGS_KNOWN,
     TRAILER,
     U32,
@@ -36,6 +39,8 @@ from nemo_dcr.codec.format import (
     content_crc,
     crc32,
 )
+from nemo_dcr.codec.model import ModelStates
+from nemo_dcr.codec.model import available as model_available
 from nemo_dcr.codec.payload import RecordSpec, decode_payload, encode_payload
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 
@@ -53,7 +58,6 @@ class RecordInfo:
     coding: Coding
     context: bool
     payload_bytes: int
-    record_bytes: int
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ def _canonical(d: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(pos), np.ascontiguousarray(val)
 
 
-def encode_record(d: TensorDelta, base: np.ndarray | None) -> bytes:
+def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates | None) -> tuple[bytes, bytes]:
+    """(directory entry, payload) of one delta."""
     name = d.name.encode("utf-8")
     if len(name) > 0xFFFF:
         raise ValueError(f"tensor name too long ({len(name)} bytes)")
@@ -99,15 +104,13 @@ def encode_record(d: TensorDelta, base: np.ndarray | None) -> bytes:
     pos, val = _canonical(d)
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
-    coding, payload = encode_payload(spec, pos, val, base)
+    coding, payload = encode_payload(spec, pos, val, base, states)
     flags = FLAG_CONTEXT if (coding is Coding.MODEL and base is not None) else 0
-    fixed = RECORD_FIXED.pack(
-        len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags, 0,
-        lo, hi, spec.nnz, len(payload), crc32(payload), content_crc(pos, val), 0,
+    entry = ENTRY_FIXED.pack(
+        len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags,
+        lo, hi, spec.nnz, len(payload), content_crc(pos, val),
     )
-    shape = np.asarray(d.shape, dtype="<u8").tobytes()
-    head = fixed + name + shape
-    return head + U32.pack(crc32(head)) + payload
+    return entry + name + np.asarray(d.shape, dtype="<u8").tobytes(), payload
 
 
 def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | None = None,
@@ -118,19 +121,28 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
     a delta whose name is in it is coded in context mode, and decoding it needs the same
     base.  Metadata keys and values are strings (UTF-8 on the wire).
     """
-    body = [_encode_meta(meta or {})]
+    meta_body = _encode_meta(meta or {})
+    states = ModelStates() if model_available() else None
+    entries, payloads = [], []
     for d in deltas:
         if not isinstance(d, TensorDelta):
             raise TypeError(f"expected TensorDelta, got {type(d).__name__}")
         b = None
         if base is not None and d.name in base:
             b = _check_base(d.name, d.dtype, d.numel, base[d.name])
-        body.append(encode_record(d, b))
-    body_bytes = b"".join(body)
-    total = HEADER.size + len(body_bytes) + TRAILER.size
-    head0 = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(deltas), len(body[0]) - U32.size, 0, total, 0, 0)
-    head = head0[:-8] + U32.pack(crc32(head0[:-8])) + U32.pack(0)
-    pre = head + body_bytes
+        e, p = _encode_record(d, b, states)
+        entries.append(e)
+        payloads.append(p)
+    dir_raw = b"".join(entries)
+    directory = zstandard.ZstdCompressor(level=DIR_ZSTD_LEVEL).compress(dir_raw) if dir_raw else b""
+    payload_bytes = b"".join(payloads)
+    body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
+            + payload_bytes + U32.pack(crc32(payload_bytes)))
+    total = HEADER.size + len(body) + TRAILER.size
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(deltas), len(meta_body), len(directory), len(dir_raw),
+                       len(payload_bytes), total, 0)
+    head = head[:-4] + U32.pack(crc32(head[:-4]))
+    pre = head + body
     return pre + TRAILER.pack(crc32(pre), END_MAGIC)
 
 
@@ -141,8 +153,7 @@ def _encode_meta(meta: Mapping[str, str]) -> bytes:
             raise TypeError("chunk metadata keys and values must be str")
         kb, vb = k.encode("utf-8"), v.encode("utf-8")
         parts += [U32.pack(len(kb)), kb, U32.pack(len(vb)), vb]
-    body = b"".join(parts)
-    return body + U32.pack(crc32(body))
+    return b"".join(parts)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -163,21 +174,37 @@ class _Reader:
     def u32(self, what: str) -> int:
         return U32.unpack(self.take(4, what))[0]
 
+    def section(self, n: int, what: str) -> memoryview:
+        body = self.take(n, what)
+        if self.u32(f"{what} checksum") != crc32(body):
+            raise ChunkFormatError(f"{what} checksum mismatch")
+        return body
 
-def _parse_header(buf: memoryview, limits: ChunkLimits) -> tuple[int, int]:
+
+@dataclass(frozen=True)
+class _Header:
+    n_records: int
+    meta_len: int
+    dir_len: int
+    dir_raw_len: int
+    payloads_len: int
+
+
+def _parse_header(buf: memoryview, limits: ChunkLimits) -> _Header:
     if len(buf) > limits.max_chunk_bytes:
         raise ChunkFormatError(f"chunk of {len(buf)} bytes exceeds the limit {limits.max_chunk_bytes}")
     if len(buf) < HEADER.size + TRAILER.size:
         raise ChunkFormatError(f"truncated: {len(buf)} bytes is shorter than header + trailer")
-    magic, version, flags, n_records, meta_len, res0, total, hcrc, res1 = HEADER.unpack(buf[: HEADER.size])
+    magic, version, flags, n_records, meta_len, dir_len, dir_raw_len, payloads_len, total, hcrc = HEADER.unpack(
+        buf[: HEADER.size])
     if magic != MAGIC:
         raise ChunkFormatError("not a nemo_dcr chunk (bad magic)")
-    if hcrc != crc32(buf[: HEADER.size - 8]):
+    if hcrc != crc32(buf[: HEADER.size - 4]):
         raise ChunkFormatError("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise ChunkFormatError(f"unsupported chunk format version {version} (this decoder reads {FORMAT_VERSION})")
-    if flags or res0 or res1:
-        raise ChunkFormatError("reserved header fields are not zero")
+    if flags:
+        raise ChunkFormatError(f"unknown chunk flags {flags:#x}")
     if total != len(buf):
         raise ChunkFormatError(f"chunk declares {total} bytes, got {len(buf)} (truncated or extended)")
     ccrc, end_magic = TRAILER.unpack(buf[-TRAILER.size :])
@@ -187,13 +214,19 @@ def _parse_header(buf: memoryview, limits: ChunkLimits) -> tuple[int, int]:
         raise ChunkFormatError(f"{n_records} records exceed the limit {limits.max_records}")
     if meta_len > limits.max_meta_bytes:
         raise ChunkFormatError(f"metadata of {meta_len} bytes exceeds the limit {limits.max_meta_bytes}")
-    return n_records, meta_len
+    max_entry = ENTRY_FIXED.size + limits.max_name_bytes + 8 * limits.max_ndim
+    if dir_raw_len > limits.max_directory_bytes:
+        raise ChunkFormatError(f"directory of {dir_raw_len} bytes exceeds the limit {limits.max_directory_bytes}")
+    if not (n_records * ENTRY_FIXED.size <= dir_raw_len <= n_records * max_entry) or (dir_raw_len == 0) != (
+            dir_len == 0):
+        raise ChunkFormatError(f"directory of {dir_raw_len} bytes is impossible for {n_records} records")
+    sections = meta_len + dir_len + payloads_len + 3 * U32.size
+    if HEADER.size + sections + TRAILER.size != total:
+        raise ChunkFormatError("section lengths do not add up to the chunk length")
+    return _Header(n_records, meta_len, dir_len, dir_raw_len, payloads_len)
 
 
-def _decode_meta(r: _Reader, meta_len: int, limits: ChunkLimits) -> dict[str, str]:
-    body = r.take(meta_len, "metadata")
-    if r.u32("metadata checksum") != crc32(body):
-        raise ChunkFormatError("metadata checksum mismatch")
+def _decode_meta(body: memoryview, limits: ChunkLimits) -> dict[str, str]:
     m = _Reader(body, 0, len(body))
     count = m.u32("metadata count")
     if count > limits.max_meta_entries:
@@ -213,24 +246,40 @@ def _decode_meta(r: _Reader, meta_len: int, limits: ChunkLimits) -> dict[str, st
     return out
 
 
-def _decode_record(r: _Reader, limits: ChunkLimits, base: Mapping[str, np.ndarray] | None,
-                   budget: list[int], *, decode: bool) -> tuple[RecordInfo, TensorDelta | None]:
-    start = r.pos
-    fixed = r.take(RECORD_FIXED.size, "record header")
-    (name_len, dcode, opcode, ndim, coding, flags, res0, lo, hi, nnz, plen, pcrc, ccrc,
-     res1) = RECORD_FIXED.unpack(fixed)
+@dataclass(frozen=True)
+class _Entry:
+    info: RecordInfo
+    content_crc: int
+
+
+def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
+    if raw_len == 0:
+        return memoryview(b"")
+    try:
+        params = zstandard.get_frame_parameters(compressed)
+        if params.content_size != raw_len:
+            raise ChunkFormatError(f"directory frame declares {params.content_size} bytes, header says {raw_len}")
+        # max_output_size bounds the allocation by the (limit-checked) header value.
+        raw = zstandard.ZstdDecompressor().decompress(compressed, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise ChunkFormatError(f"bad directory frame: {e}") from None
+    if len(raw) != raw_len:
+        raise ChunkFormatError(f"directory inflates to {len(raw)} bytes, header says {raw_len}")
+    return memoryview(raw)
+
+
+def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
+    (name_len, dcode, opcode, ndim, coding, flags, lo, hi, nnz, plen, ccrc) = ENTRY_FIXED.unpack(
+        r.take(ENTRY_FIXED.size, "directory entry"))
     if name_len > limits.max_name_bytes:
         raise ChunkFormatError(f"tensor name of {name_len} bytes exceeds the limit {limits.max_name_bytes}")
     if ndim > limits.max_ndim:
         raise ChunkFormatError(f"{ndim} dimensions exceed the limit {limits.max_ndim}")
-    name_b = r.take(name_len, "tensor name")
-    shape_b = r.take(8 * ndim, "tensor shape")
-    if r.u32("record header checksum") != crc32(fixed, name_b, shape_b):
-        raise ChunkFormatError("record header checksum mismatch")
     try:
-        name = bytes(name_b).decode("utf-8")
+        name = bytes(r.take(name_len, "tensor name")).decode("utf-8")
     except UnicodeDecodeError:
         raise ChunkFormatError("tensor name is not UTF-8") from None
+    shape = tuple(int(s) for s in np.frombuffer(r.take(8 * ndim, "tensor shape"), dtype="<u8"))
     if dcode not in DTYPE_NAMES:
         raise ChunkFormatError(f"{name}: unknown dtype code {dcode}")
     if opcode not in OP_FROM_CODE:
@@ -239,12 +288,11 @@ def _decode_record(r: _Reader, limits: ChunkLimits, base: Mapping[str, np.ndarra
         coding_e = Coding(coding)
     except ValueError:
         raise ChunkFormatError(f"{name}: unknown coding {coding}") from None
-    if flags & ~RECORD_FLAGS_KNOWN or res0 or res1:
-        raise ChunkFormatError(f"{name}: unknown record flags or non-zero reserved fields")
+    if flags & ~RECORD_FLAGS_KNOWN:
+        raise ChunkFormatError(f"{name}: unknown record flags {flags:#x}")
     context = bool(flags & FLAG_CONTEXT)
     if context and coding_e is not Coding.MODEL:
         raise ChunkFormatError(f"{name}: context flag on a {coding_e.name} record")
-    shape = tuple(int(s) for s in np.frombuffer(shape_b, dtype="<u8"))
     numel = 1
     for s in shape:
         numel *= s  # Python ints: no overflow
@@ -253,57 +301,68 @@ def _decode_record(r: _Reader, limits: ChunkLimits, base: Mapping[str, np.ndarra
     if not (lo <= hi <= numel) or nnz > hi - lo:
         raise ChunkFormatError(f"{name}: range [{lo}, {hi}) / {nnz} entries inconsistent with {numel} elements")
     dtype = DTYPE_NAMES[dcode]
-    op = OP_FROM_CODE[opcode]
-    width = BITS_DTYPE[dtype].itemsize
-    need = nnz * (8 + width)
+    need = nnz * (8 + BITS_DTYPE[dtype].itemsize)
     if need > budget[0]:
         raise ChunkFormatError(f"{name}: decoded size exceeds the chunk limit {limits.max_decoded_bytes}")
     budget[0] -= need
-    payload = r.take(plen, "record payload")
-    if crc32(payload) != pcrc:
-        raise ChunkFormatError(f"{name}: payload checksum mismatch")
-    info = RecordInfo(name=name, dtype=dtype, shape=shape, op=op, element_range=(lo, hi), nnz=nnz,
-                      coding=coding_e, context=context, payload_bytes=plen, record_bytes=r.pos - start)
-    if not decode:
-        return info, None
+    info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
+                      nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
+    return _Entry(info, ccrc)
+
+
+def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray] | None,
+                   states: ModelStates) -> TensorDelta:
+    info = e.info
+    name = info.name
     b = None
-    if context:
+    if info.context:
         if base is None or name not in base:
             raise MissingBaseError(f"{name}: context-mode record; decoding needs its base bits")
-        b = _check_base(name, dtype, numel, base[name])
-    spec = RecordSpec(dtype=dtype, shape=shape, op=op, lo=lo, hi=hi, nnz=nnz)
-    pos, val = decode_payload(spec, coding_e, payload, b)
-    if pos.size != nnz or val.size != nnz:
-        raise ChunkFormatError(f"{name}: payload decoded to {pos.size} entries, header says {nnz}")
-    if content_crc(pos, val) != ccrc:
+        numel = 1
+        for s in info.shape:
+            numel *= s
+        b = _check_base(name, info.dtype, numel, base[name])
+    lo, hi = info.element_range
+    spec = RecordSpec(dtype=info.dtype, shape=info.shape, op=info.op, lo=lo, hi=hi, nnz=info.nnz)
+    pos, val = decode_payload(spec, info.coding, payload, b, states)
+    if pos.size != info.nnz or val.size != info.nnz:
+        raise ChunkFormatError(f"{name}: payload decoded to {pos.size} entries, directory says {info.nnz}")
+    if content_crc(pos, val) != e.content_crc:
         raise ContentMismatchError(
             f"{name}: decoded content checksum mismatch"
-            + (" (is the base the one the delta was encoded against?)" if context else "")
+            + (" (is the base the one the delta was encoded against?)" if info.context else "")
         )
     try:
-        delta = TensorDelta(name=name, dtype=dtype, shape=shape, op=op, positions=pos, values=val,
-                            element_range=(lo, hi))
-    except ValueError as e:
-        raise ChunkFormatError(str(e)) from None
-    return info, delta
+        return TensorDelta(name=name, dtype=info.dtype, shape=info.shape, op=info.op, positions=pos, values=val,
+                           element_range=(lo, hi))
+    except ValueError as err:
+        raise ChunkFormatError(str(err)) from None
 
 
 def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] | None,
           limits: ChunkLimits, *, decode: bool) -> DecodedChunk:
     buf = memoryview(data).cast("B")
-    n_records, meta_len = _parse_header(buf, limits)
+    h = _parse_header(buf, limits)
     r = _Reader(buf, HEADER.size, len(buf) - TRAILER.size)
-    meta = _decode_meta(r, meta_len, limits)
+    meta = _decode_meta(r.section(h.meta_len, "metadata"), limits)
+    dr = _Reader(_inflate_directory(r.section(h.dir_len, "directory"), h.dir_raw_len), 0, h.dir_raw_len)
     budget = [limits.max_decoded_bytes]
-    infos, deltas = [], []
-    for _ in range(n_records):
-        info, d = _decode_record(r, limits, base, budget, decode=decode)
-        infos.append(info)
-        if d is not None:
-            deltas.append(d)
-    if r.pos != r.end:
-        raise ChunkFormatError(f"{r.end - r.pos} trailing bytes after the last record")
-    return DecodedChunk(deltas=deltas, meta=meta, records=infos, size=len(buf))
+    entries = [_parse_entry(dr, limits, budget) for _ in range(h.n_records)]
+    if dr.pos != dr.end:
+        raise ChunkFormatError(f"{dr.end - dr.pos} trailing bytes in the directory")
+    if sum(e.info.payload_bytes for e in entries) != h.payloads_len:
+        raise ChunkFormatError("directory payload lengths do not add up to the payload section")
+    payloads = r.section(h.payloads_len, "payloads")
+    assert r.pos == r.end
+    deltas = []
+    if decode:
+        states = ModelStates()
+        off = 0
+        for e in entries:
+            n = e.info.payload_bytes
+            deltas.append(_decode_record(e, payloads[off : off + n], base, states))
+            off += n
+    return DecodedChunk(deltas=deltas, meta=meta, records=[e.info for e in entries], size=len(buf))
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, *, base: Mapping[str, np.ndarray] | None = None,

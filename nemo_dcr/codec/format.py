@@ -3,15 +3,21 @@
 The normative description is ``docs/wire-format.md``; this module is its executable form.
 Everything is little-endian and fixed-width; no pickle, no eval, no torch.load.
 
-    chunk   = header meta record* trailer
-    header  = magic[8] version:u16 flags:u16 n_records:u32 meta_len:u32 reserved:u32
-              total_len:u64 header_crc:u32 reserved:u32                          (40 bytes)
-    meta    = meta_body[meta_len] meta_crc:u32
-    record  = fixed[48] name[name_len] shape:u64[ndim] head_crc:u32 payload[payload_len]
-    trailer = chunk_crc:u32 end_magic[4]
+    chunk     = header meta directory payloads trailer
+    header    = magic[8] version:u16 flags:u16 n_records:u32 meta_len:u32 dir_len:u32
+                dir_raw_len:u32 payloads_len:u64 total_len:u64 header_crc:u32        (48 bytes)
+    meta      = meta_body[meta_len] meta_crc:u32
+    directory = zstd(entry * n_records)[dir_len] dir_crc:u32      (dir_raw_len bytes inflated)
+    entry     = fixed[43] name[name_len] shape:u64[ndim]
+    payloads  = payload * n_records (each entry's payload_len bytes, in order) payloads_crc:u32
+    trailer   = chunk_crc:u32 end_magic[4]
 
-CRCs are zlib's crc32.  ``chunk_crc`` covers every byte before it; a manifest names a chunk
-by the sha256 of all of its bytes (``chunk_digest``).
+CRCs are zlib's crc32.  ``chunk_crc`` covers every byte before it; each entry carries the
+CRC of its decoded content (positions, values), which also catches a context-mode record
+decoded against the wrong base.  A manifest names a chunk by the sha256 of all of its
+bytes (``chunk_digest``).  The directory is zstd-compressed because per-record framing
+(canonical names share long prefixes) would otherwise cost several percent of a sparse
+delta.
 """
 from __future__ import annotations
 
@@ -28,12 +34,13 @@ MAGIC = b"NEMODCR\x00"
 END_MAGIC = b"DCR\x00"
 FORMAT_VERSION = 1
 
-HEADER = struct.Struct("<8sHHIIIQII")
+HEADER = struct.Struct("<8sHHIIIIQQI")
 TRAILER = struct.Struct("<I4s")
-#: name_len, dtype code, op, ndim, coding, flags, reserved, range_lo, range_hi, nnz,
-#: payload_len, payload_crc, content_crc, reserved
-RECORD_FIXED = struct.Struct("<HBBBBBBQQQQIII")
+#: name_len, dtype code, op, ndim, coding, flags, range_lo, range_hi, nnz, payload_len,
+#: content_crc
+ENTRY_FIXED = struct.Struct("<HBBBBBQQQQI")
 U32 = struct.Struct("<I")
+DIR_ZSTD_LEVEL = 19
 
 #: Record flag: the payload was coded in context mode; decoding needs the base bits.
 FLAG_CONTEXT = 0x01
@@ -107,6 +114,8 @@ class ChunkLimits:
     """Key/value pairs in the chunk's metadata."""
     max_meta_bytes: int = 1 << 20
     """Bytes of the metadata section."""
+    max_directory_bytes: int = 1 << 26
+    """Inflated bytes of the record directory."""
     max_decoded_bytes: int = 1 << 34
     """Total bytes of decoded positions (8 per entry) and values, summed over the chunk."""
 

@@ -1,21 +1,114 @@
-"""Modelled coding (``Coding.MODEL``): thin wrapper over the native range coder."""
+"""Modelled coding (``Coding.MODEL``): a record's payload coded by the native range coder.
+
+Payload layout: ``version:u8 e_lo:u8 reserved:u16`` then the range-coded stream
+(``codec/csrc/ans.c`` documents the models).  ``e_lo`` is the base exponent that maps to
+the lowest exponent bucket in context mode (0 otherwise).
+
+The adaptive model state is shared by the MODEL records of one chunk that have the same
+(dtype, mode), in record order: what the first tensors taught the model is not paid for
+again by the next ones.  So a chunk's MODEL records decode in order (``ModelStates``).
+"""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
+
+from nemo_dcr.codec.format import ChunkFormatError
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
 try:
     from nemo_dcr.codec import _cans
 except ImportError:  # not built: the payload layer falls back to zstd
     _cans = None
 
+MODEL_VERSION = 1
+HEAD = struct.Struct("<BBH")
+NEXP = 32  # exponent buckets, as in ans.c
+
+#: (exponent shift, exponent bits) of each float dtype; integers have none (bits 0).
+EXPONENT_FIELD: dict[str, tuple[int, int]] = {
+    "bfloat16": (7, 8),
+    "float16": (10, 5),
+    "float32": (23, 8),
+    "float8_e4m3fn": (3, 4),
+    "float8_e5m2": (2, 5),
+}
+
 
 def available() -> bool:
     return _cans is not None and hasattr(_cans, "encode")
 
 
-def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | None) -> bytes:
-    raise NotImplementedError
+def coder_params(dtype: str) -> tuple[int, int, int]:
+    """(width, exponent shift, exponent bits) of a dtype."""
+    eshift, ebits = EXPONENT_FIELD.get(dtype, (0, 0))
+    return BITS_DTYPE[dtype].itemsize, eshift, ebits
 
 
-def decode(spec, payload, base):
-    raise NotImplementedError
+class ModelStates:
+    """Adaptive state of each (dtype, context mode) within one chunk, encoder or decoder."""
+
+    def __init__(self) -> None:
+        self._states: dict[tuple[str, bool], np.ndarray] = {}
+
+    def get(self, dtype: str, context: bool) -> np.ndarray:
+        key = (dtype, context)
+        st = self._states.get(key)
+        if st is None:
+            st = np.empty(_cans.MODEL_BYTES, dtype=np.uint8)
+            _cans.model_init(st)
+            self._states[key] = st
+        return st
+
+    def put(self, dtype: str, context: bool, state: np.ndarray) -> None:
+        self._states[(dtype, context)] = state
+
+
+def choose_e_lo(dtype: str, base_range: np.ndarray) -> int:
+    """Lowest-bucket exponent: the NEXP buckets end at the largest finite exponent."""
+    eshift, ebits = EXPONENT_FIELD.get(dtype, (0, 0))
+    if not ebits or base_range.size == 0:
+        return 0
+    e = (base_range >> eshift) & ((1 << ebits) - 1)
+    finite = e[e != (1 << ebits) - 1]
+    if finite.size == 0:
+        return 0
+    return max(0, int(finite.max()) - (NEXP - 1))
+
+
+def _row_len(spec) -> int:
+    return spec.shape[-1] if len(spec.shape) >= 2 else 0
+
+
+def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | None,
+           states: ModelStates) -> tuple[bytes, np.ndarray]:
+    """(payload, model state after it): the caller ``put``s the state only if it keeps the
+    payload, so a trial encoding that loses to another coding leaves no trace."""
+    width, eshift, ebits = coder_params(spec.dtype)
+    e_lo = choose_e_lo(spec.dtype, base[spec.lo : spec.hi]) if base is not None else 0
+    state = states.get(spec.dtype, base is not None).copy()
+    stream = _cans.encode(
+        state, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values),
+        None if base is None else np.ascontiguousarray(base),
+        spec.lo, spec.hi, _row_len(spec), width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
+    )
+    return HEAD.pack(MODEL_VERSION, e_lo, 0) + stream, state
+
+
+def decode(spec, payload: memoryview, base: np.ndarray | None,
+           states: ModelStates) -> tuple[np.ndarray, np.ndarray]:
+    if len(payload) < HEAD.size:
+        raise ChunkFormatError("MODEL payload shorter than its header")
+    version, e_lo, reserved = HEAD.unpack(payload[: HEAD.size])
+    if version != MODEL_VERSION or reserved:
+        raise ChunkFormatError(f"unknown MODEL payload version {version}")
+    width, eshift, ebits = coder_params(spec.dtype)
+    pos = np.empty(spec.nnz, dtype=np.int64)
+    val = np.empty(spec.nnz, dtype=BITS_DTYPE[spec.dtype])
+    try:
+        _cans.decode(states.get(spec.dtype, base is not None), payload[HEAD.size :], spec.nnz, base, spec.lo, spec.hi, _row_len(spec), width, eshift, ebits,
+                     e_lo, 0 if spec.op is DeltaOp.XOR else 1, pos, val)
+    except ValueError as e:
+        raise ChunkFormatError(f"MODEL payload: {e}") from None
+    return pos, val

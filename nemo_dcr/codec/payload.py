@@ -54,16 +54,18 @@ def _gap_dtype(spec: RecordSpec) -> np.dtype:
 
 
 def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
-                   base: np.ndarray | None, *, allow_model: bool = True) -> tuple[Coding, bytes]:
-    """Smallest payload for the record; ``base`` (full flat base bits) enables context mode."""
+                   base: np.ndarray | None, states: model.ModelStates | None) -> tuple[Coding, bytes]:
+    """Smallest payload for the record; ``base`` (full flat base bits) enables context mode.
+    ``states`` is the chunk's MODEL state (None: no MODEL coding)."""
     w = spec.width
     cands: list[tuple[int, Coding, bytes | None]] = []
     dense_ok = spec.op is DeltaOp.XOR or spec.nnz == spec.range_len
     if dense_ok:
         cands.append((spec.range_len * w, Coding.DENSE_RAW, None))
     cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
-    if allow_model and model.available():
-        coded = model.encode(spec, positions, values, base)
+    new_state = None
+    if states is not None and model.available():
+        coded, new_state = model.encode(spec, positions, values, base, states)
         cands.append((len(coded), Coding.MODEL, coded))
     elif spec.nnz:
         coded = _zstd_sparse(spec, positions, values)
@@ -77,6 +79,8 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
     if coding is Coding.SPARSE_RAW:
         return coding, positions.astype("<i8").tobytes() + values.astype(_le(values.dtype)).tobytes()
     assert coded is not None and len(coded) == size
+    if coding is Coding.MODEL:
+        states.put(spec.dtype, base is not None, new_state)
     return coding, coded
 
 
@@ -87,7 +91,7 @@ def _zstd_sparse(spec: RecordSpec, positions: np.ndarray, values: np.ndarray) ->
 
 
 def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
-                   base: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                   base: np.ndarray | None, states: model.ModelStates) -> tuple[np.ndarray, np.ndarray]:
     """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError."""
     bits = BITS_DTYPE[spec.dtype]
     w = spec.width
@@ -139,7 +143,7 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
     if coding is Coding.MODEL:
         if not model.available():
             raise ChunkFormatError("record needs the native range coder (nemo_dcr.codec._cans), not built")
-        return model.decode(spec, payload, base)
+        return model.decode(spec, payload, base, states)
     raise ChunkFormatError(f"unknown coding {coding!r}")
 
 

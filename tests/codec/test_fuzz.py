@@ -5,11 +5,12 @@ import struct
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
-from nemo_dcr.codec.format import HEADER, RECORD_FIXED, TRAILER, U32, crc32
+from nemo_dcr.codec.format import ENTRY_FIXED, HEADER, TRAILER, U32, crc32
 
 from codec_helpers import random_bits, xor_delta
 
@@ -92,27 +93,26 @@ def test_every_single_byte_truncation():
 # ---------------------------------------------------------------- forged chunks (valid CRCs)
 
 def _forge(records: list[tuple[tuple, bytes, tuple[int, ...], bytes]], meta: bytes | None = None,
-           n_records: int | None = None) -> bytes:
-    """A chunk whose every checksum is right, with arbitrary header fields."""
+           n_records: int | None = None, dir_raw_len: int | None = None) -> bytes:
+    """A chunk whose every checksum is right, with arbitrary directory fields."""
     meta_body = meta if meta is not None else U32.pack(0)
-    body = meta_body + U32.pack(crc32(meta_body))
+    dir_raw, payloads = b"", b""
     for fields, name, shape, payload in records:
-        f = list(fields)
-        f[11] = crc32(payload) if f[11] is None else f[11]
-        fixed = RECORD_FIXED.pack(*f)
-        head = fixed + name + struct.pack(f"<{len(shape)}Q", *shape)
-        body += head + U32.pack(crc32(head)) + payload
+        dir_raw += ENTRY_FIXED.pack(*fields) + name + struct.pack(f"<{len(shape)}Q", *shape)
+        payloads += payload
+    directory = zstandard.ZstdCompressor().compress(dir_raw) if dir_raw else b""
+    body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
+            + payloads + U32.pack(crc32(payloads)))
     total = HEADER.size + len(body) + TRAILER.size
-    h = HEADER.pack(b"NEMODCR\x00", 1, 0, len(records) if n_records is None else n_records,
-                    len(meta_body), 0, total, 0, 0)
-    h = h[:-8] + U32.pack(crc32(h[:-8])) + U32.pack(0)
+    h = HEADER.pack(b"NEMODCR\x00", 1, 0, len(records) if n_records is None else n_records, len(meta_body),
+                    len(directory), len(dir_raw) if dir_raw_len is None else dir_raw_len, len(payloads), total, 0)
+    h = h[:-4] + U32.pack(crc32(h[:-4]))
     pre = h + body
     return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
 
 
-def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, lo=0, hi=4, nnz=1, plen=10,
-            pcrc=None, ccrc=0):
-    return (name_len, dtype, op, ndim, coding, flags, 0, lo, hi, nnz, plen, pcrc, ccrc, 0)
+def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, lo=0, hi=4, nnz=1, plen=10, ccrc=0):
+    return (name_len, dtype, op, ndim, coding, flags, lo, hi, nnz, plen, ccrc)
 
 
 HOSTILE = {
@@ -126,6 +126,8 @@ HOSTILE = {
     "unknown flag": [(_fields(flags=0x80, plen=0, nnz=0), b"w", (4,), b"")],
     "context on raw": [(_fields(flags=1, plen=0, nnz=0), b"w", (4,), b"")],
     "payload beyond buffer": [(_fields(plen=2**31), b"w", (4,), b"")],
+    "payload short of buffer": [(_fields(plen=5), b"w", (4,), b"\0" * 10)],
+    "wrong content crc": [(_fields(nnz=1, plen=10), b"w", (4,), struct.pack("<q", 1) + b"\1\0")],
     "name not utf8": [(_fields(name_len=2, plen=0, nnz=0), b"\xff\xfe", (4,), b"")],
     "dense wrong size": [(_fields(coding=0, plen=7, nnz=1), b"w", (4,), b"\1" * 7)],
     "unsorted raw positions": [(_fields(nnz=2, plen=20), b"w", (4,),
@@ -158,6 +160,11 @@ def test_forged_header_counts():
         decode_chunk(_forge([], n_records=2**31))
     with pytest.raises(ChunkFormatError):
         decode_chunk(_forge([], n_records=3))
+    one = [(_fields(nnz=0, plen=0), b"w", (4,), b"")]
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge(one, dir_raw_len=2**30))
+    with pytest.raises(ChunkFormatError):
+        decode_chunk(_forge(one, n_records=2))
     meta = U32.pack(2**31)
     with pytest.raises(ChunkFormatError):
         decode_chunk(_forge([], meta=meta))
@@ -169,7 +176,8 @@ def test_forged_header_counts():
 def test_limits_are_enforced_before_decoding():
     data = CHUNKS[False][0]
     for lim in [ChunkLimits(max_records=3), ChunkLimits(max_name_bytes=3), ChunkLimits(max_decoded_bytes=100),
-                ChunkLimits(max_chunk_bytes=100), ChunkLimits(max_numel=1000), ChunkLimits(max_meta_entries=0)]:
+                ChunkLimits(max_chunk_bytes=100), ChunkLimits(max_numel=1000), ChunkLimits(max_meta_entries=0),
+                ChunkLimits(max_directory_bytes=100)]:
         with pytest.raises(ChunkFormatError):
             decode_chunk(data, limits=lim)
     assert len(decode_chunk(data, limits=ChunkLimits()).deltas) == 4

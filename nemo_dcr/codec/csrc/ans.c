@@ -1,5 +1,631 @@
-/* placeholder: filled in by the owning module */
+/*
+ * nemo_dcr.codec._cans: adaptive binary range coder and the context models of the
+ * MODEL record coding (wire format v1, docs/wire-format.md, "MODEL payload").
+ *
+ * One record = one pass over the elements of its range [lo, hi).  For each element the
+ * coder codes a "present" flag (is this position in the record?) and, when present, the
+ * element's value, interleaved in one range-coded stream:
+ *
+ *   flag    binary, context = (flag of the previous element,
+ *                              context-free: bucket of the previous row's count,
+ *                              context mode: bucket of the base element's exponent)
+ *           not coded once the remaining count is 0 (all absent) or equals the remaining
+ *           elements (all present).
+ *   value   context-free: the XOR value (or the new value, for overwrites) v;
+ *           context mode: k = ord(new) - ord(old) mod 2^W, signed, where ord() maps float
+ *           bit patterns to integers in value order, so k counts ulps.
+ *           Coded as h = bit length of |.| (bit tree, context: previous value's h and the
+ *           gap bucket, or the base exponent bucket), then in context mode the sign
+ *           (context: base sign, h), then the h-1 bits below the leading one (a bit tree
+ *           over the first 8, context h; then one context per (h, bit, previous bit)).
+ *
+ * Probabilities are adaptive counters: p(1) in units of 2^-31 with an occurrence count n,
+ * updated p += (bit - p) / (n + 2) (the Krichevsky-Trofimov estimate while n is small),
+ * n capped so the model keeps adapting.  All arithmetic is integer, so the encoder and the
+ * decoder agree bit for bit on every platform.  The range coder is the carry-propagating
+ * byte-oriented kind (32-bit range, 12-bit coding probabilities); its first output byte is
+ * always zero and is not stored.
+ *
+ * Cost: one binary decision per element until the last present one, plus ~h+6 per present
+ * element; memory: the context tables (~0.5 MB), no per-element state.  Both entry points
+ * release the GIL.  A pure-Python twin (nemo_dcr/codec/model_ref.py) produces the same
+ * bytes; the tests compare them.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_cans", NULL, -1, NULL};
-PyMODINIT_FUNC PyInit__cans(void) { return PyModule_Create(&mod); }
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LIMIT_FLAG 4095u
+#define LIMIT_VAL 1023u
+#define NEXP 32          /* exponent buckets (context mode) */
+#define NROW 8           /* previous-row count buckets (context-free) */
+#define NGAP 3           /* gap buckets (context-free) */
+#define NPH 18           /* previous-h buckets (context-free): 0 = none, 1..17 */
+#define MAXW 64
+#define HNODES 128       /* bit tree over h in 0..64 (7 bits) */
+#define LOWTREE_BITS 8
+
+typedef struct {
+    uint32_t p; /* P(bit = 1) * 2^31 */
+    uint32_t n;
+} Bit;
+
+typedef struct {
+    Bit flag[2 * (NEXP > NROW ? NEXP : NROW)];
+    Bit h[(NGAP * NPH > NEXP ? NGAP * NPH : NEXP)][HNODES];
+    Bit sign[2 * 4];
+    Bit low[MAXW + 1][1 << LOWTREE_BITS];
+    Bit tail[MAXW + 1][MAXW][2];
+} Model;
+
+static uint32_t RECIP[LIMIT_FLAG + 1];
+
+static void init_recip(void) {
+    for (uint32_t n = 0; n <= LIMIT_FLAG; n++) RECIP[n] = (65536u + (n + 2) / 2) / (n + 2);
+}
+
+static void model_init(Model *m) {
+    Bit *b = (Bit *)m;
+    size_t count = sizeof(Model) / sizeof(Bit);
+    for (size_t i = 0; i < count; i++) {
+        b[i].p = 1u << 30;
+        b[i].n = 0;
+    }
+}
+
+static inline uint32_t p12(const Bit *b) {
+    uint32_t q = b->p >> 19;
+    if (q < 1) q = 1;
+    if (q > 4095) q = 4095;
+    return q;
+}
+
+static inline void upd(Bit *b, int bit, uint32_t limit) {
+    uint32_t r = RECIP[b->n];
+    if (bit)
+        b->p += (uint32_t)(((uint64_t)((1u << 31) - b->p) * r) >> 16);
+    else
+        b->p -= (uint32_t)(((uint64_t)b->p * r) >> 16);
+    if (b->n < limit) b->n++;
+}
+
+/* ------------------------------------------------------------------ range encoder */
+
+typedef struct {
+    uint64_t low;
+    uint32_t range;
+    uint8_t cache;
+    uint64_t cache_size;
+    uint8_t *buf;
+    size_t len, cap;
+    int oom;
+} Enc;
+
+static void put(Enc *e, uint8_t byte) {
+    if (e->len == e->cap) {
+        size_t nc = e->cap ? 2 * e->cap : 4096;
+        uint8_t *nb = (uint8_t *)realloc(e->buf, nc);
+        if (!nb) {
+            e->oom = 1;
+            return;
+        }
+        e->buf = nb;
+        e->cap = nc;
+    }
+    if (!e->oom) e->buf[e->len++] = byte;
+}
+
+static void enc_shift(Enc *e) {
+    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
+        uint8_t carry = (uint8_t)(e->low >> 32);
+        uint8_t temp = e->cache;
+        do {
+            put(e, (uint8_t)(temp + carry));
+            temp = 0xFF;
+        } while (--e->cache_size != 0);
+        e->cache = (uint8_t)(e->low >> 24);
+    }
+    e->cache_size++;
+    e->low = (e->low & 0x00FFFFFFu) << 8;
+}
+
+static inline void enc_bit(Enc *e, Bit *b, int bit, uint32_t limit) {
+    uint32_t bound = (e->range >> 12) * (4096u - p12(b));
+    if (!bit) {
+        e->range = bound;
+    } else {
+        e->low += bound;
+        e->range -= bound;
+    }
+    upd(b, bit, limit);
+    while (e->range < (1u << 24)) {
+        e->range <<= 8;
+        enc_shift(e);
+    }
+}
+
+static void enc_flush(Enc *e) {
+    for (int i = 0; i < 5; i++) enc_shift(e);
+}
+
+/* ------------------------------------------------------------------ range decoder */
+
+typedef struct {
+    uint32_t range, code;
+    const uint8_t *p, *end;
+    size_t over; /* bytes read past the end (treated as zero) */
+} Dec;
+
+static inline uint8_t next_byte(Dec *d) {
+    if (d->p < d->end) return *d->p++;
+    d->over++;
+    return 0;
+}
+
+static void dec_init(Dec *d, const uint8_t *p, size_t n) {
+    d->p = p;
+    d->end = p + n;
+    d->over = 0;
+    d->range = 0xFFFFFFFFu;
+    d->code = 0;
+    for (int i = 0; i < 4; i++) d->code = (d->code << 8) | next_byte(d);
+}
+
+static inline int dec_bit(Dec *d, Bit *b, uint32_t limit) {
+    uint32_t bound = (d->range >> 12) * (4096u - p12(b));
+    int bit;
+    if (d->code < bound) {
+        d->range = bound;
+        bit = 0;
+    } else {
+        d->code -= bound;
+        d->range -= bound;
+        bit = 1;
+    }
+    upd(b, bit, limit);
+    while (d->range < (1u << 24)) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | next_byte(d);
+    }
+    return bit;
+}
+
+/* ------------------------------------------------------------------ shared model logic */
+
+typedef struct {
+    int width;       /* bytes per element: 1, 2, 4, 8 */
+    int W;           /* bits per element */
+    int hbits;       /* bits of the h tree: bit length of W */
+    int eshift, ebits; /* exponent field (ebits == 0: integer dtype, bucket = bit length) */
+    int e_lo;
+    int is_float;
+    int op;          /* 0 xor, 1 overwrite */
+    uint64_t mask, signbit;
+    int64_t lo, hi, row_len;
+    const uint8_t *base; /* NULL: context-free */
+} Params;
+
+static inline uint64_t load(const uint8_t *p, int width, int64_t i) {
+    switch (width) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store(uint8_t *p, int width, int64_t i, uint64_t v) {
+    switch (width) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
+static inline int bitlen(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+static inline uint64_t ord_of(const Params *P, uint64_t b) {
+    if (!P->is_float) return b;
+    return (b & P->signbit) ? (~b & P->mask) : (b | P->signbit);
+}
+
+static inline uint64_t iord_of(const Params *P, uint64_t o) {
+    if (!P->is_float) return o;
+    return (o & P->signbit) ? (o & ~P->signbit) : (~o & P->mask);
+}
+
+static inline int exp_bucket(const Params *P, uint64_t b) {
+    int e;
+    if (P->ebits) {
+        e = (int)((b >> P->eshift) & ((1u << P->ebits) - 1)) - P->e_lo;
+    } else {
+        e = bitlen(b);
+    }
+    if (e < 0) e = 0;
+    if (e > NEXP - 1) e = NEXP - 1;
+    return e;
+}
+
+static inline int row_bucket(int64_t prevcnt) {
+    if (prevcnt < 0) return 0;
+    int b = 1 + bitlen((uint64_t)prevcnt);
+    return b > NROW - 1 ? NROW - 1 : b;
+}
+
+static inline int gap_bucket(int64_t gap) { return gap <= 1 ? 0 : (gap <= 4 ? 1 : 2); }
+
+/* Per-record running state shared by encoder and decoder. */
+typedef struct {
+    int left;          /* previous element present */
+    int64_t col;       /* column of the current element (row context) */
+    int64_t rowcnt, prevcnt;
+    int prev_h;        /* h of the previous present element + 1; 0 = none */
+    int64_t last;      /* index of the previous present element */
+} State;
+
+static void state_init(State *s, const Params *P) {
+    s->left = 0;
+    s->col = P->row_len > 0 ? P->lo % P->row_len : 0;
+    s->rowcnt = 0;
+    s->prevcnt = -1;
+    s->prev_h = 0;
+    s->last = P->lo - 1000;
+}
+
+static inline Bit *flag_ctx(Model *m, const Params *P, const State *s, int64_t i) {
+    if (P->base) return &m->flag[2 * exp_bucket(P, load(P->base, P->width, i)) + s->left];
+    return &m->flag[2 * row_bucket(s->prevcnt) + s->left];
+}
+
+static inline void state_step(State *s, const Params *P, int present) {
+    s->left = present;
+    s->rowcnt += present;
+    if (P->row_len > 0 && ++s->col == P->row_len) {
+        s->col = 0;
+        s->prevcnt = s->rowcnt;
+        s->rowcnt = 0;
+    }
+}
+
+static inline Bit *h_ctx(Model *m, const Params *P, const State *s, int64_t i, uint64_t basev) {
+    if (P->base) return m->h[exp_bucket(P, basev)];
+    int ph = s->prev_h > NPH - 1 ? NPH - 1 : s->prev_h;
+    return m->h[gap_bucket(i - s->last) * NPH + ph];
+}
+
+/* ------------------------------------------------------------------ value coding */
+
+static void enc_mag(Enc *e, Model *m, Bit *hnodes, const Params *P, uint64_t mag, int *h_out) {
+    int h = bitlen(mag);
+    unsigned node = 1;
+    for (int k = P->hbits - 1; k >= 0; k--) {
+        int bit = (h >> k) & 1;
+        enc_bit(e, &hnodes[node], bit, LIMIT_VAL);
+        node = (node << 1) | (unsigned)bit;
+    }
+    *h_out = h;
+}
+
+static void enc_low(Enc *e, Model *m, int h, uint64_t mag) {
+    if (h < 2) return;
+    int nb = h - 1;
+    int t = nb < LOWTREE_BITS ? nb : LOWTREE_BITS;
+    unsigned node = 1;
+    for (int k = nb - 1; k >= nb - t; k--) {
+        int bit = (int)((mag >> k) & 1);
+        enc_bit(e, &m->low[h][node], bit, LIMIT_VAL);
+        node = (node << 1) | (unsigned)bit;
+    }
+    int prev = (int)(node & 1);
+    for (int k = nb - t - 1; k >= 0; k--) {
+        int bit = (int)((mag >> k) & 1);
+        enc_bit(e, &m->tail[h][k][prev], bit, LIMIT_VAL);
+        prev = bit;
+    }
+}
+
+static int dec_h(Dec *d, Bit *hnodes, const Params *P) {
+    unsigned node = 1;
+    for (int k = 0; k < P->hbits; k++) node = (node << 1) | (unsigned)dec_bit(d, &hnodes[node], LIMIT_VAL);
+    return (int)(node - (1u << P->hbits));
+}
+
+static uint64_t dec_low(Dec *d, Model *m, int h) {
+    if (h < 1) return 0;
+    if (h == 1) return 1;
+    int nb = h - 1;
+    int t = nb < LOWTREE_BITS ? nb : LOWTREE_BITS;
+    unsigned node = 1;
+    for (int k = 0; k < t; k++) node = (node << 1) | (unsigned)dec_bit(d, &m->low[h][node], LIMIT_VAL);
+    uint64_t v = node; /* leading one followed by t bits */
+    int prev = (int)(node & 1);
+    for (int k = nb - t - 1; k >= 0; k--) {
+        int bit = dec_bit(d, &m->tail[h][k][prev], LIMIT_VAL);
+        v = (v << 1) | (uint64_t)bit;
+        prev = bit;
+    }
+    return v;
+}
+
+static inline Bit *sign_ctx(Model *m, const Params *P, uint64_t basev, int h) {
+    int bs = (int)((basev & P->signbit) != 0);
+    return &m->sign[bs * 4 + (h > 3 ? 3 : h)];
+}
+
+/* Code the value of present element i; returns h for the context state. */
+static int enc_value(Enc *e, Model *m, const Params *P, const State *s, int64_t i, uint64_t v) {
+    uint64_t basev = P->base ? load(P->base, P->width, i) : 0;
+    Bit *hn = h_ctx(m, P, s, i, basev);
+    int h;
+    if (!P->base) {
+        enc_mag(e, m, hn, P, v, &h);
+        enc_low(e, m, h, v);
+        return h;
+    }
+    uint64_t newv = P->op == 0 ? (basev ^ v) : v;
+    uint64_t k = (ord_of(P, newv) - ord_of(P, basev)) & P->mask;
+    int neg = (k & P->signbit) != 0;
+    uint64_t mag = neg ? ((~k + 1) & P->mask) : k;
+    if (neg && mag == 0) mag = P->signbit; /* unreachable for W < 64; k == 2^(W-1) */
+    enc_mag(e, m, hn, P, mag, &h);
+    if (h > 0) enc_bit(e, sign_ctx(m, P, basev, h), neg, LIMIT_VAL);
+    enc_low(e, m, h, mag);
+    return h;
+}
+
+/* Decode the value of present element i into *out; returns h, or -1 if impossible. */
+static int dec_value(Dec *d, Model *m, const Params *P, const State *s, int64_t i, uint64_t *out) {
+    uint64_t basev = P->base ? load(P->base, P->width, i) : 0;
+    Bit *hn = h_ctx(m, P, s, i, basev);
+    int h = dec_h(d, hn, P);
+    if (h > P->W) return -1;
+    if (!P->base) {
+        uint64_t v = dec_low(d, m, h);
+        if (P->op == 0 && v == 0) return -1;
+        *out = v;
+        return h;
+    }
+    int neg = 0;
+    if (h > 0) neg = dec_bit(d, sign_ctx(m, P, basev, h), LIMIT_VAL);
+    uint64_t mag = dec_low(d, m, h);
+    uint64_t k = neg ? ((~mag + 1) & P->mask) : mag;
+    uint64_t newv = iord_of(P, (ord_of(P, basev) + k) & P->mask);
+    uint64_t v = P->op == 0 ? (basev ^ newv) : newv;
+    if (P->op == 0 && v == 0) return -1;
+    *out = v;
+    return h;
+}
+
+/* ------------------------------------------------------------------ record loops */
+
+/* positions must be strictly increasing inside [lo, hi) (checked by the caller). */
+static int encode_record(Enc *e, Model *m, const Params *P, const int64_t *pos, const uint8_t *vals,
+                         int64_t nnz) {
+    State s;
+    state_init(&s, P);
+    int64_t j = 0;
+    for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
+        int present = pos[j] == i;
+        if (nnz - j < P->hi - i) /* otherwise every remaining element is present */
+            enc_bit(e, flag_ctx(m, P, &s, i), present, LIMIT_FLAG);
+        if (present) {
+            int h = enc_value(e, m, P, &s, i, load(vals, P->width, j));
+            s.prev_h = h + 1;
+            s.last = i;
+            j++;
+        }
+        state_step(&s, P, present);
+    }
+    enc_flush(e);
+    return e->oom ? -1 : 0;
+}
+
+static int decode_record(Dec *d, Model *m, const Params *P, int64_t *pos, uint8_t *vals, int64_t nnz) {
+    State s;
+    state_init(&s, P);
+    int64_t j = 0;
+    for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
+        int present = 1;
+        if (nnz - j < P->hi - i) present = dec_bit(d, flag_ctx(m, P, &s, i), LIMIT_FLAG);
+        if (present) {
+            uint64_t v;
+            int h = dec_value(d, m, P, &s, i, &v);
+            if (h < 0) return -1;
+            pos[j] = i;
+            store(vals, P->width, j, v);
+            s.prev_h = h + 1;
+            s.last = i;
+            j++;
+        }
+        state_step(&s, P, present);
+        if (d->over > 4) return -2;
+    }
+    if (j != nnz) return -1;
+    if (d->over > 0 || d->p != d->end) return -2;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Python glue */
+
+static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, int op, Py_ssize_t lo, Py_ssize_t hi,
+                        Py_ssize_t row_len) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "width must be 1, 2, 4 or 8");
+        return -1;
+    }
+    if (lo < 0 || hi < lo || row_len < 0 || op < 0 || op > 1 || ebits < 0 || ebits > 16 || eshift < 0 ||
+        eshift + ebits > 8 * width || e_lo < 0 || e_lo > 255) {
+        PyErr_SetString(PyExc_ValueError, "bad record parameters");
+        return -1;
+    }
+    P->width = width;
+    P->W = 8 * width;
+    P->hbits = bitlen((uint64_t)P->W);
+    P->eshift = eshift;
+    P->ebits = ebits;
+    P->e_lo = e_lo;
+    P->is_float = ebits > 0;
+    P->op = op;
+    P->mask = P->W == 64 ? ~0ull : ((1ull << P->W) - 1);
+    P->signbit = 1ull << (P->W - 1);
+    P->lo = lo;
+    P->hi = hi;
+    P->row_len = row_len;
+    P->base = NULL;
+    return 0;
+}
+
+static int get_base(PyObject *base_obj, Py_buffer *bb, Params *P) {
+    if (base_obj == Py_None) return 0;
+    if (PyObject_GetBuffer(base_obj, bb, PyBUF_CONTIG_RO) < 0) return -1;
+    if (bb->len < P->hi * P->width) {
+        PyBuffer_Release(bb);
+        PyErr_SetString(PyExc_ValueError, "base buffer shorter than the record's range");
+        return -1;
+    }
+    P->base = (const uint8_t *)bb->buf;
+    return 1;
+}
+
+static int get_model(Py_buffer *mb, Model **m) {
+    if (mb->len != (Py_ssize_t)sizeof(Model)) {
+        PyErr_SetString(PyExc_ValueError, "model state buffer has the wrong size");
+        return -1;
+    }
+    *m = (Model *)mb->buf;
+    return 0;
+}
+
+static PyObject *py_model_init(PyObject *self, PyObject *args) {
+    Py_buffer mb;
+    Model *m;
+    if (!PyArg_ParseTuple(args, "w*", &mb)) return NULL;
+    if (get_model(&mb, &m) < 0) {
+        PyBuffer_Release(&mb);
+        return NULL;
+    }
+    model_init(m);
+    PyBuffer_Release(&mb);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    Py_buffer pb, vb, bb, mb;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi, row_len;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "w*y*y*Onnniiiii", &mb, &pb, &vb, &base_obj, &lo, &hi, &row_len, &width, &eshift,
+                          &ebits, &e_lo, &op))
+        return NULL;
+    Model *m = NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (get_model(&mb, &m) < 0) goto done;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi, row_len) < 0) goto done;
+    Py_ssize_t nnz = pb.len / 8;
+    if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
+        PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
+        goto done;
+    }
+    const int64_t *pos = (const int64_t *)pb.buf;
+    for (Py_ssize_t j = 0; j < nnz; j++) {
+        if (pos[j] < lo || pos[j] >= hi || (j && pos[j] <= pos[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "positions must be strictly increasing inside [lo, hi)");
+            goto done;
+        }
+    }
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    Enc e = {0, 0xFFFFFFFFu, 0, 1, NULL, 0, 0, 0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = encode_record(&e, m, &P, pos, (const uint8_t *)vb.buf, nnz);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        free(e.buf);
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The first byte of the stream is always zero: not stored. */
+    if (e.len < 1 || e.buf[0] != 0) {
+        free(e.buf);
+        PyErr_SetString(PyExc_RuntimeError, "range coder invariant broken (first byte)");
+        goto done;
+    }
+    res = PyBytes_FromStringAndSize((const char *)e.buf + 1, (Py_ssize_t)e.len - 1);
+    free(e.buf);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&vb);
+    return res;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    Py_buffer sb, bb, pob, vob, mb;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi, row_len, nnz;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "w*y*nOnnniiiiiw*w*", &mb, &sb, &nnz, &base_obj, &lo, &hi, &row_len, &width,
+                          &eshift, &ebits, &e_lo, &op, &pob, &vob))
+        return NULL;
+    Model *m = NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (get_model(&mb, &m) < 0) goto done;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi, row_len) < 0) goto done;
+    if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
+        PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
+        goto done;
+    }
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    Dec d;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    dec_init(&d, (const uint8_t *)sb.buf, (size_t)sb.len);
+    rc = decode_record(&d, m, &P, (int64_t *)pob.buf, (uint8_t *)vob.buf, nnz);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, rc == -1 ? "coded stream decodes to an impossible value"
+                                                   : "coded stream length does not match its content");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pob);
+    PyBuffer_Release(&vob);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"model_init", py_model_init, METH_VARARGS, "model_init(state) -> None: reset a MODEL_BYTES state buffer"},
+    {"encode", py_encode, METH_VARARGS,
+     "encode(state, positions_i64, values, base_or_None, lo, hi, row_len, width, eshift, ebits, e_lo, op) -> bytes;"
+     " updates state"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(state, stream, nnz, base_or_None, lo, hi, row_len, width, eshift, ebits, e_lo, op, positions_out, "
+     "values_out) -> None; updates state; ValueError if the stream is not a valid coding"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_cans", "MODEL record coder (see ans.c)", -1, methods};
+
+PyMODINIT_FUNC PyInit__cans(void) {
+    init_recip();
+    PyObject *m = PyModule_Create(&mod);
+    if (m && PyModule_AddIntConstant(m, "MODEL_BYTES", (long)sizeof(Model)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
