@@ -1,1 +1,32 @@
+"""megatron-core training substrate: the CPU shim, the model builder and the training step.
 
+Importing this package does not import megatron-core and patches nothing; megatron is
+imported (and the CPU shim applied) by :func:`init_parallel`.
+"""
+from nemo_dcr.megatron import cpu_shim
+from nemo_dcr.megatron.model import (
+    ModelConfig,
+    ParallelError,
+    build_gpt,
+    destroy_parallel,
+    init_parallel,
+    padded_vocab_size,
+    unwrap_gpt,
+)
+from nemo_dcr.megatron.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
+
+__all__ = [
+    "ModelConfig",
+    "ParallelError",
+    "PostStepHook",
+    "StepResult",
+    "TrainConfig",
+    "Trainer",
+    "build_gpt",
+    "cpu_shim",
+    "destroy_parallel",
+    "init_parallel",
+    "padded_vocab_size",
+    "token_batch",
+    "unwrap_gpt",
+]

@@ -197,8 +197,6 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        # gloo has no coalesced p2p: send/recv one op at a time.
-        batch_p2p_comm=False,
     )
 
 
