@@ -32,6 +32,20 @@ def test_checkpoint_specs_are_the_module_specs(checkpoint):
     assert checkpoint_specs(path) == module_specs(llama())
 
 
+def test_bf16_receiver_from_checkpoint_dir(checkpoint):
+    """The worker's path: ``from_pretrained`` on the initial checkpoint, then XOR apply."""
+    path, base = checkpoint
+    adapter = HFTransformersAdapter.from_pretrained(path)
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        assert np.array_equal(bits(adapter.initial_tensor(name)), bits(base[name]))
+    applier = DeltaApplier(adapter)
+    assert {p.kind for p in applier.prewarm().values()} == {PlacementKind.DIRECT}
+    target = perturb(base, np.random.default_rng(13))
+    applier.apply(deltas(base, target))
+    report = compare_with_dense(adapter.module, HFTransformersAdapter.from_pretrained(path), target)
+    assert report.equal, report.summary()
+
+
 def test_fp32_runtime_fed_bf16_is_overwritten_bit_exact(checkpoint):
     path, base = checkpoint
     adapter = HFTransformersAdapter.from_pretrained(path, dtype=torch.float32)
