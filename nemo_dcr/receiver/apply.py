@@ -16,12 +16,15 @@ writes each canonical tensor gets a placement:
   carrying the XOR bits at the changed positions, captures its copies without running
   them, checks they match the prewarm placement, then runs each as ``dest ^= src`` on
   integer views.  A copy that copies ``x`` now XORs ``x``: exact because, for a
-  bit-preserving placement, destination bits equal fed bits.
+  bit-preserving placement, destination bits equal fed bits.  An OVERWRITE becomes the
+  XOR ``current ^ new``, the current canonical bits read back through the same copies.
 * ``TRANSFORM``: the loader changes bits (a cast, a scale, a computed source, an in-place
   op after the copy) or writes one destination element twice.  XOR on the destination
   would be wrong, so the engine keeps a canonical mirror of the tensor (seeded from
-  ``adapter.initial_tensor``), applies the delta to the mirror and feeds the whole new
-  tensor through the loader, executing its writes: exactly what a dense refit does.
+  ``adapter.initial_tensor`` and checked against the runtime where the loader only casts),
+  applies the delta to the mirror and feeds the whole new tensor through the loader,
+  executing its writes: exactly what a dense refit does.  Costs a canonical copy of each
+  such tensor in host memory and O(numel) per changed tensor per apply.
 * ``DROPPED``: the loader never writes the tensor.  A dense refit ignores it too; the
   default ``CoveragePolicy.STRICT`` refuses such a runtime at prewarm.
 * ``EMPTY``: zero elements; nothing to place.
@@ -384,17 +387,7 @@ class DeltaApplier:
                     touched.add(p.name)
             for p in prepared.values():
                 if p.kind is PlacementKind.DIRECT:
-                    # O(nnz) gather / xor / scatter on the integer view of the destination
-                    # (numpy's take/put: ~2x faster than torch index_put_ on CPU)
-                    flat = self._direct[p.name].numpy()
-                    if p.xor_idx is not None:
-                        assert p.xor_val.dtype == flat.dtype
-                        old = flat.take(p.xor_idx)
-                        np.bitwise_xor(old, p.xor_val, out=old)
-                        flat.put(p.xor_idx, old)
-                    if p.ow_idx is not None:
-                        assert p.ow_val.dtype == flat.dtype
-                        flat.put(p.ow_idx, p.ow_val)
+                    _write_direct(self._direct[p.name], p)
                     touched.add(p.name)
                 elif p.kind is PlacementKind.EMPTY:
                     touched.add(p.name)
@@ -542,6 +535,23 @@ class DeltaApplier:
         if {w.dest_owner.name for w in capture.writes} != want:
             raise IncompleteApplyError(f"{p.name}: the loader wrote other destinations than at prewarm ({sorted(want)})")
         self._mirror[p.name] = p.fed
+
+
+def _write_direct(flat: torch.Tensor, p: _Prepared) -> None:
+    """O(nnz) gather / XOR / scatter on the flat integer view of a DIRECT destination,
+    through numpy's take/put (about 2x faster than ``index_put_`` on CPU).  DIRECT
+    destinations are CPU tensors: a plain copy has source and destination on one device,
+    and probes are fed on CPU (an accelerator runtime's copies classify as TRANSFORM until
+    probes are fed on its device)."""
+    bits = flat.numpy()
+    if p.xor_idx is not None:
+        assert p.xor_val.dtype == bits.dtype
+        old = bits.take(p.xor_idx)
+        np.bitwise_xor(old, p.xor_val, out=old)
+        bits.put(p.xor_idx, old)
+    if p.ow_idx is not None:
+        assert p.ow_val.dtype == bits.dtype
+        bits.put(p.ow_idx, p.ow_val)
 
 
 def _describe_nonplain(spec: TensorSpec, w: CapturedWrite) -> str:
