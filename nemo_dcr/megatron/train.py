@@ -58,7 +58,8 @@ class TrainConfig:
     num_microbatches: int = 1
     """Micro-batches per step (gradient accumulation; with PP, the pipeline's depth of work)."""
     data_seed: int = 0
-    """Seed of the token stream; batch ``(step, microbatch)`` is the same on every rank."""
+    """Seed of the token stream; batch ``(step, microbatch)`` is the same on every TP/PP rank of
+    a model replica (data-parallel replicas draw different batches)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,7 +83,8 @@ class StepResult:
     step: int
     """1-based index of the optimizer step just taken (= number of steps taken so far)."""
     loss: float
-    """Mean next-token cross-entropy over the step's micro-batches (from the last PP stage)."""
+    """Mean next-token cross-entropy over the step's micro-batches (computed on the last PP
+    stage, averaged over data-parallel replicas)."""
     grad_norm: float
     """Global gradient norm before clipping."""
     update_successful: bool
@@ -95,13 +97,14 @@ PostStepHook = Callable[["Trainer", int], None]
 
 def token_batch(
     *, data_seed: int, step: int, microbatch: int, micro_batch_size: int, seq_length: int,
-    vocab_size: int,
+    vocab_size: int, dp_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform random ``(tokens, labels)`` int64 ``[micro_batch_size, seq_length]``; labels are
     the tokens shifted by one.  A pure function of its arguments (own generator)."""
-    gen = torch.Generator().manual_seed(
-        (data_seed * 1_000_003 + step) * 1_000_003 + microbatch
-    )
+    seed = data_seed
+    for part in (step, microbatch, dp_rank):
+        seed = (seed * 1_000_003 + part) % (1 << 63)
+    gen = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
@@ -172,13 +175,16 @@ class Trainer:
         self._hooks.append(fn)
 
     def _batches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
+        from megatron.core import parallel_state
+
         cfg, tc = self.model_cfg, self.train_cfg
+        dp_rank = parallel_state.get_data_parallel_rank()
         position_ids = torch.arange(cfg.seq_length).unsqueeze(0).expand(tc.micro_batch_size, -1)
         for mb in range(tc.num_microbatches):
             tokens, labels = token_batch(
                 data_seed=tc.data_seed, step=step, microbatch=mb,
                 micro_batch_size=tc.micro_batch_size, seq_length=cfg.seq_length,
-                vocab_size=cfg.vocab_size,
+                vocab_size=cfg.vocab_size, dp_rank=dp_rank,
             )
             yield {"tokens": tokens, "labels": labels, "position_ids": position_ids}
 
@@ -227,6 +233,10 @@ class Trainer:
                 src=parallel_state.get_pipeline_model_parallel_last_rank(),
                 group=parallel_state.get_pipeline_model_parallel_group(),
             )
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp > 1:  # mean over the data-parallel replicas' batches
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss /= dp
         result = StepResult(
             step=step,
             loss=float(loss[0]),
