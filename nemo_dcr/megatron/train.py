@@ -169,7 +169,11 @@ class Trainer:
         return unwrap_gpt(self.model)
 
     def add_post_step_hook(self, fn: PostStepHook) -> None:
-        """Run ``fn(trainer, step)`` on this rank after every future step's BF16 write."""
+        """Run ``fn(trainer, step)`` on this rank after every future step's BF16 write.
+
+        Register the same hooks on every rank: a hook may use collectives.  An exception from a
+        hook propagates out of :meth:`train_step`; the step's update is already applied and
+        counted in ``steps_done``."""
         if not callable(fn):
             raise TypeError(f"post-step hook must be callable, got {fn!r}")
         self._hooks.append(fn)
