@@ -316,7 +316,9 @@ class DeltaApplier:
         for ptr, names in by_storage.items():
             if n_writes[ptr] == 1:
                 continue  # one copy_ into one storage cannot write an element twice
-            owner = next(w.dest_owner for w in writes[names[0]] if w.dest_owner.tensor.untyped_storage().data_ptr() == ptr)
+            owner = next(
+                w.dest_owner for w in writes[names[0]] if w.dest_owner.tensor.untyped_storage().data_ptr() == ptr
+            )
             numel = owner.tensor.untyped_storage().nbytes() // owner.tensor.element_size()
             counter = torch.zeros(numel, dtype=torch.int16)
             masks = {}
@@ -424,7 +426,9 @@ class DeltaApplier:
             if spec is None:
                 raise DeltaValidationError(f"{d.name}: not a canonical tensor of this runtime")
             if d.dtype != spec.dtype or tuple(d.shape) != spec.shape:
-                raise DeltaValidationError(f"{d.name}: delta is {d.dtype}{d.shape}, runtime has {spec.dtype}{spec.shape}")
+                raise DeltaValidationError(
+                    f"{d.name}: delta is {d.dtype}{d.shape}, runtime has {spec.dtype}{spec.shape}"
+                )
             pos, val = d.positions, d.values
             if not (isinstance(pos, np.ndarray) and pos.dtype == np.int64 and pos.ndim == 1):
                 raise DeltaValidationError(f"{d.name}: positions must be a 1-D int64 array")
@@ -517,7 +521,9 @@ class DeltaApplier:
         out: dict[str, list[CapturedWrite]] = defaultdict(list)
         for w in capture.writes:
             if not w.plain or w.fed_name is None:
-                raise PlacementError(f"loader made a non-plain write {w.op} into {w.dest_owner.name} during a VIEW apply")
+                raise PlacementError(
+                    f"loader made a non-plain write {w.op} into {w.dest_owner.name} during a VIEW apply"
+                )
             out[w.fed_name].append(w)
         for name in fed:
             seen = Counter((w.dest_owner.name, w.dest_geometry, Geometry.of(w.source)) for w in out.get(name, []))
@@ -533,7 +539,9 @@ class DeltaApplier:
             self._adapter.load_weights(fed.items())
         want = {c.dest for c in self._placements[p.name].copies}
         if {w.dest_owner.name for w in capture.writes} != want:
-            raise IncompleteApplyError(f"{p.name}: the loader wrote other destinations than at prewarm ({sorted(want)})")
+            raise IncompleteApplyError(
+                f"{p.name}: the loader wrote other destinations than at prewarm ({sorted(want)})"
+            )
         self._mirror[p.name] = p.fed
 
 

@@ -138,7 +138,9 @@ def _bad_records(ok: list[TensorDelta]) -> dict[str, list[TensorDelta]]:
     d = next(x for x in ok if x.element_range == (0, x.numel) and x.nnz)
     n = d.numel
     return {
-        "unknown name": [TensorDelta("model.layers.9.mlp.up_proj.weight", d.dtype, d.shape, d.op, d.positions, d.values)],
+        "unknown name": [
+            TensorDelta("model.layers.9.mlp.up_proj.weight", d.dtype, d.shape, d.op, d.positions, d.values)
+        ],
         "wrong shape": [TensorDelta(d.name, d.dtype, (n + 1,), d.op, d.positions, d.values)],
         "wrong dtype": [TensorDelta(d.name, "float16", d.shape, d.op, d.positions, d.values)],
         "position out of range": [_corrupt(d, positions=np.append(d.positions[:-1], n).astype(np.int64))],
