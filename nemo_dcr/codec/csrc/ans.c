@@ -37,8 +37,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef LIMIT_FLAG
 #define LIMIT_FLAG 4095u
+#endif
+#ifndef LIMIT_VAL
 #define LIMIT_VAL 1023u
+#endif
+#define LIMIT_MAX (LIMIT_FLAG > LIMIT_VAL ? LIMIT_FLAG : LIMIT_VAL)
 #define NEXP 32          /* exponent buckets (context mode) */
 #define NROW 8           /* previous-row count buckets (context-free) */
 #define NGAP 3           /* gap buckets (context-free) */
@@ -60,10 +65,10 @@ typedef struct {
     Bit tail[MAXW + 1][MAXW][2];
 } Model;
 
-static uint32_t RECIP[LIMIT_FLAG + 1];
+static uint32_t RECIP[LIMIT_MAX + 1];
 
 static void init_recip(void) {
-    for (uint32_t n = 0; n <= LIMIT_FLAG; n++) RECIP[n] = (65536u + (n + 2) / 2) / (n + 2);
+    for (uint32_t n = 0; n <= LIMIT_MAX; n++) RECIP[n] = (65536u + (n + 2) / 2) / (n + 2);
 }
 
 static void model_init(Model *m) {
@@ -75,10 +80,12 @@ static void model_init(Model *m) {
     }
 }
 
-static inline uint32_t p12(const Bit *b) {
-    uint32_t q = b->p >> 19;
-    if (q < 1) q = 1;
-    if (q > 4095) q = 4095;
+/* P(bit = 0) as a fraction of 2^31, clamped so that both sub-ranges are non-empty for any
+ * normalised range (>= 2^24). */
+static inline uint32_t p0_31(const Bit *b) {
+    uint32_t q = (1u << 31) - b->p;
+    if (q < (1u << 8)) q = 1u << 8;
+    if (q > (1u << 31) - (1u << 8)) q = (1u << 31) - (1u << 8);
     return q;
 }
 
@@ -132,7 +139,7 @@ static void enc_shift(Enc *e) {
 }
 
 static inline void enc_bit(Enc *e, Bit *b, int bit, uint32_t limit) {
-    uint32_t bound = (e->range >> 12) * (4096u - p12(b));
+    uint32_t bound = (uint32_t)(((uint64_t)e->range * p0_31(b)) >> 31);
     if (!bit) {
         e->range = bound;
     } else {
@@ -174,7 +181,7 @@ static void dec_init(Dec *d, const uint8_t *p, size_t n) {
 }
 
 static inline int dec_bit(Dec *d, Bit *b, uint32_t limit) {
-    uint32_t bound = (d->range >> 12) * (4096u - p12(b));
+    uint32_t bound = (uint32_t)(((uint64_t)d->range * p0_31(b)) >> 31);
     int bit;
     if (d->code < bound) {
         d->range = bound;
