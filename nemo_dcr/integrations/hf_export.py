@@ -53,10 +53,11 @@ def llama_config(cfg: ModelConfig) -> dict:
 
 
 def write_checkpoint(store: ObjectStore, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> int:
-    """Write ``init/config.json`` and ``init/model.safetensors``; returns the weight bytes."""
+    """Write ``init/config.json``, then ``init/model.safetensors`` (whose presence readers
+    take as "version 0 is complete"); returns the weight bytes."""
+    store.put(CONFIG_KEY, json.dumps(llama_config(cfg), indent=1, sort_keys=True).encode())
     blob = save_safetensors({k: v.contiguous() for k, v in sorted(state.items())})
     store.put(WEIGHTS_KEY, blob)
-    store.put(CONFIG_KEY, json.dumps(llama_config(cfg), indent=1, sort_keys=True).encode())
     return len(blob)
 
 

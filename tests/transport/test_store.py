@@ -8,10 +8,12 @@ from nemo_dcr.transport.store import FsspecStore, LocalDirStore, ObjectNotFound,
 _counter = itertools.count()
 
 
-@pytest.fixture(params=["dir", "memory"])
+@pytest.fixture(params=["dir", "memory", "s3"])
 def store(request, tmp_path) -> ObjectStore:
     if request.param == "dir":
         return open_store(str(tmp_path / "s"))
+    if request.param == "s3":  # a real S3-compatible server (moto) on loopback
+        return open_store(request.getfixturevalue("s3_bucket") + "/prefix")
     return open_store(f"memory://dcr-test-{next(_counter)}")
 
 
