@@ -1,0 +1,234 @@
+"""`nemo-dcr delta {encode,apply,inspect}`: standalone delta files between safetensors.
+
+    nemo-dcr delta encode --base A.safetensors --target B.safetensors --out D.dcr [--context]
+    nemo-dcr delta apply  --base A.safetensors --delta D.dcr --out C.safetensors
+    nemo-dcr delta inspect D.dcr [--base A.safetensors] [--json]
+
+A delta file is one v1 chunk.  Its metadata records the digest of the base it was made
+against and of the target it produces; ``apply`` refuses a different base and verifies the
+result before writing, and writes nothing on any error (the output appears atomically).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Mapping
+
+import numpy as np
+
+from nemo_dcr.codec.bound import iid_bound_bytes
+from nemo_dcr.codec.chunk import decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec.format import ChunkFormatError, MissingBaseError
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.codec.apply import apply_delta_
+
+META_FORMAT = "nemo-dcr delta file v1"
+
+
+class DeltaCliError(RuntimeError):
+    """A user-facing refusal (wrong base, mismatched files): printed without a traceback."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="delta_cmd", required=True)
+    enc = sub.add_parser("encode", help="encode target - base as a delta file")
+    enc.add_argument("--base", required=True, help="base .safetensors")
+    enc.add_argument("--target", required=True, help="target .safetensors (same tensor names, dtypes, shapes)")
+    enc.add_argument("--out", required=True, help="delta file to write")
+    enc.add_argument("--context", action="store_true",
+                     help="context mode: condition on the base bits (smaller; apply needs the same base anyway)")
+    app = sub.add_parser("apply", help="apply a delta file to its base")
+    app.add_argument("--base", required=True)
+    app.add_argument("--delta", required=True)
+    app.add_argument("--out", required=True, help=".safetensors to write (atomically)")
+    ins = sub.add_parser("inspect", help="list a delta file's records, sizes and entropy bound")
+    ins.add_argument("delta")
+    ins.add_argument("--base", help="base .safetensors, needed to decode context-mode records for the bound")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.delta_cmd == "encode":
+            return _encode(args)
+        if args.delta_cmd == "apply":
+            return _apply(args)
+        if args.delta_cmd == "inspect":
+            return _inspect(args)
+    except (DeltaCliError, ChunkFormatError, MissingBaseError) as e:
+        print(f"nemo-dcr delta {args.delta_cmd}: error: {e}", file=sys.stderr)
+        return 1
+    raise AssertionError(args.delta_cmd)
+
+
+# ----------------------------------------------------------------------------- files
+
+def _load(path: str):
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises several types for unreadable files
+        raise DeltaCliError(f"cannot read {path}: {e}") from None
+
+
+def _dtype_name(t) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in BITS_DTYPE:
+        raise DeltaCliError(f"unsupported dtype {name}")
+    return name
+
+
+def _bits(tensors) -> dict[str, np.ndarray]:
+    from nemo_dcr.kernels import bits_view_np
+
+    return {k: bits_view_np(t.contiguous()) for k, t in tensors.items()}
+
+
+def state_digest(tensors) -> str:
+    """sha256 over (name, dtype, shape, bits) of every tensor, in name order."""
+    h = hashlib.sha256()
+    bits = _bits(tensors)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{_dtype_name(t)}\0{tuple(t.shape)}\0".encode())
+        h.update(np.ascontiguousarray(bits[name]).view(np.uint8).data)
+    return "sha256:" + h.hexdigest()
+
+
+def _write_atomic(path: str, write) -> None:
+    """``write(tmp_path)``, then rename over ``path``: readers see the old file or the new one."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".nemo-dcr-", dir=d)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------- commands
+
+def _encode(args) -> int:
+    from nemo_dcr.kernels import xor_diff
+
+    base, target = _load(args.base), _load(args.target)
+    if set(base) != set(target):
+        raise DeltaCliError(f"base and target hold different tensors: {sorted(set(base) ^ set(target))[:5]}")
+    deltas = []
+    for name in sorted(target):
+        b, t = base[name], target[name]
+        if b.dtype != t.dtype or b.shape != t.shape:
+            raise DeltaCliError(f"{name}: base {b.dtype}{tuple(b.shape)} vs target {t.dtype}{tuple(t.shape)}")
+        diff = xor_diff(t.contiguous(), b.contiguous())
+        deltas.append(TensorDelta(name=name, dtype=_dtype_name(t), shape=tuple(t.shape), op=DeltaOp.XOR,
+                                  positions=diff.positions, values=diff.xor_values))
+    meta = {"format": META_FORMAT, "base_digest": state_digest(base), "target_digest": state_digest(target)}
+    chunk = encode_chunk(deltas, meta=meta, base=_bits(base) if args.context else None)
+
+    def write(p):
+        pathlib.Path(p).write_bytes(chunk)
+
+    _write_atomic(args.out, write)
+    nnz = sum(d.nnz for d in deltas)
+    numel = sum(d.numel for d in deltas)
+    print(f"{args.out}: {len(deltas)} tensors, {nnz}/{numel} elements changed "
+          f"({100 * nnz / max(numel, 1):.3f}%), {len(chunk)} bytes"
+          + (f", {len(chunk) / nnz:.3f} bytes per changed element" if nnz else ""))
+    return 0
+
+
+def _apply(args) -> int:
+    from safetensors.torch import save_file
+
+    data = pathlib.Path(args.delta).read_bytes()
+    meta = read_chunk_index(data).meta
+    if meta.get("format") != META_FORMAT or "base_digest" not in meta:
+        raise DeltaCliError(f"{args.delta} is a chunk but not a delta file (no base digest)")
+    base = _load(args.base)
+    have = state_digest(base)
+    if have != meta["base_digest"]:
+        raise DeltaCliError(f"{args.base} is not this delta's base: the delta was made against "
+                            f"{meta['base_digest']}, this file is {have}; refusing to apply")
+    out = {k: v.clone() for k, v in base.items()}
+    bits = _bits(out)
+    decoded = decode_chunk(data, base=_bits(base))
+    for d in decoded.deltas:
+        if d.name not in out:
+            raise DeltaCliError(f"delta names {d.name!r}, which the base does not hold")
+        if _dtype_name(out[d.name]) != d.dtype or tuple(out[d.name].shape) != d.shape:
+            raise DeltaCliError(f"{d.name}: delta is for {d.dtype}{d.shape}, base holds "
+                                f"{out[d.name].dtype}{tuple(out[d.name].shape)}")
+        apply_delta_(bits[d.name], d)
+    got = state_digest(out)
+    if got != meta.get("target_digest"):
+        raise DeltaCliError(f"result {got} differs from the delta's target {meta.get('target_digest')}; not written")
+    _write_atomic(args.out, lambda p: save_file(out, p))
+    print(f"{args.out}: applied {len(decoded.deltas)} records, matches {got}")
+    return 0
+
+
+def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None) -> dict:
+    """Per-record and total sizes and bounds of a chunk (the ``inspect`` report)."""
+    index = read_chunk_index(data)
+    decodable = base_bits is not None or not any(r.context for r in index.records)
+    deltas = decode_chunk(data, base=base_bits).deltas if decodable else [None] * len(index.records)
+    rows = []
+    for info, d in zip(index.records, deltas):
+        lo, hi = info.element_range
+        n = hi - lo
+        bound = iid_bound_bytes(n, d.values) if (d is not None and info.op is DeltaOp.XOR) else None
+        rows.append({
+            "name": info.name, "dtype": info.dtype, "shape": list(info.shape), "op": info.op.value,
+            "range": [lo, hi], "changed": info.nnz, "changed_pct": 100 * info.nnz / n if n else 0.0,
+            "coding": info.coding.name, "context": info.context, "bytes": info.payload_bytes,
+            "bytes_per_changed": info.payload_bytes / info.nnz if info.nnz else None,
+            "bound_bytes": bound, "ratio_to_bound": info.payload_bytes / bound if bound else None,
+        })
+    nnz = sum(r["changed"] for r in rows)
+    numel = sum(r["range"][1] - r["range"][0] for r in rows)
+    bounds = [r["bound_bytes"] for r in rows]
+    bound = sum(bounds) if rows and all(b is not None for b in bounds) else None
+    total = {"records": len(rows), "chunk_bytes": len(data), "changed": nnz,
+             "changed_pct": 100 * nnz / numel if numel else 0.0,
+             "bytes_per_changed": len(data) / nnz if nnz else None,
+             "bound_bytes": bound, "ratio_to_bound": len(data) / bound if bound else None}
+    return {"meta": index.meta, "records": rows, "total": total}
+
+
+def _inspect(args) -> int:
+    data = pathlib.Path(args.delta).read_bytes()
+    base_bits = _bits(_load(args.base)) if args.base else None
+    report = inspect_rows(data, base_bits)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+
+    def f(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    print(f"{'tensor':48s} {'dtype':9s} {'changed':>8s} {'coding':11s} {'bytes':>9s} {'B/chg':>6s} {'x bound':>7s}")
+    for r in report["records"]:
+        print(f"{r['name'][:48]:48s} {r['dtype']:9s} {r['changed_pct']:7.3f}% "
+              f"{r['coding'] + ('+ctx' if r['context'] else ''):11s} {r['bytes']:9d} "
+              f"{f(r['bytes_per_changed'], '6.3f'):>6s} {f(r['ratio_to_bound'], '7.3f'):>7s}")
+    t = report["total"]
+    print(f"total: {t['records']} records, {t['changed']} changed ({t['changed_pct']:.3f}%), "
+          f"{t['chunk_bytes']} bytes, {f(t['bytes_per_changed'], '.3f')} bytes per changed element, "
+          f"{f(t['ratio_to_bound'], '.3f')}x the i.i.d. bound"
+          + ("" if t["bound_bytes"] is not None else " (context records: pass --base for the bound)"))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser(prog="nemo-dcr delta")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))
