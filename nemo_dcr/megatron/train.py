@@ -150,6 +150,7 @@ class Trainer:
                 lr=train_cfg.lr,
                 min_lr=train_cfg.lr,
                 weight_decay=train_cfg.weight_decay,
+                decoupled_weight_decay=True,  # AdamW (torch.optim.AdamW without Apex/TE)
                 adam_beta1=train_cfg.adam_beta1,
                 adam_beta2=train_cfg.adam_beta2,
                 adam_eps=train_cfg.adam_eps,
