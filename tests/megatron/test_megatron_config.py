@@ -76,3 +76,18 @@ def test_token_batch_is_a_pure_function_and_labels_are_shifted():
 def test_train_config_validation(kwargs):
     with pytest.raises(ValueError):
         TrainConfig(**kwargs)
+
+
+def test_cpu_shim_refuses_where_cuda_is_available_and_patches_nothing(monkeypatch):
+    from nemo_dcr.megatron import cpu_shim
+
+    if cpu_shim.is_applied():
+        pytest.skip("the shim was applied in this process by an earlier test")
+    original = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cpu_shim.CpuShimError, match="CUDA is available"):
+        cpu_shim.apply()
+    assert torch.cuda.current_device is original
+    assert not cpu_shim.is_applied()
+    with pytest.raises(cpu_shim.CpuShimError, match="apply"):
+        cpu_shim.seed_model_parallel_rng(0)
