@@ -1,7 +1,8 @@
 """`nemo-dcr` console script: one sub-command per user-facing job.
 
-  nemo-dcr demo [hydra overrides...]   end-to-end refit demo (what `make demo` runs)
-  nemo-dcr delta {encode,apply,inspect} ...   standalone delta files (see codec/cli.py)
+  nemo-dcr demo [hydra overrides...]          end-to-end refit demo (what `make demo` runs)
+  nemo-dcr receive --store URI --init-dir D ...  a Hugging Face transformers receiver
+  nemo-dcr delta {encode,apply,inspect} ...    standalone delta files (see codec/cli.py)
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_dcr.demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "receive":
+        from nemo_dcr.receiver.worker import main as receive_main
+
+        return receive_main(rest)
     if cmd == "delta":
         from nemo_dcr.codec import cli as delta_cli
 

@@ -169,13 +169,15 @@ class Receiver:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nemo_dcr.receiver.worker``: a Hugging Face transformers receiver."""
-    ap = argparse.ArgumentParser(prog="nemo_dcr.receiver.worker")
+    """``nemo-dcr receive`` / ``python -m nemo_dcr.receiver.worker``: a Hugging Face
+    transformers receiver serving versions from a store."""
+    ap = argparse.ArgumentParser(prog="nemo-dcr receive")
     ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
     ap.add_argument("--receiver-id", required=True)
     ap.add_argument("--model-id", required=True)
     ap.add_argument("--until-version", type=int, default=None)
-    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="give up when no next manifest appears for this long (default: wait forever)")
     ap.add_argument("--verify-dense", action="store_true")
     ap.add_argument("--init-dir", required=True, help="local directory with the initial HF checkpoint")
     ap.add_argument("--dump-dir", default=None,
