@@ -203,7 +203,11 @@ class DeltaApplier:
         for name, p in placements.items():
             if p.kind is not PlacementKind.TRANSFORM:
                 continue
-            initial = self._adapter.initial_tensor(name)
+            # a re-prewarm keeps the mirror: it holds the applied versions, the adapter's
+            # initial tensor only the version the runtime was loaded at
+            initial = self._mirror.get(name)
+            if initial is None:
+                initial = self._adapter.initial_tensor(name)
             if initial is None:
                 unseeded.append(name)
                 continue

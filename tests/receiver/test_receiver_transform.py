@@ -125,6 +125,12 @@ def test_scaling_loader_is_detected_and_ends_bit_exact(checkpoint):
     ])
     report = compare_with_dense(adapter.module, _scaled_runtime(path, base), target)
     assert report.equal, report.summary()
+    # a second prewarm keeps the mirror at the applied version, not at the checkpoint's
+    applier.prewarm()
+    nxt = perturb(target, np.random.default_rng(14))
+    applier.apply(deltas(target, nxt))
+    report = compare_with_dense(adapter.module, _scaled_runtime(path, base), nxt)
+    assert report.equal, report.summary()
     # the scale really happened: the parameter is not the canonical tensor
     assert not np.array_equal(bits(adapter.module.get_parameter("lm_head.weight")), bits(target["lm_head.weight"]))
 
