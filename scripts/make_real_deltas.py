@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 MINILM_LRS = (3e-7, 1e-6, 3e-6, 1e-5)
-SCRATCH_LRS = (3e-6, 1e-5, 3e-5)
+SCRATCH_LRS = (3e-7, 1e-6, 3e-6)
 
 
 def minilm_dir() -> pathlib.Path:
@@ -55,7 +55,7 @@ def corpus_batches(tokenizer, *, batch: int, seq: int, n: int, seed: int) -> lis
         p = root / rel
         if p.is_file():
             text.append(p.read_text(encoding="utf-8", errors="ignore"))
-    ids = tokenizer("\n".join(text), add_special_tokens=False)["input_ids"]
+    ids = tokenizer("\n".join(text), add_special_tokens=False, verbose=False)["input_ids"]
     ids = torch.tensor(ids, dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -97,7 +97,7 @@ def run_pair(make_model, batches, lr: float, warmup: int, prefix: str, out: path
         loss = model(**b).loss
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     for i in range(warmup):
         step(batches[i % len(batches)])
@@ -121,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    import transformers
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     pairs = []
 
-    batches = corpus_batches(tok, batch=16, seq=64, n=args.warmup + 1, seed=0)
+    batches = corpus_batches(tok, batch=8, seq=64, n=args.warmup + 1, seed=0)
 
     def pretrained():
         # The checkpoint is a BertModel; the MLM head (tied decoder + a fresh transform) is

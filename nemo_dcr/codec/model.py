@@ -70,11 +70,15 @@ def choose_e_lo(dtype: str, base_range: np.ndarray) -> int:
     eshift, ebits = EXPONENT_FIELD.get(dtype, (0, 0))
     if not ebits or base_range.size == 0:
         return 0
-    e = (base_range >> eshift) & ((1 << ebits) - 1)
-    finite = e[e != (1 << ebits) - 1]
-    if finite.size == 0:
-        return 0
-    return max(0, int(finite.max()) - (NEXP - 1))
+    field = np.asarray(((1 << ebits) - 1) << eshift, dtype=base_range.dtype)
+    top = int(np.bitwise_and(base_range, field).max()) >> eshift  # one pass over the range
+    if top == (1 << ebits) - 1:  # Inf/NaN present: the largest finite exponent, slower
+        e = (base_range >> eshift) & ((1 << ebits) - 1)
+        finite = e[e != (1 << ebits) - 1]
+        if finite.size == 0:
+            return 0
+        top = int(finite.max())
+    return max(0, top - (NEXP - 1))
 
 
 def _row_len(spec) -> int:

@@ -282,8 +282,8 @@ static void state_init(State *s, const Params *P) {
     s->last = P->lo - 1000;
 }
 
-static inline Bit *flag_ctx(Model *m, const Params *P, const State *s, int64_t i) {
-    if (P->base) return &m->flag[2 * exp_bucket(P, load(P->base, P->width, i)) + s->left];
+static inline Bit *flag_ctx(Model *m, const Params *P, const State *s, int64_t i, const int width) {
+    if (P->base) return &m->flag[2 * exp_bucket(P, load(P->base, width, i)) + s->left];
     return &m->flag[2 * row_bucket(s->prevcnt) + s->left];
 }
 
@@ -305,7 +305,7 @@ static inline Bit *h_ctx(Model *m, const Params *P, const State *s, int64_t i, u
 
 /* ------------------------------------------------------------------ value coding */
 
-static void enc_mag(Enc *e, Model *m, Bit *hnodes, const Params *P, uint64_t mag, int *h_out) {
+static void enc_mag(Enc *e, Bit *hnodes, const Params *P, uint64_t mag, int *h_out) {
     int h = bitlen(mag);
     unsigned node = 1;
     for (int k = P->hbits - 1; k >= 0; k--) {
@@ -368,7 +368,7 @@ static int enc_value(Enc *e, Model *m, const Params *P, const State *s, int64_t 
     Bit *hn = h_ctx(m, P, s, i, basev);
     int h;
     if (!P->base) {
-        enc_mag(e, m, hn, P, v, &h);
+        enc_mag(e, hn, P, v, &h);
         enc_low(e, m, h, v);
         return h;
     }
@@ -377,7 +377,7 @@ static int enc_value(Enc *e, Model *m, const Params *P, const State *s, int64_t 
     int neg = (k & P->signbit) != 0;
     uint64_t mag = neg ? ((~k + 1) & P->mask) : k;
     if (neg && mag == 0) mag = P->signbit; /* unreachable for W < 64; k == 2^(W-1) */
-    enc_mag(e, m, hn, P, mag, &h);
+    enc_mag(e, hn, P, mag, &h);
     if (h > 0) enc_bit(e, sign_ctx(m, P, basev, h), neg, LIMIT_VAL);
     enc_low(e, m, h, mag);
     return h;
@@ -408,18 +408,21 @@ static int dec_value(Dec *d, Model *m, const Params *P, const State *s, int64_t 
 
 /* ------------------------------------------------------------------ record loops */
 
-/* positions must be strictly increasing inside [lo, hi) (checked by the caller). */
-static int encode_record(Enc *e, Model *m, const Params *P, const int64_t *pos, const uint8_t *vals,
-                         int64_t nnz) {
+/* The per-element loops are specialised on the element width (a compile-time constant
+ * after inlining), so the flag path has no width dispatch.
+ * positions must be strictly increasing inside [lo, hi) (checked by the caller). */
+static inline __attribute__((always_inline)) int encode_record_w(Enc *e, Model *m, const Params *P,
+                                                                 const int64_t *pos, const uint8_t *vals,
+                                                                 int64_t nnz, const int width) {
     State s;
     state_init(&s, P);
     int64_t j = 0;
     for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
         int present = pos[j] == i;
         if (nnz - j < P->hi - i) /* otherwise every remaining element is present */
-            enc_bit(e, flag_ctx(m, P, &s, i), present, LIMIT_FLAG);
+            enc_bit(e, flag_ctx(m, P, &s, i, width), present, LIMIT_FLAG);
         if (present) {
-            int h = enc_value(e, m, P, &s, i, load(vals, P->width, j));
+            int h = enc_value(e, m, P, &s, i, load(vals, width, j));
             s.prev_h = h + 1;
             s.last = i;
             j++;
@@ -430,19 +433,20 @@ static int encode_record(Enc *e, Model *m, const Params *P, const int64_t *pos, 
     return e->oom ? -1 : 0;
 }
 
-static int decode_record(Dec *d, Model *m, const Params *P, int64_t *pos, uint8_t *vals, int64_t nnz) {
+static inline __attribute__((always_inline)) int decode_record_w(Dec *d, Model *m, const Params *P, int64_t *pos,
+                                                                 uint8_t *vals, int64_t nnz, const int width) {
     State s;
     state_init(&s, P);
     int64_t j = 0;
     for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
         int present = 1;
-        if (nnz - j < P->hi - i) present = dec_bit(d, flag_ctx(m, P, &s, i), LIMIT_FLAG);
+        if (nnz - j < P->hi - i) present = dec_bit(d, flag_ctx(m, P, &s, i, width), LIMIT_FLAG);
         if (present) {
             uint64_t v;
             int h = dec_value(d, m, P, &s, i, &v);
             if (h < 0) return -1;
             pos[j] = i;
-            store(vals, P->width, j, v);
+            store(vals, width, j, v);
             s.prev_h = h + 1;
             s.last = i;
             j++;
@@ -453,6 +457,24 @@ static int decode_record(Dec *d, Model *m, const Params *P, int64_t *pos, uint8_
     if (j != nnz) return -1;
     if (d->over > 0 || d->p != d->end) return -2;
     return 0;
+}
+
+static int encode_record(Enc *e, Model *m, const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz) {
+    switch (P->width) {
+    case 1: return encode_record_w(e, m, P, pos, vals, nnz, 1);
+    case 2: return encode_record_w(e, m, P, pos, vals, nnz, 2);
+    case 4: return encode_record_w(e, m, P, pos, vals, nnz, 4);
+    default: return encode_record_w(e, m, P, pos, vals, nnz, 8);
+    }
+}
+
+static int decode_record(Dec *d, Model *m, const Params *P, int64_t *pos, uint8_t *vals, int64_t nnz) {
+    switch (P->width) {
+    case 1: return decode_record_w(d, m, P, pos, vals, nnz, 1);
+    case 2: return decode_record_w(d, m, P, pos, vals, nnz, 2);
+    case 4: return decode_record_w(d, m, P, pos, vals, nnz, 4);
+    default: return decode_record_w(d, m, P, pos, vals, nnz, 8);
+    }
 }
 
 /* ------------------------------------------------------------------ Python glue */
@@ -507,6 +529,7 @@ static int get_model(Py_buffer *mb, Model **m) {
 }
 
 static PyObject *py_model_init(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer mb;
     Model *m;
     if (!PyArg_ParseTuple(args, "w*", &mb)) return NULL;
@@ -520,6 +543,7 @@ static PyObject *py_model_init(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer pb, vb, bb, mb;
     PyObject *base_obj;
     Py_ssize_t lo, hi, row_len;
@@ -574,6 +598,7 @@ done:
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer sb, bb, pob, vob, mb;
     PyObject *base_obj;
     Py_ssize_t lo, hi, row_len, nnz;
@@ -625,7 +650,8 @@ static PyMethodDef methods[] = {
      "values_out) -> None; updates state; ValueError if the stream is not a valid coding"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_cans", "MODEL record coder (see ans.c)", -1, methods};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_cans", "MODEL record coder (see ans.c)", -1, methods,
+                                 NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__cans(void) {
     init_recip();
