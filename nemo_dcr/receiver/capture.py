@@ -115,10 +115,6 @@ class CapturedWrite:
     def dest_geometry(self) -> Geometry:
         return Geometry.of(self.dest, self.dest_owner.tensor.storage_offset())
 
-    def source_geometry(self, fed: torch.Tensor) -> Geometry:
-        assert self.source is not None
-        return Geometry.of(self.source, fed.storage_offset())
-
 
 def _written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
