@@ -104,10 +104,10 @@ def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates 
     pos, val = _canonical(d)
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
-    coding, payload = encode_payload(spec, pos, val, base, states)
+    coding, param, payload = encode_payload(spec, pos, val, base, states)
     flags = FLAG_CONTEXT if (coding is Coding.MODEL and base is not None) else 0
     entry = ENTRY_FIXED.pack(
-        len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags,
+        len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags, param,
         lo, hi, spec.nnz, len(payload), content_crc(pos, val),
     )
     return entry + name + np.asarray(d.shape, dtype="<u8").tobytes(), payload
@@ -250,6 +250,7 @@ def _decode_meta(body: memoryview, limits: ChunkLimits) -> dict[str, str]:
 class _Entry:
     info: RecordInfo
     content_crc: int
+    param: int
 
 
 def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
@@ -269,7 +270,7 @@ def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
 
 
 def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
-    (name_len, dcode, opcode, ndim, coding, flags, lo, hi, nnz, plen, ccrc) = ENTRY_FIXED.unpack(
+    (name_len, dcode, opcode, ndim, coding, flags, param, lo, hi, nnz, plen, ccrc) = ENTRY_FIXED.unpack(
         r.take(ENTRY_FIXED.size, "directory entry"))
     if name_len > limits.max_name_bytes:
         raise ChunkFormatError(f"tensor name of {name_len} bytes exceeds the limit {limits.max_name_bytes}")
@@ -307,7 +308,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
     budget[0] -= need
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
                       nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
-    return _Entry(info, ccrc)
+    return _Entry(info, ccrc, param)
 
 
 def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray] | None,
@@ -323,7 +324,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
             numel *= s
         b = _check_base(name, info.dtype, numel, base[name])
     lo, hi = info.element_range
-    spec = RecordSpec(dtype=info.dtype, shape=info.shape, op=info.op, lo=lo, hi=hi, nnz=info.nnz)
+    spec = RecordSpec(dtype=info.dtype, shape=info.shape, op=info.op, lo=lo, hi=hi, nnz=info.nnz, param=e.param)
     pos, val = decode_payload(spec, info.coding, payload, b, states)
     if pos.size != info.nnz or val.size != info.nnz:
         raise ChunkFormatError(f"{name}: payload decoded to {pos.size} entries, directory says {info.nnz}")

@@ -8,7 +8,7 @@ Everything is little-endian and fixed-width; no pickle, no eval, no torch.load.
                 dir_raw_len:u32 payloads_len:u64 total_len:u64 header_crc:u32        (48 bytes)
     meta      = meta_body[meta_len] meta_crc:u32
     directory = zstd(entry * n_records)[dir_len] dir_crc:u32      (dir_raw_len bytes inflated)
-    entry     = fixed[43] name[name_len] shape:u64[ndim]
+    entry     = fixed[44] name[name_len] shape:u64[ndim]
     payloads  = payload * n_records (each entry's payload_len bytes, in order) payloads_crc:u32
     trailer   = chunk_crc:u32 end_magic[4]
 
@@ -36,9 +36,9 @@ FORMAT_VERSION = 1
 
 HEADER = struct.Struct("<8sHHIIIIQQI")
 TRAILER = struct.Struct("<I4s")
-#: name_len, dtype code, op, ndim, coding, flags, range_lo, range_hi, nnz, payload_len,
-#: content_crc
-ENTRY_FIXED = struct.Struct("<HBBBBBQQQQI")
+#: name_len, dtype code, op, ndim, coding, flags, param, range_lo, range_hi, nnz,
+#: payload_len, content_crc
+ENTRY_FIXED = struct.Struct("<HBBBBBBQQQQI")
 U32 = struct.Struct("<I")
 DIR_ZSTD_LEVEL = 19
 

@@ -1,16 +1,14 @@
 """Modelled coding (``Coding.MODEL``): a record's payload coded by the native range coder.
 
-Payload layout: ``version:u8 e_lo:u8 reserved:u16`` then the range-coded stream
-(``codec/csrc/ans.c`` documents the models).  ``e_lo`` is the base exponent that maps to
-the lowest exponent bucket in context mode (0 otherwise).
+The payload is the range-coded stream alone (``codec/csrc/ans.c`` documents the models).
+The record's directory entry carries the one parameter, ``e_lo``: the base exponent that
+maps to the lowest exponent bucket in context mode (0 otherwise).
 
 The adaptive model state is shared by the MODEL records of one chunk that have the same
 (dtype, mode), in record order: what the first tensors taught the model is not paid for
 again by the next ones.  So a chunk's MODEL records decode in order (``ModelStates``).
 """
 from __future__ import annotations
-
-import struct
 
 import numpy as np
 
@@ -22,8 +20,6 @@ try:
 except ImportError:  # not built: the payload layer falls back to zstd
     _cans = None
 
-MODEL_VERSION = 1
-HEAD = struct.Struct("<BBH")
 NEXP = 32  # exponent buckets, as in ans.c
 
 #: (exponent shift, exponent bits) of each float dtype; integers have none (bits 0).
@@ -86,9 +82,9 @@ def _row_len(spec) -> int:
 
 
 def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | None,
-           states: ModelStates) -> tuple[bytes, np.ndarray]:
-    """(payload, model state after it): the caller ``put``s the state only if it keeps the
-    payload, so a trial encoding that loses to another coding leaves no trace."""
+           states: ModelStates) -> tuple[bytes, int, np.ndarray]:
+    """(payload, e_lo, model state after it): the caller ``put``s the state only if it keeps
+    the payload, so a trial encoding that loses to another coding leaves no trace."""
     width, eshift, ebits = coder_params(spec.dtype)
     e_lo = choose_e_lo(spec.dtype, base[spec.lo : spec.hi]) if base is not None else 0
     state = states.get(spec.dtype, base is not None).copy()
@@ -97,21 +93,17 @@ def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | N
         None if base is None else np.ascontiguousarray(base),
         spec.lo, spec.hi, _row_len(spec), width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
     )
-    return HEAD.pack(MODEL_VERSION, e_lo, 0) + stream, state
+    return stream, e_lo, state
 
 
 def decode(spec, payload: memoryview, base: np.ndarray | None,
            states: ModelStates) -> tuple[np.ndarray, np.ndarray]:
-    if len(payload) < HEAD.size:
-        raise ChunkFormatError("MODEL payload shorter than its header")
-    version, e_lo, reserved = HEAD.unpack(payload[: HEAD.size])
-    if version != MODEL_VERSION or reserved:
-        raise ChunkFormatError(f"unknown MODEL payload version {version}")
+    e_lo = spec.param
     width, eshift, ebits = coder_params(spec.dtype)
     pos = np.empty(spec.nnz, dtype=np.int64)
     val = np.empty(spec.nnz, dtype=BITS_DTYPE[spec.dtype])
     try:
-        _cans.decode(states.get(spec.dtype, base is not None), payload[HEAD.size :], spec.nnz, base, spec.lo, spec.hi, _row_len(spec), width, eshift, ebits,
+        _cans.decode(states.get(spec.dtype, base is not None), payload, spec.nnz, base, spec.lo, spec.hi, _row_len(spec), width, eshift, ebits,
                      e_lo, 0 if spec.op is DeltaOp.XOR else 1, pos, val)
     except ValueError as e:
         raise ChunkFormatError(f"MODEL payload: {e}") from None

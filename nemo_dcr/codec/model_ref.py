@@ -84,8 +84,16 @@ class RefEncoder:
             self._shift()
 
     def finish(self) -> bytes:
+        for k in (32, 24, 16, 8):
+            mask = (1 << k) - 1
+            x = (self.low + mask) & ~mask
+            if x < self.low + self.range:
+                self.low = x
+                break
         for _ in range(5):
             self._shift()
+        while len(self.out) > 1 and self.out[-1] == 0:
+            self.out.pop()
         assert self.out[0] == 0
         return bytes(self.out[1:])
 
@@ -301,9 +309,7 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, row_len, width, es
             vals.append(v)
             s.prev_h, s.last = h + 1, i
         s.step(P, present)
-        if dec.over > 4:
-            raise ValueError("stream too short")
         i += 1
-    if len(pos) != nnz or dec.over or dec.pos != len(dec.data):
+    if len(pos) != nnz or dec.pos != len(dec.data):
         raise ValueError("stream length does not match its content")
     return np.asarray(pos, dtype=np.int64), vals

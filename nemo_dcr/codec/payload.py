@@ -30,6 +30,8 @@ class RecordSpec:
     lo: int
     hi: int
     nnz: int
+    param: int = 0
+    """Coding parameter from the directory entry (MODEL: e_lo; others: 0)."""
 
     @property
     def width(self) -> int:
@@ -54,9 +56,9 @@ def _gap_dtype(spec: RecordSpec) -> np.dtype:
 
 
 def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
-                   base: np.ndarray | None, states: model.ModelStates | None) -> tuple[Coding, bytes]:
-    """Smallest payload for the record; ``base`` (full flat base bits) enables context mode.
-    ``states`` is the chunk's MODEL state (None: no MODEL coding)."""
+                   base: np.ndarray | None, states: model.ModelStates | None) -> tuple[Coding, int, bytes]:
+    """(coding, param, payload) with the smallest payload; ``base`` (full flat base bits)
+    enables context mode.  ``states`` is the chunk's MODEL state (None: no MODEL coding)."""
     w = spec.width
     cands: list[tuple[int, Coding, bytes | None]] = []
     dense_ok = spec.op is DeltaOp.XOR or spec.nnz == spec.range_len
@@ -65,7 +67,7 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
     cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
     new_state = None
     if states is not None and model.available():
-        coded, new_state = model.encode(spec, positions, values, base, states)
+        coded, e_lo, new_state = model.encode(spec, positions, values, base, states)
         cands.append((len(coded), Coding.MODEL, coded))
     elif spec.nnz:
         coded = _zstd_sparse(spec, positions, values)
@@ -75,13 +77,14 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
     if coding is Coding.DENSE_RAW:
         dense = np.zeros(spec.range_len, dtype=_le(BITS_DTYPE[spec.dtype]))
         dense[positions - spec.lo] = values
-        return coding, dense.tobytes()
+        return coding, 0, dense.tobytes()
     if coding is Coding.SPARSE_RAW:
-        return coding, positions.astype("<i8").tobytes() + values.astype(_le(values.dtype)).tobytes()
+        return coding, 0, positions.astype("<i8").tobytes() + values.astype(_le(values.dtype)).tobytes()
     assert coded is not None and len(coded) == size
     if coding is Coding.MODEL:
         states.put(spec.dtype, base is not None, new_state)
-    return coding, coded
+        return coding, e_lo, coded
+    return coding, 0, coded
 
 
 def _zstd_sparse(spec: RecordSpec, positions: np.ndarray, values: np.ndarray) -> bytes:
@@ -96,6 +99,8 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
     bits = BITS_DTYPE[spec.dtype]
     w = spec.width
     n = len(payload)
+    if spec.param and coding is not Coding.MODEL:
+        raise ChunkFormatError(f"coding {coding.name} takes no parameter, got {spec.param}")
     if coding is Coding.DENSE_RAW:
         if n != spec.range_len * w:
             raise ChunkFormatError(f"dense payload is {n} bytes, range needs {spec.range_len * w}")

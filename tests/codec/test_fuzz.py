@@ -111,8 +111,8 @@ def _forge(records: list[tuple[tuple, bytes, tuple[int, ...], bytes]], meta: byt
     return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
 
 
-def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, lo=0, hi=4, nnz=1, plen=10, ccrc=0):
-    return (name_len, dtype, op, ndim, coding, flags, lo, hi, nnz, plen, ccrc)
+def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, param=0, lo=0, hi=4, nnz=1, plen=10, ccrc=0):
+    return (name_len, dtype, op, ndim, coding, flags, param, lo, hi, nnz, plen, ccrc)
 
 
 HOSTILE = {
@@ -125,6 +125,7 @@ HOSTILE = {
     "unknown coding": [(_fields(coding=42, plen=0, nnz=0), b"w", (4,), b"")],
     "unknown flag": [(_fields(flags=0x80, plen=0, nnz=0), b"w", (4,), b"")],
     "context on raw": [(_fields(flags=1, plen=0, nnz=0), b"w", (4,), b"")],
+    "param on raw": [(_fields(param=3, plen=0, nnz=0), b"w", (4,), b"")],
     "payload beyond buffer": [(_fields(plen=2**31), b"w", (4,), b"")],
     "payload short of buffer": [(_fields(plen=5), b"w", (4,), b"\0" * 10)],
     "wrong content crc": [(_fields(nnz=1, plen=10), b"w", (4,), struct.pack("<q", 1) + b"\1\0")],

@@ -86,10 +86,11 @@ def test_state_is_shared_only_when_kept(context):
     spec = RecordSpec("bfloat16", (2000,), DeltaOp.XOR, 0, 2000, pos.size)
     states = model.ModelStates()
     before = states.get("bfloat16", context).copy()
-    payload, new_state = model.encode(spec, pos, vals, base if context else None, states)
+    payload, e_lo, new_state = model.encode(spec, pos, vals, base if context else None, states)
     assert np.array_equal(states.get("bfloat16", context), before)
     assert not np.array_equal(new_state, before)
     dstates = model.ModelStates()
+    spec = RecordSpec("bfloat16", (2000,), DeltaOp.XOR, 0, 2000, pos.size, param=e_lo)
     p, v = model.decode(spec, memoryview(payload), base if context else None, dstates)
     assert np.array_equal(p, pos) and np.array_equal(v, vals)
     assert np.array_equal(dstates.get("bfloat16", context), new_state)
@@ -133,6 +134,6 @@ def test_compresses_ulp_steps_well_in_context_mode():
     new = (base[pos].astype(np.int64) + step).astype(np.uint16)  # same sign: +-1 in the bit pattern
     vals = base[pos] ^ new
     spec = RecordSpec("bfloat16", (n,), DeltaOp.XOR, 0, n, pos.size)
-    free, _ = model.encode(spec, pos, vals, None, model.ModelStates())
-    ctx, _ = model.encode(spec, pos, vals, base, model.ModelStates())
+    free, _, _ = model.encode(spec, pos, vals, None, model.ModelStates())
+    ctx, _, _ = model.encode(spec, pos, vals, base, model.ModelStates())
     assert len(ctx) < 0.8 * len(free)
