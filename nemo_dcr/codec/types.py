@@ -10,6 +10,7 @@ as floats, so nothing on the path can round, canonicalise a NaN or flush a subno
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,11 @@ BITS_DTYPE: dict[str, np.dtype] = {
     "int64": np.dtype(np.uint64),
     "bool": np.dtype(np.uint8),
 }
+
+
+def shape_numel(shape: tuple[int, ...]) -> int:
+    """Element count of a shape, in Python ints (no overflow for any real tensor)."""
+    return math.prod(int(d) for d in shape)
 
 
 class DeltaOp(enum.Enum):
@@ -94,10 +100,7 @@ class TensorDelta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return shape_numel(self.shape)
 
     @property
     def nnz(self) -> int:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec import chunk_digest, encode_chunk
-from nemo_dcr.codec.types import DeltaOp, TensorDelta
+from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.manifest import (
@@ -131,11 +131,8 @@ class RefitSender:
                 prev = self.canonical.setdefault(name, c)
                 if prev != c:
                     raise RuntimeError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
-        self.canonical_numel = sum(int(np.prod(c.shape, dtype=np.int64)) for c in self.canonical.values())
-        self.dense_bytes = sum(
-            int(np.prod(c.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, c.dtype)).element_size()
-            for c in self.canonical.values()
-        )
+        self.canonical_numel = sum(shape_numel(c.shape) for c in self.canonical.values())
+        self.dense_bytes = sum(shape_numel(c.shape) * BITS_DTYPE[c.dtype].itemsize for c in self.canonical.values())
 
     # ------------------------------------------------------------------ publish
     def _deltas_for_param(self, name: str, positions: np.ndarray, xor: np.ndarray, stats: PublishStats):

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_dcr.codec.types import shape_numel
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -60,7 +62,7 @@ class ShardSpec:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.local_shape, dtype=np.int64))
+        return shape_numel(self.local_shape)
 
     def global_index(self, local_flat: np.ndarray) -> np.ndarray:
         """Global multi-indices, shape ``(n, len(global_shape))``, of local flat indices."""

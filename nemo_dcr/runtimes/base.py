@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from nemo_dcr.codec.types import BITS_DTYPE
+from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in BITS_DTYPE}
 _DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _TORCH_DTYPES.items()}
@@ -72,10 +72,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return shape_numel(self.shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:
