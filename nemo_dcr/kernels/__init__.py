@@ -21,12 +21,17 @@ to the Triton kernels (``triton_xor.py``).  With one operand on CUDA and the oth
 CPU (a pinned host baseline) the CPU operand is copied to the device first: numel * w bytes
 over PCIe, which the caller avoids by keeping the baseline where the parameter lives.
 
-Hot path, for n elements of w bytes of which k changed, B blocks (two passes by blocks):
-  count:  reads 2nw bytes, writes 8B.           O(n), branch-light word/SIMD scan.
-  fill:   reads 2w bytes per element of non-empty blocks, writes k(8 + w).  O(n + k).
-  xor_diff = count + one exact allocation (k(8 + w) bytes) + fill; no O(n) temporary
-  (the numpy reference writes an n*w XOR array and reads it again).  Blocks are split over
-  threads (CPU) or tiles (GPU) with no atomics, so the output order is deterministic.
+Hot path, for n elements of w bytes of which k changed, B blocks (CPU; the GPU form is in
+``triton_xor.py``):
+  xor_diff, xor_diff_into without counts: ONE pass.  Each thread scans its blocks (fused
+      XOR + compaction) into a private scratch kept between calls, then copies its piece to
+      its offset in the exact output.  Reads 2nw, writes k(8 + w) twice.  O(n + k).
+  xor_block_counts: reads 2nw, writes 8B.  O(n), branch-light word/SIMD scan.
+  xor_diff_into with counts (the second of two passes): reads 2w per element of non-empty
+      blocks only, writes k(8 + w) in place.
+  No O(n) temporary anywhere (the numpy reference writes an n*w XOR array and reads it
+  again).  Blocks go to threads (CPU) or tiles (GPU) with no atomics, so the output is
+  deterministic.
 Measured throughput: docs/benchmarks.md, "Diff kernel".
 """
 from __future__ import annotations

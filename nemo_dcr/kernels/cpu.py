@@ -1,8 +1,11 @@
-"""CPU path: the C count and fill passes of ``csrc/xor_diff.c``, threaded over blocks.
+"""CPU path: the C passes of ``csrc/xor_diff.c``, threaded over blocks.
 
-Both passes release the GIL and split the blocks over ``num_threads`` POSIX threads (not
-OpenMP: torch ships its own runtime).  ``xor_diff_c`` is count -> exact allocation -> fill;
-``xor_diff_into_c`` skips the allocation (and, given counts, the count pass).
+All release the GIL and split the blocks over ``num_threads`` POSIX threads (not OpenMP:
+torch ships its own runtime).  ``xor_diff_c`` and ``xor_diff_into_c`` without counts make
+one pass: each thread compacts its blocks into a private scratch kept between calls, then
+the pieces are copied, in block order, into the exact output (k(8 + w) extra bytes moved
+instead of a second read of 2nw).  ``xor_diff_into_c`` with counts runs only the fill
+pass, which writes in place at the counts' prefix sums and never reads an empty block.
 """
 from __future__ import annotations
 
@@ -22,6 +25,12 @@ from nemo_dcr.kernels.types import (
 
 #: A thread is worth starting only for at least this many input bytes (current + baseline).
 MIN_BYTES_PER_THREAD = 4 << 20
+
+
+def release_scratch() -> None:
+    """Free the per-thread scratch the one-pass diff keeps between calls (at most 128 MiB
+    per thread; larger scratch is freed after each call anyway)."""
+    _cxor.release_scratch()
 
 
 def default_threads(nbytes: int) -> int:
@@ -68,11 +77,11 @@ def xor_diff_c(
     current: torch.Tensor, baseline: torch.Tensor, *, block_size: int = 1 << 16, num_threads: int | None = None
 ) -> XorDiff:
     a, b = _operands(current, baseline, block_size)
-    nt = _threads(a, num_threads)
-    counts, total = _count(a, b, block_size, nt)
-    positions = np.empty(total, dtype=np.int64)
-    values = np.empty(total, dtype=a.dtype)
-    _fill(a, b, block_size, nt, counts, positions, values)
+    counts = np.empty(-(-a.size // block_size), dtype=np.int64)
+    positions, values = _cxor.diff(
+        a, b, a.itemsize, block_size, _threads(a, num_threads), counts,
+        lambda k: (np.empty(k, dtype=np.int64), np.empty(k, dtype=a.dtype)),
+    )
     return XorDiff(positions, values, counts, block_size, int(a.size))
 
 
@@ -90,12 +99,19 @@ def xor_diff_into_c(
         raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {BITS_NP[a.itemsize]}")
     nt = _threads(a, num_threads)
     if block_counts is None:
-        counts, total = _count(a, b, block_size, nt)
-    else:
-        counts = np.array(block_counts, dtype=np.int64, copy=True)
-        if counts.shape != (-(-a.size // block_size),):
-            raise ValueError(f"block_counts has shape {counts.shape}, the tensor has {-(-a.size // block_size)} blocks")
-        total = int(counts.sum())
+        counts = np.empty(-(-a.size // block_size), dtype=np.int64)
+
+        def views(k: int) -> tuple[np.ndarray, np.ndarray]:
+            if k > out.capacity:
+                raise DiffCapacityError(k, out.capacity, counts.copy())
+            return out.positions[:k], out.xor_values[:k]
+
+        positions, values = _cxor.diff(a, b, a.itemsize, block_size, nt, counts, views)
+        return XorDiff(positions, values, counts, block_size, int(a.size))
+    counts = np.array(block_counts, dtype=np.int64, copy=True)
+    if counts.shape != (-(-a.size // block_size),):
+        raise ValueError(f"block_counts has shape {counts.shape}, the tensor has {-(-a.size // block_size)} blocks")
+    total = int(counts.sum())
     if total > out.capacity:
         raise DiffCapacityError(total, out.capacity, counts)
     positions, values = out.positions[:total], out.xor_values[:total]

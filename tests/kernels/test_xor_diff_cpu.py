@@ -234,3 +234,22 @@ def test_cuda_matches_reference():
         assert np.array_equal(xor_block_counts(cur.cuda(), base.cuda()), want.block_counts)
         out = DiffBuffers.allocate(want.num_changed, cur.element_size(), pin_memory=True)
         assert_same(xor_diff_into(cur.cuda(), base.cuda(), out), want)
+
+
+def test_kept_scratch_serves_every_width_and_concurrent_callers():
+    """The one-pass diff keeps per-thread scratch between calls: a later call with wider
+    elements or more changes must still be exact, and so must calls from two Python threads
+    at once (one of them then works on fresh scratch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pairs = [make_pair(dt, 40_000 + 13 * k, rate, seed=k) for k, (dt, rate) in enumerate(
+        [(torch.uint8, 0.01), (torch.float64, 1.0), (torch.bfloat16, 0.03), (torch.float64, 0.5), (torch.uint8, 1.0)]
+    )]
+    wants = [xor_diff_reference(c, b, block_size=999) for c, b in pairs]
+    for (c, b), want in zip(pairs, wants):
+        assert_same(xor_diff_c(c, b, block_size=999, num_threads=2), want)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda cb: xor_diff_c(cb[0], cb[1], block_size=999, num_threads=2), pairs))
+            for g, want in zip(got, wants):
+                assert_same(g, want)

@@ -1,17 +1,21 @@
 /* XOR diff of two equally sized bit buffers: the CPU path of nemo_dcr.kernels.
  *
- * Two passes over blocks of `block_size` elements, each split over POSIX threads that own
- * contiguous runs of blocks (so no atomics), with the GIL released:
+ * Work is split by blocks of `block_size` elements over POSIX threads that own contiguous
+ * runs of blocks (no atomics; output order = block order), with the GIL released.  For n
+ * elements of w bytes, k of them changed:
  *
+ *   diff(cur, base, width, block_size, nthreads, counts_out, alloc) -> alloc(total)
+ *       One pass.  Each thread compacts its blocks into a private scratch (kept between
+ *       calls, up to SCRATCH_KEEP_BYTES per thread, huge-page advised), then alloc(total)
+ *       gives the output buffers and each thread copies its piece to its offset.
+ *       Reads 2nw; writes k(8 + w) twice and reads it once (scratch, then output).
  *   count(cur, base, width, block_size, nthreads, counts_out) -> total
- *       counts_out[b] = number of elements of block b whose bits differ.
- *       Reads 2*n*w bytes, writes 8*nblocks.
+ *       counts_out[b] = number of changed elements of block b.  Reads 2nw, writes 8/block.
  *   fill(cur, base, width, block_size, nthreads, counts, pos_out, val_out) -> total
- *       Writes the positions (int64) and XOR values (w bytes) of block b at the exclusive
- *       prefix sum of `counts`.  Blocks whose count is zero are not read at all; every other
- *       block is rescanned, and a block whose scan disagrees with its count raises
- *       LookupError without any store outside that block's slots.  Reads 2*w bytes per
- *       element of non-empty blocks, writes k*(8 + w) bytes for k changed elements.
+ *       Second pass of the two-pass form: block b is written at the exclusive prefix sum
+ *       of `counts`.  Blocks whose count is zero are not read at all; a block whose rescan
+ *       disagrees with its count raises LookupError, never storing outside its own slots.
+ *       Reads 2w per element of non-empty blocks, writes k(8 + w).
  *
  * Hot loops, per element width w in {1, 2, 4, 8}:
  *   - portable: 64-bit words (8/w elements), four at a time so an unchanged 32-byte stretch
@@ -31,6 +35,9 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -40,7 +47,7 @@
 
 #define MAX_THREADS 64
 
-enum mode { MODE_COUNT = 0, MODE_FILL = 1 };
+enum mode { MODE_COUNT = 0, MODE_FILL = 1, MODE_SCRATCH = 2, MODE_GATHER = 3 };
 
 static inline uint64_t load64(const unsigned char *p) {
     uint64_t v;
@@ -338,25 +345,122 @@ static int64_t scan_fill(const unsigned char *a, const unsigned char *b, int64_t
 
 /* ---------------------------------------------------------------- threads ------------ */
 
+/* A thread's private output of the one-pass `diff`: kept between calls (up to
+ * SCRATCH_KEEP_BYTES each) so that repeated diffs do not pay page faults on it. */
+typedef struct {
+    int64_t *pos;
+    unsigned char *val;
+    int64_t cap;        /* elements that fit in pos (and in val at width <= val_width) */
+    int val_width;
+} scratch_t;
+
+#define SCRATCH_KEEP_BYTES ((int64_t)128 << 20)
+
+static scratch_t scratch_pool[MAX_THREADS];
+static int scratch_pool_busy = 0; /* guarded by the GIL */
+
+/* Ask for transparent huge pages on a large buffer: first-touch page faults are a large
+ * share of the cost of fresh output memory (numpy does the same for its arrays). */
+static void advise_huge(void *p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t page = 4096;
+    if (bytes < ((size_t)4 << 20))
+        return;
+    uintptr_t lo = ((uintptr_t)p + page - 1) & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)p + bytes) & ~(page - 1);
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+static int scratch_reserve(scratch_t *s, int64_t need, int w) {
+    if (need <= s->cap && w <= s->val_width)
+        return 1;
+    int64_t cap = s->cap > 4096 ? s->cap : 4096;
+    while (cap < need)
+        cap *= 2;
+    int64_t *p = realloc(s->pos, (size_t)cap * sizeof(int64_t));
+    if (!p)
+        return 0;
+    s->pos = p;
+    unsigned char *v = realloc(s->val, (size_t)cap * (size_t)w);
+    if (!v)
+        return 0;
+    s->val = v;
+    s->cap = cap;
+    s->val_width = w;
+    advise_huge(s->pos, (size_t)cap * sizeof(int64_t));
+    advise_huge(s->val, (size_t)cap * (size_t)w);
+    return 1;
+}
+
+static void scratch_release(scratch_t *s, int keep) {
+    if (!keep || s->cap * (int64_t)(8 + s->val_width) > SCRATCH_KEEP_BYTES) {
+        free(s->pos);
+        free(s->val);
+        memset(s, 0, sizeof(*s));
+    }
+}
+
 typedef struct {
     const unsigned char *a, *b;
     int w, mode;
     int64_t numel, block_size;
     int64_t block_lo, block_hi; /* this job's blocks */
-    int64_t *counts;            /* count: written; fill: read */
+    int64_t *counts;            /* count, scratch: written; fill: read */
     const int64_t *offsets;     /* fill: exclusive prefix sum of counts */
     int64_t *pos;               /* fill: caller's buffers */
     unsigned char *val;
+    scratch_t *scratch;         /* scratch: this thread's output */
+    int64_t n;                  /* scratch: elements written */
     int64_t mismatch_block;     /* fill: first block whose scan disagreed, or -1 */
+    int nomem;                  /* scratch: could not grow */
 } job_t;
 
 static void *run_job(void *arg) {
     job_t *j = (job_t *)arg;
+    if (j->mode == MODE_GATHER) { /* copy this thread's scratch to its place in the output */
+        if (j->n) {
+            memcpy(j->pos, j->scratch->pos, (size_t)j->n * sizeof(int64_t));
+            memcpy(j->val, j->scratch->val, (size_t)j->n * (size_t)j->w);
+        }
+        return NULL;
+    }
+    if (j->mode == MODE_SCRATCH) {
+        /* values of this width must fit the kept capacity; a new scratch gets room for ~6%
+         * of the range changed (its pages are touched only when used) */
+        int64_t span = (j->block_hi - j->block_lo) * j->block_size;
+        int64_t need = j->scratch->cap ? j->scratch->cap : span / 16 + 4096;
+        if (!scratch_reserve(j->scratch, need, j->w)) {
+            j->nomem = 1;
+            return NULL;
+        }
+    }
     for (int64_t blk = j->block_lo; blk < j->block_hi; blk++) {
         int64_t lo = blk * j->block_size;
         int64_t hi = j->numel - lo < j->block_size ? j->numel : lo + j->block_size;
         if (j->mode == MODE_COUNT) {
             j->counts[blk] = scan_count(j->a, j->b, lo, hi, j->w);
+            continue;
+        }
+        if (j->mode == MODE_SCRATCH) {
+            /* bounded by the free scratch; a block that does not fit is rescanned after
+             * growing (so the scratch grows with the changes, not with the tensor) */
+            scratch_t *s = j->scratch;
+            int64_t k = scan_fill(j->a, j->b, lo, hi, j->w, s->pos + j->n, s->val + j->n * j->w,
+                                  s->cap - j->n);
+            if (k > s->cap - j->n) {
+                if (!scratch_reserve(s, j->n + k, j->w)) {
+                    j->nomem = 1;
+                    return NULL;
+                }
+                scan_fill(j->a, j->b, lo, hi, j->w, s->pos + j->n, s->val + j->n * j->w, k);
+            }
+            j->counts[blk] = k;
+            j->n += k;
             continue;
         }
         int64_t want = j->counts[blk];
@@ -558,6 +662,96 @@ done:
     return result;
 }
 
+/* One pass: every thread compacts its blocks into its scratch; then, with the GIL,
+ * alloc(total) returns (positions, values) writable buffers (numpy arrays: fresh, or views of
+ * a caller's; it may raise), into which the threads copy their pieces in block order. */
+static PyObject *py_diff(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *cur, *base, *counts, *alloc;
+    int w, nthreads;
+    long long block_size;
+    if (!PyArg_ParseTuple(args, "OOiLiOO", &cur, &base, &w, &block_size, &nthreads, &counts,
+                          &alloc))
+        return NULL;
+    args_t c;
+    Py_buffer pos, val;
+    int have_pos = 0, have_val = 0, own_pool = 0;
+    PyObject *result = NULL, *outs = NULL;
+    job_t jobs[MAX_THREADS];
+    scratch_t fresh[MAX_THREADS];
+    scratch_t *scratch = fresh;
+    memset(fresh, 0, sizeof(fresh));
+    if (!parse_args(&c, cur, base, w, block_size, nthreads, counts, PyBUF_WRITABLE))
+        goto done;
+    if (!scratch_pool_busy) { /* the GIL is held: no race on the flag */
+        scratch_pool_busy = own_pool = 1;
+        scratch = scratch_pool;
+    }
+    split_blocks(&c, jobs, MODE_SCRATCH);
+    for (int t = 0; t < c.nthreads; t++)
+        jobs[t].scratch = &scratch[t];
+    Py_BEGIN_ALLOW_THREADS
+    run_jobs(jobs, c.nthreads);
+    Py_END_ALLOW_THREADS
+    int64_t total = 0;
+    for (int t = 0; t < c.nthreads; t++) {
+        if (jobs[t].nomem) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        total += jobs[t].n;
+    }
+    outs = PyObject_CallFunction(alloc, "L", (long long)total);
+    if (!outs)
+        goto done;
+    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != 2) {
+        PyErr_SetString(PyExc_TypeError, "alloc must return (positions, values)");
+        goto done;
+    }
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 0), &pos, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    have_pos = 1;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 1), &val, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    have_val = 1;
+    if (pos.len / 8 < total || val.len / w < total) {
+        PyErr_Format(PyExc_ValueError, "alloc(%lld) returned buffers for %zd positions / %zd values",
+                     (long long)total, pos.len / 8, val.len / w);
+        goto done;
+    }
+    int64_t off = 0;
+    for (int t = 0; t < c.nthreads; t++) {
+        jobs[t].mode = MODE_GATHER;
+        jobs[t].pos = (int64_t *)pos.buf + off;
+        jobs[t].val = (unsigned char *)val.buf + off * w;
+        off += jobs[t].n;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_jobs(jobs, c.nthreads);
+    Py_END_ALLOW_THREADS
+    result = outs;
+    Py_INCREF(result);
+done:
+    if (have_pos) PyBuffer_Release(&pos);
+    if (have_val) PyBuffer_Release(&val);
+    Py_XDECREF(outs);
+    for (int t = 0; t < MAX_THREADS; t++)
+        scratch_release(&scratch[t], own_pool);
+    if (own_pool)
+        scratch_pool_busy = 0;
+    release_args(&c);
+    return result;
+}
+
+static PyObject *py_release_scratch(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    if (!scratch_pool_busy)
+        for (int t = 0; t < MAX_THREADS; t++)
+            scratch_release(&scratch_pool[t], 0);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -582,10 +776,14 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"diff", py_diff, METH_VARARGS,
+     "diff(cur, base, width, block_size, nthreads, counts_out, alloc) -> alloc(total)"},
     {"count", py_count, METH_VARARGS,
      "count(cur, base, width, block_size, nthreads, counts_out) -> total changed"},
     {"fill", py_fill, METH_VARARGS,
      "fill(cur, base, width, block_size, nthreads, counts, pos_out, val_out) -> total"},
+    {"release_scratch", py_release_scratch, METH_NOARGS,
+     "release_scratch(): free the per-thread scratch that diff keeps between calls"},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'portable': the loops in use"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(on) -> str: use the AVX2 loops if on and the CPU has them (not thread-safe; "
