@@ -47,7 +47,8 @@ class RefitConfig:
     receivers: int = 1
     """Receiver processes; the joint commit waits for all of them."""
     chunk_bytes: int = 1 << 20
-    """Flush a chunk once its records hold this many raw bytes (positions + values)."""
+    """Upper bound on a chunk's raw records (positions + values) before coding; large
+    tensors are split, so chunks stream while later layers are diffed."""
     upload_workers: int = 2
     """Encode/upload threads per trainer rank (overlap with diffing later layers)."""
     ack_timeout_s: float = 300.0

@@ -56,7 +56,8 @@ class SenderConfig:
     receivers: tuple[str, ...]
     """Receiver ids whose acknowledgement a joint commit needs."""
     chunk_bytes: int = 4 << 20
-    """Flush a chunk once its records hold this many bytes of positions + values."""
+    """Upper bound on a chunk's raw records (8-byte positions + values) before coding;
+    larger tensors are split into several records, so chunks stream at this granularity."""
     upload_workers: int = 2
     """Threads encoding and uploading chunks while later parameters are diffed."""
     ack_timeout_s: float = 300.0
@@ -89,6 +90,20 @@ class PublishStats:
     """Verification only: time to gather the dense reference (not part of a refit)."""
     committed: bool = False
     acks: list[dict] = field(default_factory=list)
+
+
+def _split(delta: TensorDelta, chunk_bytes: int):
+    """Cut a record into pieces of at most ``chunk_bytes`` raw bytes (positions + values),
+    each with the tight element range of its positions, so one large tensor streams as
+    several chunks instead of one."""
+    per = max(1, chunk_bytes // (8 + delta.values.itemsize))
+    if delta.nnz <= per:
+        yield delta
+        return
+    for i in range(0, delta.nnz, per):
+        pos, val = delta.positions[i : i + per], delta.values[i : i + per]
+        yield TensorDelta(name=delta.name, dtype=delta.dtype, shape=delta.shape, op=delta.op,
+                          positions=pos, values=val, element_range=(int(pos[0]), int(pos[-1]) + 1))
 
 
 def _rank() -> int:
@@ -203,11 +218,13 @@ class RefitSender:
                 if d.positions.size == 0:
                     continue
                 for delta in self._deltas_for_param(name, d.positions, d.xor_values, stats):
-                    pending.append(delta)
                     stats.changed += delta.nnz
-                    pending_bytes += delta.nnz * (8 + delta.values.itemsize)
-                if pending_bytes >= self.cfg.chunk_bytes:
-                    flush()
+                    for piece in _split(delta, self.cfg.chunk_bytes):
+                        size = piece.nnz * (8 + piece.values.itemsize)
+                        if pending and pending_bytes + size > self.cfg.chunk_bytes:
+                            flush()
+                        pending.append(piece)
+                        pending_bytes += size
             flush()
             refs = []
             for f in futures:
