@@ -207,12 +207,12 @@ def test_refit_with_pipeline_parallelism(tmp_path):
     """PP=2 (TP=1): each stage emits the layers it owns; layer indices come from Megatron's
     global offsets.  The receiver's own integer-view check against the dense refit must
     pass on every step."""
-    cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", "steps=2", *SMALL,
+    cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", f"steps={STEPS}", *SMALL,
                             "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
                             "train.lr=3e-6", "refit.verify_dense=true", f"refit.receiver_dump_dir={tmp_path}/dump"])
     summary = demo.run(cfg)
-    assert summary["refits"] == 2 and summary["committed"] == 2 and summary["bit_exact"] == 2
-    for v in (1, 2):
+    assert summary["refits"] == STEPS and summary["committed"] == STEPS and summary["bit_exact"] == STEPS
+    for v in range(1, STEPS + 1):
         received = load_file(str(tmp_path / "dump" / "r0" / f"v{v}.safetensors"))
         expected = _dense_refit_state(tmp_path, v)
         assert bit_differences(received, expected) == [], f"version {v}"
