@@ -33,6 +33,14 @@ class RecordSpec:
     param: int = 0
     """Coding parameter from the directory entry (MODEL: e_lo; others: 0)."""
 
+    def __post_init__(self) -> None:
+        if self.dtype not in BITS_DTYPE:
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if not (0 <= self.lo <= self.hi) or not (0 <= self.nnz <= self.hi - self.lo):
+            raise ValueError(f"inconsistent record: range [{self.lo}, {self.hi}), {self.nnz} entries")
+        if not 0 <= self.param <= 255:
+            raise ValueError(f"coding parameter {self.param} outside u8")
+
     @property
     def width(self) -> int:
         return BITS_DTYPE[self.dtype].itemsize

@@ -186,3 +186,23 @@ def test_apply_rejects_mismatched_target_without_writing(rng):
     assert np.array_equal(wrong_dtype, before)
     with pytest.raises(ValueError):
         apply_delta_(base[:9].copy(), d)
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_mixed_codings_in_one_chunk_keep_the_shared_model_state_in_step(rng, context):
+    """Records of one dtype share MODEL state; records that end up DENSE or SPARSE_RAW in
+    between must not desynchronise the decoder."""
+    from nemo_dcr.codec import Coding
+
+    bases, targets, deltas = {}, {}, []
+    for i, (n, rate) in enumerate([(5000, 0.02), (64, 1.0), (3, 0.7), (8000, 0.05), (200, 0.0), (4000, 0.01)]):
+        b = random_bits(rng, "bfloat16", n)
+        t = b.copy()
+        idx = np.flatnonzero(rng.random(n) < rate)
+        t[idx] ^= np.maximum(random_bits(rng, "bfloat16", idx.size), 1).astype(np.uint16)
+        name = f"t{i}"
+        bases[name], targets[name] = b, t
+        deltas.append(xor_delta(name, "bfloat16", (n,), b, t))
+    chunk, decoded = _roundtrip(deltas, bases, targets, context=context)
+    codings = {r.coding for r in decoded.records}
+    assert Coding.MODEL in codings and len(codings) >= 2

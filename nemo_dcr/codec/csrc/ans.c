@@ -1,6 +1,6 @@
 /*
  * nemo_dcr.codec._cans: adaptive binary range coder and the context models of the
- * MODEL record coding (wire format v1, docs/wire-format.md, "MODEL payload").
+ * MODEL record coding (wire format v1, docs/wire-format.md, "MODEL: adaptive binary range coding").
  *
  * One record = one pass over the elements of its range [lo, hi).  For each element the
  * coder codes a "present" flag (is this position in the record?) and, when present, the
@@ -26,10 +26,15 @@
  * byte-oriented kind (32-bit range, 31-bit coding probabilities); its first output byte is
  * always zero and is not stored, nor are trailing zero bytes.
  *
- * Cost: one binary decision per element until the last present one, plus ~h+6 per present
- * element; memory: the context tables (~0.5 MB), no per-element state.  Both entry points
- * release the GIL.  A pure-Python twin (nemo_dcr/codec/model_ref.py) produces the same
- * bytes; the tests compare them.
+ * The context tables (a Model, 250 KB) live in a caller-owned buffer so that the records of
+ * one chunk continue one adaptive state (model.ModelStates); the coder keeps no other state
+ * per element.
+ *
+ * Hot path: one binary decision per element up to the last present one (two 64-bit
+ * multiplies, no division), plus ~h+6 decisions per present element; memory traffic is
+ * one read of the positions/values (and of the base range in context mode) and one write
+ * of the output.  Both entry points release the GIL.  A pure-Python twin
+ * (nemo_dcr/codec/model_ref.py) produces the same bytes; the tests compare them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
