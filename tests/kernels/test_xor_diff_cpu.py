@@ -32,6 +32,14 @@ DTYPES = [
 ]
 
 
+@pytest.fixture
+def tiny_scratch():
+    """Shrink the per-thread scratch of the one-pass diff so that small inputs spill."""
+    old = _cxor.set_scratch_keep(4096)  # 409 bf16 changes per thread
+    yield
+    _cxor.set_scratch_keep(old)
+
+
 @pytest.fixture(params=["avx2", "portable"])
 def simd(request):
     """Run a test on both C loops (the AVX2 one only where the CPU has it)."""
@@ -253,3 +261,16 @@ def test_kept_scratch_serves_every_width_and_concurrent_callers():
             got = list(pool.map(lambda cb: xor_diff_c(cb[0], cb[1], block_size=999, num_threads=2), pairs))
             for g, want in zip(got, wants):
                 assert_same(g, want)
+
+
+@pytest.mark.parametrize("rate", [0.002, 0.05, 1.0])
+def test_spill_past_the_scratch_limit_is_exact(simd, tiny_scratch, rate):
+    """A thread whose scratch fills up counts the rest of its blocks and fills them in place
+    after the allocation: at 0.2% nothing spills, at 5% the spill starts mid-range, at 100%
+    in the first block."""
+    cur, base = make_pair(torch.bfloat16, 200_003, rate, seed=21)
+    want = xor_diff_reference(cur, base, block_size=1000)
+    for threads in (1, 2, 3):
+        assert_same(xor_diff_c(cur, base, block_size=1000, num_threads=threads), want)
+        out = DiffBuffers.allocate(want.num_changed, 2)
+        assert_same(xor_diff_into(cur, base, out, block_size=1000), want)

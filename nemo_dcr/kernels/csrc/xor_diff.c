@@ -5,10 +5,12 @@
  * elements of w bytes, k of them changed:
  *
  *   diff(cur, base, width, block_size, nthreads, counts_out, alloc) -> alloc(total)
- *       One pass.  Each thread compacts its blocks into a private scratch (kept between
- *       calls, up to SCRATCH_KEEP_BYTES per thread, huge-page advised), then alloc(total)
- *       gives the output buffers and each thread copies its piece to its offset.
- *       Reads 2nw; writes k(8 + w) twice and reads it once (scratch, then output).
+ *       One pass while the changes fit.  Each thread compacts its blocks into a private
+ *       scratch (kept between calls, at most scratch_keep_bytes per thread, huge-page
+ *       advised); then alloc(total) gives the output buffers and each thread copies its
+ *       piece to its offset.  Reads 2nw; writes k(8 + w) twice.  A thread whose scratch is
+ *       full only counts its remaining blocks and fills them in place after alloc (the
+ *       two-pass form below), so dense diffs never double their output traffic.
  *   count(cur, base, width, block_size, nthreads, counts_out) -> total
  *       counts_out[b] = number of changed elements of block b.  Reads 2nw, writes 8/block.
  *   fill(cur, base, width, block_size, nthreads, counts, pos_out, val_out) -> total
@@ -346,7 +348,7 @@ static int64_t scan_fill(const unsigned char *a, const unsigned char *b, int64_t
 /* ---------------------------------------------------------------- threads ------------ */
 
 /* A thread's private output of the one-pass `diff`: kept between calls (up to
- * SCRATCH_KEEP_BYTES each) so that repeated diffs do not pay page faults on it. */
+ * scratch_keep_bytes each) so that repeated diffs do not pay page faults on it. */
 typedef struct {
     int64_t *pos;
     unsigned char *val;
@@ -354,7 +356,7 @@ typedef struct {
     int val_width;
 } scratch_t;
 
-#define SCRATCH_KEEP_BYTES ((int64_t)128 << 20)
+static int64_t scratch_keep_bytes = (int64_t)128 << 20; /* per thread */
 
 static scratch_t scratch_pool[MAX_THREADS];
 static int scratch_pool_busy = 0; /* guarded by the GIL */
@@ -376,12 +378,15 @@ static void advise_huge(void *p, size_t bytes) {
 #endif
 }
 
-static int scratch_reserve(scratch_t *s, int64_t need, int w) {
+/* Room for `need` elements of width w: capacity doubles, but not past max(need, ceiling). */
+static int scratch_reserve(scratch_t *s, int64_t need, int64_t ceiling, int w) {
     if (need <= s->cap && w <= s->val_width)
         return 1;
     int64_t cap = s->cap > 4096 ? s->cap : 4096;
     while (cap < need)
         cap *= 2;
+    if (cap > ceiling)
+        cap = need > ceiling ? need : ceiling;
     int64_t *p = realloc(s->pos, (size_t)cap * sizeof(int64_t));
     if (!p)
         return 0;
@@ -397,8 +402,10 @@ static int scratch_reserve(scratch_t *s, int64_t need, int w) {
     return 1;
 }
 
+static int64_t scratch_ceiling(int w) { return scratch_keep_bytes / (8 + w); }
+
 static void scratch_release(scratch_t *s, int keep) {
-    if (!keep || s->cap * (int64_t)(8 + s->val_width) > SCRATCH_KEEP_BYTES) {
+    if (!keep || s->cap * (int64_t)(8 + s->val_width) > scratch_keep_bytes) {
         free(s->pos);
         free(s->val);
         memset(s, 0, sizeof(*s));
@@ -416,50 +423,58 @@ typedef struct {
     unsigned char *val;
     scratch_t *scratch;         /* scratch: this thread's output */
     int64_t n;                  /* scratch: elements written */
+    int64_t spill_from;         /* scratch: first block that did not fit (only counted) */
     int64_t mismatch_block;     /* fill: first block whose scan disagreed, or -1 */
     int nomem;                  /* scratch: could not grow */
 } job_t;
 
 static void *run_job(void *arg) {
     job_t *j = (job_t *)arg;
-    if (j->mode == MODE_GATHER) { /* copy this thread's scratch to its place in the output */
+    if (j->mode == MODE_GATHER) {
+        /* this thread's scratch to its offset, then its spilled blocks filled in place */
         if (j->n) {
-            memcpy(j->pos, j->scratch->pos, (size_t)j->n * sizeof(int64_t));
-            memcpy(j->val, j->scratch->val, (size_t)j->n * (size_t)j->w);
+            int64_t off = j->offsets[j->block_lo];
+            memcpy(j->pos + off, j->scratch->pos, (size_t)j->n * sizeof(int64_t));
+            memcpy(j->val + off * j->w, j->scratch->val, (size_t)j->n * (size_t)j->w);
         }
-        return NULL;
+        j->mode = MODE_FILL;
+        j->block_lo = j->spill_from;
     }
     if (j->mode == MODE_SCRATCH) {
         /* values of this width must fit the kept capacity; a new scratch gets room for ~6%
          * of the range changed (its pages are touched only when used) */
-        int64_t span = (j->block_hi - j->block_lo) * j->block_size;
-        int64_t need = j->scratch->cap ? j->scratch->cap : span / 16 + 4096;
-        if (!scratch_reserve(j->scratch, need, j->w)) {
+        int64_t span = (j->block_hi - j->block_lo) * j->block_size, cap = j->scratch->cap;
+        int64_t ceiling = scratch_ceiling(j->w);
+        int64_t need = cap ? cap : span / 16 + 4096 < ceiling ? span / 16 + 4096 : ceiling;
+        if (!scratch_reserve(j->scratch, need, ceiling, j->w)) {
             j->nomem = 1;
             return NULL;
         }
+        j->spill_from = j->block_hi;
     }
     for (int64_t blk = j->block_lo; blk < j->block_hi; blk++) {
         int64_t lo = blk * j->block_size;
         int64_t hi = j->numel - lo < j->block_size ? j->numel : lo + j->block_size;
-        if (j->mode == MODE_COUNT) {
+        if (j->mode == MODE_COUNT || (j->mode == MODE_SCRATCH && blk >= j->spill_from)) {
             j->counts[blk] = scan_count(j->a, j->b, lo, hi, j->w);
             continue;
         }
         if (j->mode == MODE_SCRATCH) {
-            /* bounded by the free scratch; a block that does not fit is rescanned after
-             * growing (so the scratch grows with the changes, not with the tensor) */
+            /* bounded by the free scratch (the count stays exact when it overflows); a block
+             * that does not fit grows the scratch up to its ceiling and is rescanned, or else
+             * it and the rest of the range are only counted here and filled in place later */
             scratch_t *s = j->scratch;
             int64_t k = scan_fill(j->a, j->b, lo, hi, j->w, s->pos + j->n, s->val + j->n * j->w,
                                   s->cap - j->n);
+            j->counts[blk] = k;
             if (k > s->cap - j->n) {
-                if (!scratch_reserve(s, j->n + k, j->w)) {
-                    j->nomem = 1;
-                    return NULL;
+                int64_t ceiling = scratch_ceiling(j->w);
+                if (j->n + k > ceiling || !scratch_reserve(s, j->n + k, ceiling, j->w)) {
+                    j->spill_from = blk;
+                    continue;
                 }
                 scan_fill(j->a, j->b, lo, hi, j->w, s->pos + j->n, s->val + j->n * j->w, k);
             }
-            j->counts[blk] = k;
             j->n += k;
             continue;
         }
@@ -676,6 +691,7 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     args_t c;
     Py_buffer pos, val;
     int have_pos = 0, have_val = 0, own_pool = 0;
+    int64_t *offsets = NULL;
     PyObject *result = NULL, *outs = NULL;
     job_t jobs[MAX_THREADS];
     scratch_t fresh[MAX_THREADS];
@@ -693,14 +709,24 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run_jobs(jobs, c.nthreads);
     Py_END_ALLOW_THREADS
-    int64_t total = 0;
     for (int t = 0; t < c.nthreads; t++) {
         if (jobs[t].nomem) {
             PyErr_NoMemory();
             goto done;
         }
-        total += jobs[t].n;
     }
+    /* output offset of every block; spilled blocks are in the counts, not in a scratch */
+    offsets = malloc((size_t)(c.nblocks + 1) * sizeof(int64_t));
+    if (!offsets) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t total = 0;
+    for (int64_t blk = 0; blk < c.nblocks; blk++) {
+        offsets[blk] = total;
+        total += ((const int64_t *)c.counts.buf)[blk];
+    }
+    offsets[c.nblocks] = total;
     outs = PyObject_CallFunction(alloc, "L", (long long)total);
     if (!outs)
         goto done;
@@ -719,19 +745,26 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
                      (long long)total, pos.len / 8, val.len / w);
         goto done;
     }
-    int64_t off = 0;
     for (int t = 0; t < c.nthreads; t++) {
         jobs[t].mode = MODE_GATHER;
-        jobs[t].pos = (int64_t *)pos.buf + off;
-        jobs[t].val = (unsigned char *)val.buf + off * w;
-        off += jobs[t].n;
+        jobs[t].offsets = offsets;
+        jobs[t].pos = pos.buf;
+        jobs[t].val = val.buf;
     }
     Py_BEGIN_ALLOW_THREADS
     run_jobs(jobs, c.nthreads);
     Py_END_ALLOW_THREADS
+    for (int t = 0; t < c.nthreads; t++) {
+        if (jobs[t].mismatch_block >= 0) {
+            PyErr_Format(PyExc_LookupError, "block %lld changed while it was being diffed",
+                         (long long)jobs[t].mismatch_block);
+            goto done;
+        }
+    }
     result = outs;
     Py_INCREF(result);
 done:
+    free(offsets);
     if (have_pos) PyBuffer_Release(&pos);
     if (have_val) PyBuffer_Release(&val);
     Py_XDECREF(outs);
@@ -750,6 +783,22 @@ static PyObject *py_release_scratch(PyObject *self, PyObject *args) {
         for (int t = 0; t < MAX_THREADS; t++)
             scratch_release(&scratch_pool[t], 0);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_set_scratch_keep(PyObject *self, PyObject *args) {
+    (void)self;
+    long long bytes;
+    if (!PyArg_ParseTuple(args, "L", &bytes))
+        return NULL;
+    if (bytes < 1024 || scratch_pool_busy) {
+        PyErr_SetString(PyExc_ValueError, "scratch limit must be >= 1024 bytes, set while idle");
+        return NULL;
+    }
+    long long old = (long long)scratch_keep_bytes;
+    scratch_keep_bytes = bytes;
+    for (int t = 0; t < MAX_THREADS; t++)
+        scratch_release(&scratch_pool[t], 0);
+    return PyLong_FromLongLong(old);
 }
 
 static PyObject *py_simd(PyObject *self, PyObject *args) {
@@ -784,6 +833,8 @@ static PyMethodDef methods[] = {
      "fill(cur, base, width, block_size, nthreads, counts, pos_out, val_out) -> total"},
     {"release_scratch", py_release_scratch, METH_NOARGS,
      "release_scratch(): free the per-thread scratch that diff keeps between calls"},
+    {"set_scratch_keep", py_set_scratch_keep, METH_VARARGS,
+     "set_scratch_keep(bytes) -> old: per-thread scratch limit of diff (tests use a tiny one)"},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'portable': the loops in use"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(on) -> str: use the AVX2 loops if on and the CPU has them (not thread-safe; "
