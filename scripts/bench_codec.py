@@ -41,6 +41,7 @@ from nemo_dcr.codec import DeltaOp, TensorDelta, decode_chunk, encode_chunk, rea
 from nemo_dcr.codec.bound import iid_bound_bytes, pooled_bound_bytes
 from nemo_dcr.kernels import bits_view_np, xor_diff
 
+LARGE = 1 << 16  # elements: "large" tensors in the payload/bound split
 PUBLISHED = ["gap16+xor+zstd1", "gap32+xor+zstd1", "idx32+bf16 raw", "idx32+bf16+zstd", "dense xor+zstd"]
 
 
@@ -115,6 +116,7 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
     pub = dict.fromkeys(PUBLISHED, 0)
     numel = nbytes = 0
     bound = 0.0
+    tensor_bound: dict[str, float] = {}
     flags = {"iid": 0.0, "neighbours": 0.0, "neighbours_exponent": 0.0}
     for name in sorted(base):
         b, t = base[name].contiguous(), target[name].contiguous()
@@ -127,7 +129,8 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
         n = bb.size
         numel += n
         nbytes += n * bb.itemsize
-        bound += iid_bound_bytes(n, diff.xor_values)
+        tensor_bound[name] = iid_bound_bytes(n, diff.xor_values)
+        bound += tensor_bound[name]
         records.append((n, diff.xor_values))
         dense = bb ^ tb
         for k, v in published_sizes(diff.positions, diff.xor_values, tb[diff.positions], dense).items():
@@ -144,7 +147,16 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
         assert all(np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
                    for a, b in zip(deltas, dec.deltas))
         row[f"dcr_{mode}_bytes"] = len(chunk)
-        row[f"dcr_{mode}_framing_bytes"] = len(chunk) - sum(r.payload_bytes for r in read_chunk_index(chunk).records)
+        recs = read_chunk_index(chunk).records
+        row[f"dcr_{mode}_framing_bytes"] = len(chunk) - sum(r.payload_bytes for r in recs)
+        # Payload vs bound split by tensor size: the bound's free per-tensor distribution is
+        # worth most in small tensors.
+        for part, keep in (("large", lambda r: r.element_range[1] - r.element_range[0] >= LARGE),
+                           ("small", lambda r: r.element_range[1] - r.element_range[0] < LARGE)):
+            sel = [r for r in recs if keep(r)]
+            row[f"dcr_{mode}_{part}_tensors"] = len(sel)
+            row[f"dcr_{mode}_{part}_payload_bytes"] = sum(r.payload_bytes for r in sel)
+            row[f"{part}_bound_bytes"] = sum(tensor_bound[r.name] for r in sel)
         row[f"dcr_{mode}_encode_gbps"] = nbytes / t_enc / 1e9
         row[f"dcr_{mode}_decode_gbps"] = nbytes / t_dec / 1e9
     for k, v in pub.items():
@@ -169,6 +181,12 @@ def print_table(rows: list[dict]) -> None:
               f"(vs pooled bound: free {r['dcr_free_bytes'] / r['pooled_bound_bytes']:.4f}x)  "
               f"gap16+zstd1 {r['gap16+xor+zstd1_bytes'] / b:.3f}x; framing {r['dcr_free_framing_bytes']} B "
               f"({r['dcr_free_framing_bytes'] / r['dcr_free_bytes']:.2%} of the chunk)")
+    print(f"\ncontext-free payload / bound, tensors with >= {LARGE} elements | smaller tensors:")
+    for r in rows:
+        print(f"{r['pair']:18s} {r['dcr_free_large_payload_bytes'] / r['large_bound_bytes']:.4f}x "
+              f"({r['dcr_free_large_tensors']} tensors) | {r['dcr_free_small_payload_bytes'] / r['small_bound_bytes']:.4f}x "
+              f"({r['dcr_free_small_tensors']} tensors, {r['dcr_free_small_payload_bytes']} B vs bound "
+              f"{r['small_bound_bytes']:.0f} B)")
     print("\nflag (changed/unchanged) entropy, bytes per changed element: i.i.d. | given left+up flags | "
           "given left+up flags and base exponent")
     for r in rows:
