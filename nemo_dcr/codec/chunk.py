@@ -306,6 +306,10 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
     if need > budget[0]:
         raise ChunkFormatError(f"{name}: decoded size exceeds the chunk limit {limits.max_decoded_bytes}")
     budget[0] -= need
+    if coding_e is Coding.MODEL:
+        if hi - lo > budget[1]:
+            raise ChunkFormatError(f"{name}: MODEL ranges exceed the chunk limit of {limits.max_scan_elements} elements")
+        budget[1] -= hi - lo
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
                       nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
     return _Entry(info, ccrc, param)
@@ -347,7 +351,7 @@ def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] |
     r = _Reader(buf, HEADER.size, len(buf) - TRAILER.size)
     meta = _decode_meta(r.section(h.meta_len, "metadata"), limits)
     dr = _Reader(_inflate_directory(r.section(h.dir_len, "directory"), h.dir_raw_len), 0, h.dir_raw_len)
-    budget = [limits.max_decoded_bytes]
+    budget = [limits.max_decoded_bytes, limits.max_scan_elements]
     entries = [_parse_entry(dr, limits, budget) for _ in range(h.n_records)]
     if dr.pos != dr.end:
         raise ChunkFormatError(f"{dr.end - dr.pos} trailing bytes in the directory")

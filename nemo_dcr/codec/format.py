@@ -118,6 +118,10 @@ class ChunkLimits:
     """Inflated bytes of the record directory."""
     max_decoded_bytes: int = 1 << 34
     """Total bytes of decoded positions (8 per entry) and values, summed over the chunk."""
+    max_scan_elements: int = 1 << 33
+    """Elements the MODEL decoder walks (range lengths of MODEL records), summed over the
+    chunk: bounds decoding CPU time (~1 minute at the default), since a tiny payload can
+    declare a huge range."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

@@ -13,6 +13,7 @@ LIMIT_FLAG = 4095
 LIMIT_VAL = 1023
 NEXP, NROW, NPH = 32, 8, 18
 LOWTREE_BITS = 8
+MAX_STRIP = 4
 ONE = 1 << 31
 RECIP = [(65536 + (n + 2) // 2) // (n + 2) for n in range(max(LIMIT_FLAG, LIMIT_VAL) + 1)]
 
@@ -92,8 +93,9 @@ class RefEncoder:
                 break
         for _ in range(5):
             self._shift()
-        while len(self.out) > 1 and self.out[-1] == 0:
-            self.out.pop()
+        for _ in range(MAX_STRIP):
+            if len(self.out) > 1 and self.out[-1] == 0:
+                self.out.pop()
         assert self.out[0] == 0
         return bytes(self.out[1:])
 
@@ -309,6 +311,8 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, row_len, width, es
             vals.append(v)
             s.prev_h, s.last = h + 1, i
         s.step(P, present)
+        if dec.over > MAX_STRIP:
+            raise ValueError("stream ends before its content")
         i += 1
     if len(pos) != nnz or dec.pos != len(dec.data):
         raise ValueError("stream length does not match its content")

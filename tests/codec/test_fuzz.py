@@ -136,6 +136,7 @@ HOSTILE = {
     "negative raw position": [(_fields(nnz=1, plen=10), b"w", (4,), struct.pack("<q", -1) + b"\1\0")],
     "zstd bomb": [(_fields(coding=2, nnz=1, plen=0), b"w", (4,), b"")],
     "model garbage": [(_fields(coding=3, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
+    "model huge range": [(_fields(coding=3, nnz=1, hi=2**40, plen=4), b"w", (2**40,), b"\x01\x02\x03\x04")],
     "model garbage ctx": [(_fields(coding=3, flags=1, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
 }
 
@@ -145,6 +146,15 @@ def test_forged_records_are_rejected(case):
     data = _forge(HOSTILE[case])
     with pytest.raises(ChunkFormatError):
         decode_chunk(data, base={"w": np.zeros(4, np.uint16)})
+
+
+def test_model_stream_that_runs_dry_stops_early():
+    """A MODEL record whose stream ends long before its range is rejected after a few bytes'
+    worth of elements.  Walking its whole 2**36-element range instead (allowed by these
+    limits) would take many minutes, so this test would hang rather than pass."""
+    data = _forge([(_fields(coding=3, nnz=2, hi=2**36, plen=2), b"w", (2**36,), b"\x00\x01")])
+    with pytest.raises(ChunkFormatError, match="MODEL payload"):
+        decode_chunk(data, limits=ChunkLimits(max_scan_elements=2**40))
 
 
 def test_zstd_bomb_is_bounded():
@@ -178,7 +188,7 @@ def test_limits_are_enforced_before_decoding():
     data = CHUNKS[False][0]
     for lim in [ChunkLimits(max_records=3), ChunkLimits(max_name_bytes=3), ChunkLimits(max_decoded_bytes=100),
                 ChunkLimits(max_chunk_bytes=100), ChunkLimits(max_numel=1000), ChunkLimits(max_meta_entries=0),
-                ChunkLimits(max_directory_bytes=100)]:
+                ChunkLimits(max_directory_bytes=100), ChunkLimits(max_scan_elements=1000)]:
         with pytest.raises(ChunkFormatError):
             decode_chunk(data, limits=lim)
     assert len(decode_chunk(data, limits=ChunkLimits()).deltas) == 4

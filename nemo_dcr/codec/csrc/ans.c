@@ -56,6 +56,7 @@
 #define MAXW 64
 #define HNODES 128       /* bit tree over h in 0..64 (7 bits) */
 #define LOWTREE_BITS 8
+#define MAX_STRIP 4      /* trailing zero bytes the encoder may drop */
 
 typedef struct {
     uint32_t p; /* P(bit = 1) * 2^31 */
@@ -159,8 +160,9 @@ static inline void enc_bit(Enc *e, Bit *b, int bit, uint32_t limit) {
 }
 
 /* Any value in [low, low + range) identifies the stream: pick the one with the most
- * trailing zero bits, push everything out, and drop trailing zero bytes (the decoder reads
- * bytes past the end as zeros).  Saves ~3 bytes per record over a plain 5-byte flush. */
+ * trailing zero bits, push everything out, and drop up to MAX_STRIP trailing zero bytes
+ * (the decoder reads bytes past the end as zeros, and rejects a stream that needs more than
+ * MAX_STRIP of them, which stops garbage early).  Saves ~3 bytes per record. */
 static void enc_flush(Enc *e) {
     for (int k = 32; k > 0; k -= 8) {
         uint64_t mask = (1ull << k) - 1;
@@ -171,7 +173,7 @@ static void enc_flush(Enc *e) {
         }
     }
     for (int i = 0; i < 5; i++) enc_shift(e);
-    while (e->len > 1 && e->buf[e->len - 1] == 0) e->len--;
+    for (int k = 0; k < MAX_STRIP && e->len > 1 && e->buf[e->len - 1] == 0; k++) e->len--;
 }
 
 /* ------------------------------------------------------------------ range decoder */
@@ -469,6 +471,7 @@ static inline __attribute__((always_inline)) int decode_record_w(Dec *d, Model *
             j++;
         }
         state_step(&s, P, present);
+        if (d->over > MAX_STRIP) return -2; /* read past what the encoder can have dropped */
     }
     if (j != nnz) return -1;
     if (d->p != d->end) return -2; /* bytes the encoder never wrote */
