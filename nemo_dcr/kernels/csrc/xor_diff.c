@@ -391,6 +391,8 @@ static int scratch_reserve(scratch_t *s, int64_t need, int64_t ceiling, int w) {
     if (!p)
         return 0;
     s->pos = p;
+    if (cap < s->cap) /* keep `cap` true for both buffers if the next realloc fails */
+        s->cap = cap;
     unsigned char *v = realloc(s->val, (size_t)cap * (size_t)w);
     if (!v)
         return 0;
