@@ -25,12 +25,14 @@ Hot path, for n elements of w bytes of which k changed, B blocks (CPU; the GPU f
 ``triton_xor.py``):
   xor_diff, xor_diff_into without counts: ONE pass.  Each thread scans its blocks (fused
       XOR + compaction) into a private scratch kept between calls, then copies its piece to
-      its offset in the exact output.  Reads 2nw, writes k(8 + w) twice.  O(n + k).
+      its offset in the exact output.  Reads 2nw, writes k(8 + w) twice.  O(n + k).  The
+      scratch is capped (128 MiB per thread, ``cpu.release_scratch()`` frees it); blocks
+      past the cap are only counted in the pass and filled in place afterwards.
   xor_block_counts: reads 2nw, writes 8B.  O(n), branch-light word/SIMD scan.
   xor_diff_into with counts (the second of two passes): reads 2w per element of non-empty
       blocks only, writes k(8 + w) in place.
   No O(n) temporary anywhere (the numpy reference writes an n*w XOR array and reads it
-  again).  Blocks go to threads (CPU) or tiles (GPU) with no atomics, so the output is
+  again); only a non-contiguous input is first copied to a contiguous one.  Blocks go to threads (CPU) or tiles (GPU) with no atomics, so the output is
   deterministic.
 Measured throughput: docs/benchmarks.md, "Diff kernel".
 """
