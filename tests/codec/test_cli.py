@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from nemo_dcr.cli import main
 
+from codec_helpers import needs_native
+
 
 def _ints(t: torch.Tensor) -> np.ndarray:
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -37,7 +39,7 @@ def files(tmp_path):
     return tmp_path, paths, base, target
 
 
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("context", [False, pytest.param(True, marks=needs_native)])
 def test_encode_apply_inspect_round_trip(files, context, capsys):
     tmp, p, base, target = files
     d, out = tmp / "d.dcr", tmp / "c.safetensors"

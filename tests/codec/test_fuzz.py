@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
 from nemo_dcr.codec.format import ENTRY_FIXED, HEADER, TRAILER, U32, crc32
 
-from codec_helpers import random_bits, xor_delta
+from codec_helpers import needs_native, random_bits, xor_delta
 
 
 def _valid_chunk(context: bool = False) -> tuple[bytes, dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -148,6 +148,7 @@ def test_forged_records_are_rejected(case):
         decode_chunk(data, base={"w": np.zeros(4, np.uint16)})
 
 
+@needs_native
 def test_model_stream_that_runs_dry_stops_early():
     """A MODEL record whose stream ends long before its range is rejected after a few bytes'
     worth of elements.  Walking its whole 2**36-element range instead (allowed by these
@@ -188,7 +189,14 @@ def test_limits_are_enforced_before_decoding():
     data = CHUNKS[False][0]
     for lim in [ChunkLimits(max_records=3), ChunkLimits(max_name_bytes=3), ChunkLimits(max_decoded_bytes=100),
                 ChunkLimits(max_chunk_bytes=100), ChunkLimits(max_numel=1000), ChunkLimits(max_meta_entries=0),
-                ChunkLimits(max_directory_bytes=100), ChunkLimits(max_scan_elements=1000)]:
+                ChunkLimits(max_directory_bytes=100)]:
         with pytest.raises(ChunkFormatError):
             decode_chunk(data, limits=lim)
     assert len(decode_chunk(data, limits=ChunkLimits()).deltas) == 4
+
+
+@needs_native
+def test_scan_limit_is_enforced_before_decoding():
+    data = CHUNKS[False][0]
+    with pytest.raises(ChunkFormatError, match="MODEL ranges exceed"):
+        decode_chunk(data, limits=ChunkLimits(max_scan_elements=1000))

@@ -8,9 +8,9 @@ from nemo_dcr.codec import BITS_DTYPE, DeltaOp
 from nemo_dcr.codec import model, model_ref
 from nemo_dcr.codec.payload import RecordSpec
 
-from codec_helpers import FLOAT_SPECIALS, random_bits
+from codec_helpers import FLOAT_SPECIALS, needs_native, random_bits
 
-pytestmark = pytest.mark.skipif(not model.available(), reason="native coder not built")
+pytestmark = needs_native
 
 
 def _record(rng, dtype, n, rate, op, specials=False):

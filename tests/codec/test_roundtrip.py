@@ -19,7 +19,7 @@ from nemo_dcr.codec import (
     encode_chunk,
 )
 
-from codec_helpers import FLOAT_SPECIALS, overwrite_delta, random_bits, xor_delta
+from codec_helpers import FLOAT_SPECIALS, needs_native, overwrite_delta, random_bits, xor_delta
 
 DTYPES = sorted(BITS_DTYPE)
 
@@ -147,11 +147,10 @@ def test_negative_control_one_flipped_bit_is_detected(rng):
     assert int(np.count_nonzero(out2 != target)) == 1
 
 
+@needs_native
 def test_context_record_needs_base_and_rejects_wrong_base(rng):
-    from nemo_dcr.codec import ChunkFormatError, model
+    from nemo_dcr.codec import ChunkFormatError
 
-    if not model.available():
-        pytest.skip("context mode needs the native range coder")
     base = random_bits(rng, "bfloat16", 2000)
     target = base.copy()
     target[rng.choice(2000, 200, replace=False)] += np.uint16(1)
@@ -188,6 +187,7 @@ def test_apply_rejects_mismatched_target_without_writing(rng):
         apply_delta_(base[:9].copy(), d)
 
 
+@needs_native
 @pytest.mark.parametrize("context", [False, True])
 def test_mixed_codings_in_one_chunk_keep_the_shared_model_state_in_step(rng, context):
     """Records of one dtype share MODEL state; records that end up DENSE or SPARSE_RAW in
