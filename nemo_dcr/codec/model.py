@@ -77,10 +77,6 @@ def choose_e_lo(dtype: str, base_range: np.ndarray) -> int:
     return max(0, top - (NEXP - 1))
 
 
-def _row_len(spec) -> int:
-    return spec.shape[-1] if len(spec.shape) >= 2 else 0
-
-
 def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | None,
            states: ModelStates) -> tuple[bytes, int, np.ndarray]:
     """(payload, e_lo, model state after it): the caller ``put``s the state only if it keeps
@@ -91,20 +87,23 @@ def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | N
     stream = _cans.encode(
         state, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values),
         None if base is None else np.ascontiguousarray(base),
-        spec.lo, spec.hi, _row_len(spec), width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
+        spec.lo, spec.hi, spec.row_len, width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
     )
     return stream, e_lo, state
 
 
 def decode(spec, payload: memoryview, base: np.ndarray | None,
            states: ModelStates) -> tuple[np.ndarray, np.ndarray]:
-    e_lo = spec.param
+    """(positions, values) of a MODEL record; ``spec.nnz`` was checked against the limits,
+    so the output arrays are allocated before decoding and never grow."""
     width, eshift, ebits = coder_params(spec.dtype)
     pos = np.empty(spec.nnz, dtype=np.int64)
     val = np.empty(spec.nnz, dtype=BITS_DTYPE[spec.dtype])
+    state = states.get(spec.dtype, base is not None)
     try:
-        _cans.decode(states.get(spec.dtype, base is not None), payload, spec.nnz, base, spec.lo, spec.hi, _row_len(spec), width, eshift, ebits,
-                     e_lo, 0 if spec.op is DeltaOp.XOR else 1, pos, val)
+        _cans.decode(state, payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
+                     spec.lo, spec.hi, spec.row_len, width, eshift, ebits, spec.param,
+                     0 if spec.op is DeltaOp.XOR else 1, pos, val)
     except ValueError as e:
         raise ChunkFormatError(f"MODEL payload: {e}") from None
     return pos, val
