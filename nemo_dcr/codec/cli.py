@@ -223,8 +223,8 @@ def _inspect(args) -> int:
     t = report["total"]
     print(f"total: {t['records']} records, {t['changed']} changed ({t['changed_pct']:.3f}%), "
           f"{t['chunk_bytes']} bytes, {f(t['bytes_per_changed'], '.3f')} bytes per changed element, "
-          f"{f(t['ratio_to_bound'], '.3f')}x the i.i.d. bound"
-          + ("" if t["bound_bytes"] is not None else " (context records: pass --base for the bound)"))
+          + (f"{t['ratio_to_bound']:.3f}x the i.i.d. bound" if t["ratio_to_bound"] is not None
+             else "i.i.d. bound n/a (context records: pass --base)"))
     return 0
 
 
