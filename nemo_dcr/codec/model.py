@@ -87,7 +87,7 @@ def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | N
     stream = _cans.encode(
         state, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values),
         None if base is None else np.ascontiguousarray(base),
-        spec.lo, spec.hi, spec.row_len, width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
+        spec.lo, spec.hi, width, eshift, ebits, e_lo, 0 if spec.op is DeltaOp.XOR else 1,
     )
     return stream, e_lo, state
 
@@ -102,7 +102,7 @@ def decode(spec, payload: memoryview, base: np.ndarray | None,
     state = states.get(spec.dtype, base is not None)
     try:
         _cans.decode(state, payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
-                     spec.lo, spec.hi, spec.row_len, width, eshift, ebits, spec.param,
+                     spec.lo, spec.hi, width, eshift, ebits, spec.param,
                      0 if spec.op is DeltaOp.XOR else 1, pos, val)
     except ValueError as e:
         raise ChunkFormatError(f"MODEL payload: {e}") from None

@@ -11,9 +11,10 @@ import numpy as np
 
 LIMIT_FLAG = 4095
 LIMIT_VAL = 1023
-NEXP, NROW, NPH = 32, 8, 18
+NEXP, NPH = 32, 18
 LOWTREE_BITS = 8
 MAX_STRIP = 4
+NGB, GAPTREE_BITS = 24, 3
 ONE = 1 << 31
 RECIP = [(65536 + (n + 2) // 2) // (n + 2) for n in range(max(LIMIT_FLAG, LIMIT_VAL) + 1)]
 
@@ -130,12 +131,12 @@ class RefDecoder:
 
 
 class _Params:
-    def __init__(self, width, eshift, ebits, e_lo, op, lo, hi, row_len, base):
+    def __init__(self, width, eshift, ebits, e_lo, op, lo, hi, base):
         self.width, self.W = width, 8 * width
         self.hbits = self.W.bit_length()
         self.eshift, self.ebits, self.e_lo = eshift, ebits, e_lo
         self.is_float = ebits > 0
-        self.op, self.lo, self.hi, self.row_len = op, lo, hi, row_len
+        self.op, self.lo, self.hi = op, lo, hi
         self.mask = (1 << self.W) - 1
         self.signbit = 1 << (self.W - 1)
         self.base = None if base is None else [int(x) for x in np.asarray(base)[: hi]]
@@ -158,16 +159,11 @@ class _Params:
 class _State:
     def __init__(self, P: _Params) -> None:
         self.left = 0
-        self.col = P.lo % P.row_len if P.row_len > 0 else 0
-        self.rowcnt, self.prevcnt = 0, -1
         self.prev_h = 0
         self.last = P.lo - 1000
 
     def flag_key(self, P: _Params, i: int) -> tuple:
-        if P.base is not None:
-            return ("flag", 2 * P.exp_bucket(P.base[i]) + self.left)
-        rb = 0 if self.prevcnt < 0 else min(1 + self.prevcnt.bit_length(), NROW - 1)
-        return ("flag", 2 * rb + self.left)
+        return ("flag", 2 * P.exp_bucket(P.base[i]) + self.left)
 
     def h_key(self, P: _Params, i: int, basev: int) -> tuple:
         if P.base is not None:
@@ -176,17 +172,18 @@ class _State:
         gb = 0 if gap <= 1 else (1 if gap <= 4 else 2)
         return ("h", gb * NPH + min(self.prev_h, NPH - 1))
 
-    def step(self, P: _Params, present: int) -> None:
-        self.left = present
-        self.rowcnt += present
-        if P.row_len > 0:
-            self.col += 1
-            if self.col == P.row_len:
-                self.col, self.prevcnt, self.rowcnt = 0, self.rowcnt, 0
-
 
 def _sign_key(P: _Params, basev: int, h: int) -> tuple:
     return ("sign", (1 if basev & P.signbit else 0) * 4 + min(h, 3))
+
+
+def _gap_ctx(mean16: int) -> int:
+    return min((mean16 >> 4).bit_length(), NGB - 1)
+
+
+def _gap_mean(mean16: int, x: int) -> int:
+    t = min(x, 1 << 40) << 4
+    return mean16 + ((t - mean16) >> 4) if t >= mean16 else mean16 - ((mean16 - t) >> 4)
 
 
 def _low_bits(h: int) -> tuple[int, int]:
@@ -194,9 +191,9 @@ def _low_bits(h: int) -> tuple[int, int]:
     return nb, min(nb, LOWTREE_BITS)
 
 
-def encode(model: RefModel, positions, values, base, lo, hi, row_len, width, eshift, ebits, e_lo, op) -> bytes:
+def encode(model: RefModel, positions, values, base, lo, hi, width, eshift, ebits, e_lo, op) -> bytes:
     """Same arguments and result as ``_cans.encode`` (the model is updated in place)."""
-    P = _Params(width, eshift, ebits, e_lo, op, lo, hi, row_len, base)
+    P = _Params(width, eshift, ebits, e_lo, op, lo, hi, base)
     enc = RefEncoder()
     pos = [int(p) for p in positions]
     vals = [int(v) for v in values]
@@ -228,40 +225,70 @@ def encode(model: RefModel, positions, values, base, lo, hi, row_len, width, esh
             enc.bit(model("tail", h, k, prev), bit, LIMIT_VAL)
             prev = bit
 
+    def enc_value(i, v):
+        basev = P.base[i] if P.base is not None else 0
+        hkey = s.h_key(P, i, basev)
+        if P.base is None:
+            h = enc_mag(hkey, v)
+            enc_low(h, v)
+            return h
+        newv = basev ^ v if op == 0 else v
+        k = (P.ord(newv) - P.ord(basev)) & P.mask
+        neg = 1 if k & P.signbit else 0
+        mag = ((~k + 1) & P.mask) if neg else k
+        if neg and mag == 0:
+            mag = P.signbit
+        h = enc_mag(hkey, mag)
+        if h > 0:
+            enc.bit(model(*_sign_key(P, basev, h)), neg, LIMIT_VAL)
+        enc_low(h, mag)
+        return h
+
+    if P.base is None:  # context-free: positions as gaps
+        prev, mean16 = lo - 1, 0
+        for j in range(nnz):
+            i = pos[j]
+            if nnz - j < hi - (prev + 1):
+                x = i - prev
+                b = x.bit_length() - 1
+                ctx = _gap_ctx(mean16)
+                node = 1
+                for k in range(5, -1, -1):
+                    bit = (b >> k) & 1
+                    enc.bit(model("gapb", ctx, node), bit, LIMIT_FLAG)
+                    node = (node << 1) | bit
+                t = min(b, GAPTREE_BITS)
+                node = 1
+                for k in range(b - 1, b - t - 1, -1):
+                    bit = (x >> k) & 1
+                    enc.bit(model("gapm", b, node), bit, LIMIT_FLAG)
+                    node = (node << 1) | bit
+                for k in range(b - t - 1, -1, -1):
+                    enc.bit(model("gapt", b, k), (x >> k) & 1, LIMIT_FLAG)
+                mean16 = _gap_mean(mean16, x)
+            h = enc_value(i, vals[j])
+            s.prev_h, s.last = h + 1, i
+            prev = i
+        return enc.finish()
+
     i = lo
     while i < hi and j < nnz:
         present = 1 if pos[j] == i else 0
         if nnz - j < hi - i:
             enc.bit(model(*s.flag_key(P, i)), present, LIMIT_FLAG)
         if present:
-            v = vals[j]
-            basev = P.base[i] if P.base is not None else 0
-            hkey = s.h_key(P, i, basev)
-            if P.base is None:
-                h = enc_mag(hkey, v)
-                enc_low(h, v)
-            else:
-                newv = basev ^ v if op == 0 else v
-                k = (P.ord(newv) - P.ord(basev)) & P.mask
-                neg = 1 if k & P.signbit else 0
-                mag = ((~k + 1) & P.mask) if neg else k
-                if neg and mag == 0:
-                    mag = P.signbit
-                h = enc_mag(hkey, mag)
-                if h > 0:
-                    enc.bit(model(*_sign_key(P, basev, h)), neg, LIMIT_VAL)
-                enc_low(h, mag)
+            h = enc_value(i, vals[j])
             s.prev_h, s.last = h + 1, i
             j += 1
-        s.step(P, present)
+        s.left = present
         i += 1
     return enc.finish()
 
 
-def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, row_len, width, eshift, ebits, e_lo,
+def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebits, e_lo,
            op) -> tuple[np.ndarray, list[int]]:
     """(positions, values as ints) like ``_cans.decode``; raises ValueError on invalid input."""
-    P = _Params(width, eshift, ebits, e_lo, op, lo, hi, row_len, base)
+    P = _Params(width, eshift, ebits, e_lo, op, lo, hi, base)
     dec = RefDecoder(bytes(stream))
     s = _State(P)
     pos, vals = [], []
@@ -287,30 +314,66 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, row_len, width, es
             v, prev = (v << 1) | bit, bit
         return v
 
+    def dec_value(i):
+        basev = P.base[i] if P.base is not None else 0
+        h = dec_h(s.h_key(P, i, basev))
+        if h > P.W:
+            raise ValueError("impossible value")
+        if P.base is None:
+            v = dec_low(h)
+        else:
+            neg = dec.bit(model(*_sign_key(P, basev, h)), LIMIT_VAL) if h > 0 else 0
+            mag = dec_low(h)
+            k = ((~mag + 1) & P.mask) if neg else mag
+            newv = P.iord((P.ord(basev) + k) & P.mask)
+            v = basev ^ newv if op == 0 else newv
+        if op == 0 and v == 0:
+            raise ValueError("impossible value")
+        return h, v
+
+    if P.base is None:
+        prev, mean16 = lo - 1, 0
+        for j in range(nnz):
+            i = prev + 1
+            if nnz - j < hi - (prev + 1):
+                ctx = _gap_ctx(mean16)
+                node = 1
+                for _ in range(6):
+                    node = (node << 1) | dec.bit(model("gapb", ctx, node), LIMIT_FLAG)
+                b = node - 64
+                t = min(b, GAPTREE_BITS)
+                node = 1
+                for _ in range(t):
+                    node = (node << 1) | dec.bit(model("gapm", b, node), LIMIT_FLAG)
+                x = node
+                for k in range(b - t - 1, -1, -1):
+                    x = (x << 1) | dec.bit(model("gapt", b, k), LIMIT_FLAG)
+                mean16 = _gap_mean(mean16, x)
+                if x > hi - (nnz - j) - prev:
+                    raise ValueError("gap beyond the range")
+                i = prev + x
+            h, v = dec_value(i)
+            pos.append(i)
+            vals.append(v)
+            s.prev_h, s.last = h + 1, i
+            prev = i
+            if dec.over > MAX_STRIP:
+                raise ValueError("stream ends before its content")
+        if dec.pos != len(dec.data):
+            raise ValueError("stream length does not match its content")
+        return np.asarray(pos, dtype=np.int64), vals
+
     i = lo
     while i < hi and len(pos) < nnz:
         present = 1
         if nnz - len(pos) < hi - i:
             present = dec.bit(model(*s.flag_key(P, i)), LIMIT_FLAG)
         if present:
-            basev = P.base[i] if P.base is not None else 0
-            h = dec_h(s.h_key(P, i, basev))
-            if h > P.W:
-                raise ValueError("impossible value")
-            if P.base is None:
-                v = dec_low(h)
-            else:
-                neg = dec.bit(model(*_sign_key(P, basev, h)), LIMIT_VAL) if h > 0 else 0
-                mag = dec_low(h)
-                k = ((~mag + 1) & P.mask) if neg else mag
-                newv = P.iord((P.ord(basev) + k) & P.mask)
-                v = basev ^ newv if op == 0 else newv
-            if op == 0 and v == 0:
-                raise ValueError("impossible value")
+            h, v = dec_value(i)
             pos.append(i)
             vals.append(v)
             s.prev_h, s.last = h + 1, i
-        s.step(P, present)
+        s.left = present
         if dec.over > MAX_STRIP:
             raise ValueError("stream ends before its content")
         i += 1

@@ -49,11 +49,6 @@ class RecordSpec:
     def range_len(self) -> int:
         return self.hi - self.lo
 
-    @property
-    def row_len(self) -> int:
-        """Elements per row of the canonical tensor (the neighbour one row up), 0 if 1-D."""
-        return self.shape[-1] if len(self.shape) >= 2 else 0
-
 
 def _le(dtype: np.dtype) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")

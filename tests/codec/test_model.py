@@ -32,8 +32,7 @@ def _record(rng, dtype, n, rate, op, specials=False):
 def _c_encode(state, dtype, pos, vals, base, lo, hi, shape, op):
     width, eshift, ebits = model.coder_params(dtype)
     e_lo = model.choose_e_lo(dtype, base[lo:hi]) if base is not None else 0
-    row_len = shape[-1] if len(shape) >= 2 else 0
-    args = (base, lo, hi, row_len, width, eshift, ebits, e_lo, 0 if op is DeltaOp.XOR else 1)
+    args = (base, lo, hi, width, eshift, ebits, e_lo, 0 if op is DeltaOp.XOR else 1)
     return model._cans.encode(state, pos, vals, *args), args
 
 

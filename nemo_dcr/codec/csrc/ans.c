@@ -2,22 +2,25 @@
  * nemo_dcr.codec._cans: adaptive binary range coder and the context models of the
  * MODEL record coding (wire format v1, docs/wire-format.md, "MODEL: adaptive binary range coding").
  *
- * One record = one pass over the elements of its range [lo, hi).  For each element the
- * coder codes a "present" flag (is this position in the record?) and, when present, the
- * element's value, interleaved in one range-coded stream:
+ * A record's positions and values are interleaved in one range-coded stream:
  *
- *   flag    binary, context = (flag of the previous element,
- *                              context-free: bucket of the previous row's count,
- *                              context mode: bucket of the base element's exponent)
- *           not coded once the remaining count is 0 (all absent) or equals the remaining
- *           elements (all present).
- *   value   context-free: the XOR value (or the new value, for overwrites) v;
- *           context mode: k = ord(new) - ord(old) mod 2^W, signed, where ord() maps float
- *           bit patterns to integers in value order, so k counts ulps.
- *           Coded as h = bit length of |.| (bit tree, context: previous value's h and the
- *           gap bucket, or the base exponent bucket), then in context mode the sign
- *           (context: base sign, h), then the h-1 bits below the leading one (a bit tree
- *           over the first 8, context h; then one context per (h, bit, previous bit)).
+ *   positions  context-free: the gap x = i - previous position (>= 1) of each present
+ *              element, as b = bitlen(x) - 1 (bit tree, context: bit length of a running
+ *              mean of the gaps) and the b bits below the leading one.  Work per present
+ *              element only.
+ *              context mode: one pass over the elements of [lo, hi) with a binary
+ *              "present" flag per element, context = (previous flag, bucket of the base
+ *              element's exponent): whether an element changes depends on its Adam step
+ *              relative to its ulp, which the exponent sets.
+ *              Either way nothing is coded once the remaining count equals the remaining
+ *              elements (all present), and nothing after the last present element.
+ *   value      context-free: the XOR value (or the new value, for overwrites) v;
+ *              context mode: k = ord(new) - ord(old) mod 2^W, signed, where ord() maps
+ *              float bit patterns to integers in value order, so k counts ulps.
+ *              Coded as h = bit length of |.| (bit tree, context: previous value's h and
+ *              the gap bucket, or the base exponent bucket), then in context mode the sign
+ *              (context: base sign, h), then the h-1 bits below the leading one (a bit tree
+ *              over the first 8, context h; then one context per (h, bit, previous bit)).
  *
  * Probabilities are adaptive counters: p(1) in units of 2^-31 with an occurrence count n,
  * updated p += (bit - p) / (n + 2) (the Krichevsky-Trofimov estimate while n is small),
@@ -30,8 +33,9 @@
  * one chunk continue one adaptive state (model.ModelStates); the coder keeps no other state
  * per element.
  *
- * Hot path: one binary decision per element up to the last present one (two 64-bit
- * multiplies, no division), plus ~h+6 decisions per present element; memory traffic is
+ * Hot path (each binary decision: two 64-bit multiplies, no division): context-free,
+ * ~2 log2(gap) + h + 5 decisions per present element; context mode, one decision per
+ * element up to the last present one plus ~h + 6 per present element.  Memory traffic is
  * one read of the positions/values (and of the base range in context mode) and one write
  * of the output.  Both entry points release the GIL.  A pure-Python twin
  * (nemo_dcr/codec/model_ref.py) produces the same bytes; the tests compare them.
@@ -50,13 +54,14 @@
 #endif
 #define LIMIT_MAX (LIMIT_FLAG > LIMIT_VAL ? LIMIT_FLAG : LIMIT_VAL)
 #define NEXP 32          /* exponent buckets (context mode) */
-#define NROW 8           /* previous-row count buckets (context-free) */
 #define NGAP 3           /* gap buckets (context-free) */
 #define NPH 18           /* previous-h buckets (context-free): 0 = none, 1..17 */
 #define MAXW 64
 #define HNODES 128       /* bit tree over h in 0..64 (7 bits) */
 #define LOWTREE_BITS 8
 #define MAX_STRIP 4      /* trailing zero bytes the encoder may drop */
+#define NGB 24           /* gap-rate buckets (context-free): bit length of the running mean gap */
+#define GAPTREE_BITS 3
 
 typedef struct {
     uint32_t p; /* P(bit = 1) * 2^31 */
@@ -64,11 +69,14 @@ typedef struct {
 } Bit;
 
 typedef struct {
-    Bit flag[2 * (NEXP > NROW ? NEXP : NROW)];
+    Bit flag[2 * NEXP];
     Bit h[(NGAP * NPH > NEXP ? NGAP * NPH : NEXP)][HNODES];
     Bit sign[2 * 4];
     Bit low[MAXW + 1][1 << LOWTREE_BITS];
     Bit tail[MAXW + 1][MAXW][2];
+    Bit gapb[NGB][64];            /* context-free: bit length - 1 of the gap, context prev */
+    Bit gapm[64][1 << GAPTREE_BITS]; /* first bits below the gap's leading one, per length */
+    Bit gapt[64][64];             /* remaining bits, per (length, bit) */
 } Model;
 
 static uint32_t RECIP[LIMIT_MAX + 1];
@@ -229,7 +237,7 @@ typedef struct {
     int is_float;
     int op;          /* 0 xor, 1 overwrite */
     uint64_t mask, signbit;
-    int64_t lo, hi, row_len;
+    int64_t lo, hi;
     const uint8_t *base; /* NULL: context-free */
 } Params;
 
@@ -275,45 +283,24 @@ static inline int exp_bucket(const Params *P, uint64_t b) {
     return e;
 }
 
-static inline int row_bucket(int64_t prevcnt) {
-    if (prevcnt < 0) return 0;
-    int b = 1 + bitlen((uint64_t)prevcnt);
-    return b > NROW - 1 ? NROW - 1 : b;
-}
-
 static inline int gap_bucket(int64_t gap) { return gap <= 1 ? 0 : (gap <= 4 ? 1 : 2); }
 
 /* Per-record running state shared by encoder and decoder. */
 typedef struct {
-    int left;          /* previous element present */
-    int64_t col;       /* column of the current element (row context) */
-    int64_t rowcnt, prevcnt;
+    int left;          /* previous element present (context mode) */
     int prev_h;        /* h of the previous present element + 1; 0 = none */
     int64_t last;      /* index of the previous present element */
 } State;
 
 static void state_init(State *s, const Params *P) {
     s->left = 0;
-    s->col = P->row_len > 0 ? P->lo % P->row_len : 0;
-    s->rowcnt = 0;
-    s->prevcnt = -1;
     s->prev_h = 0;
     s->last = P->lo - 1000;
 }
 
+/* Context mode only: the base element's exponent bucket and the previous flag. */
 static inline Bit *flag_ctx(Model *m, const Params *P, const State *s, int64_t i, const int width) {
-    if (P->base) return &m->flag[2 * exp_bucket(P, load(P->base, width, i)) + s->left];
-    return &m->flag[2 * row_bucket(s->prevcnt) + s->left];
-}
-
-static inline void state_step(State *s, const Params *P, int present) {
-    s->left = present;
-    s->rowcnt += present;
-    if (P->row_len > 0 && ++s->col == P->row_len) {
-        s->col = 0;
-        s->prevcnt = s->rowcnt;
-        s->rowcnt = 0;
-    }
+    return &m->flag[2 * exp_bucket(P, load(P->base, width, i)) + s->left];
 }
 
 static inline Bit *h_ctx(Model *m, const Params *P, const State *s, int64_t i, uint64_t basev) {
@@ -425,6 +412,57 @@ static int dec_value(Dec *d, Model *m, const Params *P, const State *s, int64_t 
     return h;
 }
 
+/* ------------------------------------------------------------------ gaps (context-free) */
+
+/* x = distance to the previous present element (>= 1), coded as b = bitlen(x) - 1 with a
+ * 6-level bit tree, then the b bits below the leading one: the first GAPTREE_BITS with a bit
+ * tree per b, the rest with one context per (b, bit).  The b tree's context is the bit
+ * length of a running mean of the gaps (x16, updated by 1/16 per gap), so each context
+ * learns the gap distribution of one change rate, shared by every tensor at that rate. */
+static inline int gap_ctx(uint64_t mean16) {
+    int c = bitlen(mean16 >> 4);
+    return c > NGB - 1 ? NGB - 1 : c;
+}
+
+static inline uint64_t gap_mean(uint64_t mean16, uint64_t x) {
+    uint64_t t = (x > (1ull << 40) ? (1ull << 40) : x) << 4;
+    return t >= mean16 ? mean16 + ((t - mean16) >> 4) : mean16 - ((mean16 - t) >> 4);
+}
+
+static inline __attribute__((always_inline)) void enc_gap(Enc *e, Model *m, uint64_t x, uint64_t *mean16) {
+    int b = bitlen(x) - 1;
+    int pb = gap_ctx(*mean16);
+    unsigned node = 1;
+    for (int k = 5; k >= 0; k--) {
+        int bit = (b >> k) & 1;
+        enc_bit(e, &m->gapb[pb][node], bit, LIMIT_FLAG);
+        node = (node << 1) | (unsigned)bit;
+    }
+    int t = b < GAPTREE_BITS ? b : GAPTREE_BITS;
+    node = 1;
+    for (int k = b - 1; k >= b - t; k--) {
+        int bit = (int)((x >> k) & 1);
+        enc_bit(e, &m->gapm[b][node], bit, LIMIT_FLAG);
+        node = (node << 1) | (unsigned)bit;
+    }
+    for (int k = b - t - 1; k >= 0; k--) enc_bit(e, &m->gapt[b][k], (int)((x >> k) & 1), LIMIT_FLAG);
+    *mean16 = gap_mean(*mean16, x);
+}
+
+static inline __attribute__((always_inline)) uint64_t dec_gap(Dec *d, Model *m, uint64_t *mean16) {
+    unsigned node = 1;
+    int pb = gap_ctx(*mean16);
+    for (int k = 0; k < 6; k++) node = (node << 1) | (unsigned)dec_bit(d, &m->gapb[pb][node], LIMIT_FLAG);
+    int b = (int)(node - 64);
+    int t = b < GAPTREE_BITS ? b : GAPTREE_BITS;
+    node = 1;
+    for (int k = 0; k < t; k++) node = (node << 1) | (unsigned)dec_bit(d, &m->gapm[b][node], LIMIT_FLAG);
+    uint64_t x = node;
+    for (int k = b - t - 1; k >= 0; k--) x = (x << 1) | (uint64_t)dec_bit(d, &m->gapt[b][k], LIMIT_FLAG);
+    *mean16 = gap_mean(*mean16, x);
+    return x;
+}
+
 /* ------------------------------------------------------------------ record loops */
 
 /* The per-element loops are specialised on the element width (a compile-time constant
@@ -436,6 +474,21 @@ static inline __attribute__((always_inline)) int encode_record_w(Enc *e, Model *
     State s;
     state_init(&s, P);
     int64_t j = 0;
+    if (!P->base) {
+        /* Context-free: positions as gaps, so the work is per present element. */
+        int64_t prev = P->lo - 1;
+        uint64_t mean16 = 0;
+        for (; j < nnz; j++) {
+            int64_t i = pos[j];
+            if (nnz - j < P->hi - (prev + 1)) /* otherwise every remaining element is present */
+                enc_gap(e, m, (uint64_t)(i - prev), &mean16);
+            int h = enc_value(e, m, P, &s, i, load(vals, width, j));
+            s.prev_h = h + 1;
+            s.last = prev = i;
+        }
+        enc_flush(e);
+        return e->oom ? -1 : 0;
+    }
     for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
         int present = pos[j] == i;
         if (nnz - j < P->hi - i) /* otherwise every remaining element is present */
@@ -446,7 +499,7 @@ static inline __attribute__((always_inline)) int encode_record_w(Enc *e, Model *
             s.last = i;
             j++;
         }
-        state_step(&s, P, present);
+        s.left = present;
     }
     enc_flush(e);
     return e->oom ? -1 : 0;
@@ -457,6 +510,29 @@ static inline __attribute__((always_inline)) int decode_record_w(Dec *d, Model *
     State s;
     state_init(&s, P);
     int64_t j = 0;
+    if (!P->base) {
+        int64_t prev = P->lo - 1;
+        uint64_t mean16 = 0;
+        for (; j < nnz; j++) {
+            int64_t i = prev + 1;
+            if (nnz - j < P->hi - (prev + 1)) {
+                uint64_t x = dec_gap(d, m, &mean16);
+                /* leave room for the entries still to come: i <= hi - (nnz - j) */
+                if (x > (uint64_t)(P->hi - (nnz - j) - prev)) return -1;
+                i = prev + (int64_t)x;
+            }
+            uint64_t v;
+            int h = dec_value(d, m, P, &s, i, &v);
+            if (h < 0) return -1;
+            pos[j] = i;
+            store(vals, width, j, v);
+            s.prev_h = h + 1;
+            s.last = prev = i;
+            if (d->over > MAX_STRIP) return -2;
+        }
+        if (d->p != d->end) return -2;
+        return 0;
+    }
     for (int64_t i = P->lo; i < P->hi && j < nnz; i++) {
         int present = 1;
         if (nnz - j < P->hi - i) present = dec_bit(d, flag_ctx(m, P, &s, i, width), LIMIT_FLAG);
@@ -470,7 +546,7 @@ static inline __attribute__((always_inline)) int decode_record_w(Dec *d, Model *
             s.last = i;
             j++;
         }
-        state_step(&s, P, present);
+        s.left = present;
         if (d->over > MAX_STRIP) return -2; /* read past what the encoder can have dropped */
     }
     if (j != nnz) return -1;
@@ -498,13 +574,13 @@ static int decode_record(Dec *d, Model *m, const Params *P, int64_t *pos, uint8_
 
 /* ------------------------------------------------------------------ Python glue */
 
-static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, int op, Py_ssize_t lo, Py_ssize_t hi,
-                        Py_ssize_t row_len) {
+static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, int op, Py_ssize_t lo,
+                        Py_ssize_t hi) {
     if (width != 1 && width != 2 && width != 4 && width != 8) {
         PyErr_SetString(PyExc_ValueError, "width must be 1, 2, 4 or 8");
         return -1;
     }
-    if (lo < 0 || hi < lo || row_len < 0 || op < 0 || op > 1 || ebits < 0 || ebits > 16 || eshift < 0 ||
+    if (lo < 0 || hi < lo || op < 0 || op > 1 || ebits < 0 || ebits > 16 || eshift < 0 ||
         eshift + ebits > 8 * width || e_lo < 0 || e_lo > 255) {
         PyErr_SetString(PyExc_ValueError, "bad record parameters");
         return -1;
@@ -521,7 +597,6 @@ static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, i
     P->signbit = 1ull << (P->W - 1);
     P->lo = lo;
     P->hi = hi;
-    P->row_len = row_len;
     P->base = NULL;
     return 0;
 }
@@ -565,17 +640,17 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer pb, vb, bb, mb;
     PyObject *base_obj;
-    Py_ssize_t lo, hi, row_len;
+    Py_ssize_t lo, hi;
     int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "w*y*y*Onnniiiii", &mb, &pb, &vb, &base_obj, &lo, &hi, &row_len, &width, &eshift,
-                          &ebits, &e_lo, &op))
+    if (!PyArg_ParseTuple(args, "w*y*y*Onniiiii", &mb, &pb, &vb, &base_obj, &lo, &hi, &width, &eshift, &ebits,
+                          &e_lo, &op))
         return NULL;
     Model *m = NULL;
     Params P;
     PyObject *res = NULL;
     int have_base = 0;
     if (get_model(&mb, &m) < 0) goto done;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi, row_len) < 0) goto done;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
     Py_ssize_t nnz = pb.len / 8;
     if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
         PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
@@ -620,17 +695,17 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sb, bb, pob, vob, mb;
     PyObject *base_obj;
-    Py_ssize_t lo, hi, row_len, nnz;
+    Py_ssize_t lo, hi, nnz;
     int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "w*y*nOnnniiiiiw*w*", &mb, &sb, &nnz, &base_obj, &lo, &hi, &row_len, &width,
-                          &eshift, &ebits, &e_lo, &op, &pob, &vob))
+    if (!PyArg_ParseTuple(args, "w*y*nOnniiiiiw*w*", &mb, &sb, &nnz, &base_obj, &lo, &hi, &width, &eshift, &ebits,
+                          &e_lo, &op, &pob, &vob))
         return NULL;
     Model *m = NULL;
     Params P;
     PyObject *res = NULL;
     int have_base = 0;
     if (get_model(&mb, &m) < 0) goto done;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi, row_len) < 0) goto done;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
     if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
         PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
         goto done;
@@ -662,10 +737,10 @@ done:
 static PyMethodDef methods[] = {
     {"model_init", py_model_init, METH_VARARGS, "model_init(state) -> None: reset a MODEL_BYTES state buffer"},
     {"encode", py_encode, METH_VARARGS,
-     "encode(state, positions_i64, values, base_or_None, lo, hi, row_len, width, eshift, ebits, e_lo, op) -> bytes;"
+     "encode(state, positions_i64, values, base_or_None, lo, hi, width, eshift, ebits, e_lo, op) -> bytes;"
      " updates state"},
     {"decode", py_decode, METH_VARARGS,
-     "decode(state, stream, nnz, base_or_None, lo, hi, row_len, width, eshift, ebits, e_lo, op, positions_out, "
+     "decode(state, stream, nnz, base_or_None, lo, hi, width, eshift, ebits, e_lo, op, positions_out, "
      "values_out) -> None; updates state; ValueError if the stream is not a valid coding"},
     {NULL, NULL, 0, NULL}};
 
