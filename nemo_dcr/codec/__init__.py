@@ -8,6 +8,7 @@ nothing).  Apply: ``apply_delta_(bits, delta)``.  A manifest names a chunk by
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.chunk import DecodedChunk, RecordInfo, chunk_digest, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.format import (
+    BaseMismatchError,
     ChunkFormatError,
     ChunkLimits,
     Coding,
@@ -18,6 +19,7 @@ from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 
 __all__ = [
     "BITS_DTYPE",
+    "BaseMismatchError",
     "ChunkFormatError",
     "ChunkLimits",
     "Coding",

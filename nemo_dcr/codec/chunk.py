@@ -34,6 +34,7 @@ from nemo_dcr.codec.format import (
     ChunkFormatError,
     ChunkLimits,
     Coding,
+    BaseMismatchError,
     ContentMismatchError,
     MissingBaseError,
     content_crc,
@@ -326,7 +327,10 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
         numel = 1
         for s in info.shape:
             numel *= s
-        b = _check_base(name, info.dtype, numel, base[name])
+        b = np.asarray(base[name])
+        if b.dtype != BITS_DTYPE[info.dtype] or b.ndim != 1 or b.size != numel:
+            raise BaseMismatchError(f"{name}: record is for {info.dtype}{list(info.shape)}, the base given "
+                                    f"for it is {b.dtype}[{b.size}]")
     lo, hi = info.element_range
     spec = RecordSpec(dtype=info.dtype, shape=info.shape, op=info.op, lo=lo, hi=hi, nnz=info.nnz, param=e.param)
     pos, val = decode_payload(spec, info.coding, payload, b, states)

@@ -91,9 +91,15 @@ class ContentMismatchError(ChunkFormatError):
     the payload is corrupt or, for a context-mode record, the base is not the encoder's."""
 
 
-class MissingBaseError(ValueError):
-    """A context-mode record was decoded without the base bits it was coded against (a
-    caller error, not a malformed chunk)."""
+class BaseMismatchError(ChunkFormatError):
+    """A context-mode record names a tensor whose dtype or size differs from the base array
+    given for it: the chunk was not made against this base (or is corrupt)."""
+
+
+class MissingBaseError(ChunkFormatError):
+    """A context-mode record was decoded without base bits for its tensor: either the caller
+    did not pass them or the chunk names a tensor the caller does not hold.  A subclass of
+    ChunkFormatError so that every way a chunk can fail to decode is one exception type."""
 
 
 @dataclass(frozen=True)

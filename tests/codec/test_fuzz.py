@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
-from nemo_dcr.codec.format import ENTRY_FIXED, HEADER, TRAILER, U32, crc32
+from nemo_dcr.codec.format import DIR_ZSTD_LEVEL, ENTRY_FIXED, HEADER, TRAILER, U32, crc32
 
 from codec_helpers import needs_native, random_bits, xor_delta
 
@@ -158,6 +158,13 @@ def test_model_stream_that_runs_dry_stops_early():
         decode_chunk(data, limits=ChunkLimits(max_scan_elements=2**40))
 
 
+@needs_native
+def test_context_record_against_a_base_of_another_size_is_a_format_error():
+    data = _forge([(_fields(coding=3, flags=1, nnz=1, hi=8, plen=4), b"w", (8,), b"\x01\x02\x03\x04")])
+    with pytest.raises(ChunkFormatError, match="base given"):
+        decode_chunk(data, base={"w": np.zeros(4, np.uint16)})
+
+
 def test_zstd_bomb_is_bounded():
     import zstandard
 
@@ -200,3 +207,58 @@ def test_scan_limit_is_enforced_before_decoding():
     data = CHUNKS[False][0]
     with pytest.raises(ChunkFormatError, match="MODEL ranges exceed"):
         decode_chunk(data, limits=ChunkLimits(max_scan_elements=1000))
+
+
+# ------------------------------------------------- structure-aware fuzzing (CRCs resealed)
+
+def _split(chunk: bytes) -> tuple[int, bytes, bytes, bytes]:
+    _, _, _, n, ml, dl, _, pl, _, _ = HEADER.unpack(chunk[: HEADER.size])
+    o = HEADER.size
+    meta = chunk[o : o + ml]
+    o += ml + 4
+    directory = chunk[o : o + dl]
+    o += dl + 4
+    raw = zstandard.ZstdDecompressor().decompress(directory) if dl else b""
+    return n, meta, raw, chunk[o : o + pl]
+
+
+def _reseal(n: int, meta: bytes, dir_raw: bytes, payloads: bytes) -> bytes:
+    d = zstandard.ZstdCompressor(level=DIR_ZSTD_LEVEL).compress(dir_raw) if dir_raw else b""
+    body = meta + U32.pack(crc32(meta)) + d + U32.pack(crc32(d)) + payloads + U32.pack(crc32(payloads))
+    total = HEADER.size + len(body) + TRAILER.size
+    h = HEADER.pack(b"NEMODCR\x00", 1, 0, n, len(meta), len(d), len(dir_raw), len(payloads), total, 0)
+    pre = h[:-4] + U32.pack(crc32(h[:-4])) + body
+    return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
+
+
+def test_reseal_helper_round_trips():
+    for ctx, (data, bases, _) in CHUNKS.items():
+        assert _reseal(*_split(data)) == data
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans(), st.sampled_from(["payload", "directory", "cut"]), st.data())
+def test_mutations_behind_valid_checksums(context, where, data):
+    """A forger can fix every CRC: damage in the payloads or the directory must still end
+    in ChunkFormatError (or a chunk that decodes to valid deltas), never another exception."""
+    chunk, bases, _ = CHUNKS[context]
+    n, meta, dir_raw, payloads = _split(chunk)
+    if where == "payload":
+        buf = bytearray(payloads)
+        for i in data.draw(st.sets(st.integers(0, len(buf) - 1), min_size=1, max_size=3)):
+            buf[i] ^= data.draw(st.integers(1, 255))
+        payloads = bytes(buf)
+    elif where == "directory":
+        buf = bytearray(dir_raw)
+        for i in data.draw(st.sets(st.integers(0, len(buf) - 1), min_size=1, max_size=2)):
+            buf[i] ^= data.draw(st.integers(1, 255))
+        dir_raw = bytes(buf)
+    else:
+        payloads = payloads[: data.draw(st.integers(0, len(payloads)))] + data.draw(st.binary(max_size=8))
+    forged = _reseal(n, meta, dir_raw, payloads)
+    try:
+        decoded = decode_chunk(forged, base=bases if context else None)
+    except ChunkFormatError:
+        return
+    for d in decoded.deltas:  # whatever decodes is internally consistent
+        assert d.positions.size == d.values.size
