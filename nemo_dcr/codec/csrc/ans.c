@@ -27,9 +27,9 @@
  * n capped so the model keeps adapting.  All arithmetic is integer, so the encoder and the
  * decoder agree bit for bit on every platform.  The range coder is the carry-propagating
  * byte-oriented kind (32-bit range, 31-bit coding probabilities); its first output byte is
- * always zero and is not stored, nor are trailing zero bytes.
+ * always zero and is not stored, nor are up to MAX_STRIP trailing zero bytes.
  *
- * The context tables (a Model, 250 KB) live in a caller-owned buffer so that the records of
+ * The context tables (a Model, ~300 KB) live in a caller-owned buffer so that the records of
  * one chunk continue one adaptive state (model.ModelStates); the coder keeps no other state
  * per element.
  *
