@@ -64,10 +64,15 @@ class RecordInfo:
 @dataclass(frozen=True)
 class DecodedChunk:
     deltas: list[TensorDelta]
+    """One per record, in chunk order (empty from ``read_chunk_index``)."""
     meta: dict[str, str]
     records: list[RecordInfo] = field(default_factory=list)
+    """Directory facts of every record, in chunk order."""
     size: int = 0
     """Bytes of the chunk."""
+
+
+_DEFAULT_LIMITS = ChunkLimits()
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> str:
@@ -98,10 +103,11 @@ def _canonical(d: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
 def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates | None) -> tuple[bytes, bytes]:
     """(directory entry, payload) of one delta."""
     name = d.name.encode("utf-8")
-    if len(name) > 0xFFFF:
-        raise ValueError(f"tensor name too long ({len(name)} bytes)")
-    if len(d.shape) > 255:
-        raise ValueError(f"{d.name}: too many dimensions ({len(d.shape)})")
+    # Refuse what a decoder with the default limits would refuse, here rather than there.
+    if len(name) > _DEFAULT_LIMITS.max_name_bytes:
+        raise ValueError(f"tensor name of {len(name)} bytes exceeds {_DEFAULT_LIMITS.max_name_bytes}")
+    if len(d.shape) > _DEFAULT_LIMITS.max_ndim:
+        raise ValueError(f"{d.name}: {len(d.shape)} dimensions exceed {_DEFAULT_LIMITS.max_ndim}")
     pos, val = _canonical(d)
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
@@ -123,6 +129,8 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
     base.  Metadata keys and values are strings (UTF-8 on the wire).
     """
     meta_body = _encode_meta(meta or {})
+    if len(meta or {}) > _DEFAULT_LIMITS.max_meta_entries or len(meta_body) > _DEFAULT_LIMITS.max_meta_bytes:
+        raise ValueError("chunk metadata exceeds the default decoder limits")
     states = ModelStates() if model_available() else None
     entries, payloads = [], []
     for d in deltas:

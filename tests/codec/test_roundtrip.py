@@ -206,3 +206,12 @@ def test_mixed_codings_in_one_chunk_keep_the_shared_model_state_in_step(rng, con
     chunk, decoded = _roundtrip(deltas, bases, targets, context=context)
     codings = {r.coding for r in decoded.records}
     assert Coding.MODEL in codings and len(codings) >= 2
+
+
+def test_encoder_refuses_what_default_decoders_would_refuse():
+    d = TensorDelta(name="x" * 2000, dtype="bfloat16", shape=(1,), op=DeltaOp.XOR,
+                    positions=np.array([0], np.int64), values=np.array([1], np.uint16))
+    with pytest.raises(ValueError):
+        encode_chunk([d])
+    with pytest.raises(ValueError):
+        encode_chunk([], meta={f"k{i}": "" for i in range(5000)})
