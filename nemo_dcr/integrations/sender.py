@@ -133,7 +133,7 @@ class RefitSender:
         self.store = store
         self.cfg = cfg
         self.baseline = Baseline(params, version=committed_version)
-        # canonical inventory: every canonical tensor and which rank covers which part
+        # canonical inventory (union over ranks): what a dense refit would send
         mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
                 for c in projector.canonical_specs(v.spec)}
         allspecs: list[dict[str, CanonicalSpec]] = [mine]
