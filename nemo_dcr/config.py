@@ -23,14 +23,16 @@ class ParallelConfig:
     """Megatron tensor parallelism (ranks per model replica along hidden dims)."""
     pipeline_model_parallel_size: int = 1
     """Megatron pipeline parallelism (stages)."""
+    data_parallel_size: int = 1
+    """Model replicas; only the main replica of each element (Megatron's replica_id) emits."""
 
     def __post_init__(self) -> None:
-        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+        if min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.data_parallel_size) < 1:
             raise ValueError("parallel sizes must be >= 1")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
 
 
 @dataclass(kw_only=True)

@@ -97,7 +97,8 @@ def run(cfg: DemoConfig) -> dict:
         stdout=trainer_log, stderr=subprocess.STDOUT, env=env,
     )
     _err(f"trainer: {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "
-         f"PP={cfg.parallel.pipeline_model_parallel_size}), log {trainer_log.name}")
+         f"PP={cfg.parallel.pipeline_model_parallel_size}, DP={cfg.parallel.data_parallel_size}), "
+         f"log {trainer_log.name}")
 
     from nemo_dcr.integrations.hf_export import WEIGHTS_KEY, download_checkpoint
     from nemo_dcr.transport.store import open_store
@@ -168,6 +169,7 @@ def run(cfg: DemoConfig) -> dict:
         "changed_pct_mean": round(100 * changed / max(sum(r["canonical_numel"] for r in rows), 1), 4),
         "tp": cfg.parallel.tensor_model_parallel_size,
         "pp": cfg.parallel.pipeline_model_parallel_size,
+        "dp": cfg.parallel.data_parallel_size,
         "receivers": cfg.refit.receivers,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "store": cfg.store.uri,

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from nemo_dcr import demo
 from nemo_dcr.config import load_demo_config
-from nemo_dcr.protocol.manifest import Manifest, chunk_key, dense_key, manifest_key
+from nemo_dcr.protocol.manifest import Ack, Manifest, ack_key, chunk_key, dense_key, manifest_key
 from nemo_dcr.receiver.apply import DeltaApplier
 from nemo_dcr.receiver.verify import module_state, state_digest
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
@@ -216,3 +216,23 @@ def test_refit_with_pipeline_parallelism(tmp_path):
         received = load_file(str(tmp_path / "dump" / "r0" / f"v{v}.safetensors"))
         expected = _dense_refit_state(tmp_path, v)
         assert bit_differences(received, expected) == [], f"version {v}"
+
+
+def test_data_parallel_replicas_emit_once_and_two_receivers_commit_jointly(tmp_path):
+    """DP=2 (TP=1): both ranks hold the whole model; Megatron's replica_id makes rank 0 the
+    only emitter, so no element is sent twice.  Two receivers: a version commits only
+    after both acknowledged it, and both end bit-exact."""
+    cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", "steps=2", *SMALL,
+                            "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
+                            "train.lr=3e-6", "refit.receivers=2", "refit.verify_dense=true"])
+    summary = demo.run(cfg)
+    assert summary["refits"] == 2 and summary["committed"] == 2 and summary["bit_exact"] == 2
+    store = LocalDirStore(str(tmp_path / "store"))
+    for v in (1, 2):
+        m = _manifest(store, v)
+        assert m.chunks and {c.rank for c in m.chunks} == {0}
+        for rid in ("r0", "r1"):
+            ack = Ack.from_json(store.get(ack_key(rid, v)))
+            assert ack.ok and ack.stats["bit_exact"] is True
+    rows = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    assert [sorted(a["receiver"] for a in r["acks"]) for r in rows] == [["r0", "r1"]] * 2
