@@ -51,6 +51,9 @@ class RefitConfig:
     chunk_bytes: int = 1 << 20
     """Upper bound on a chunk's raw records (positions + values) before coding; large
     tensors are split, so chunks stream while later layers are diffed."""
+    context: bool = True
+    """Context-mode coding (conditioned on the base bits receivers hold) where the trainer
+    rank holds a record's whole canonical base; see docs/design.md."""
     upload_workers: int = 2
     """Encode/upload threads per trainer rank (overlap with diffing later layers)."""
     ack_timeout_s: float = 300.0

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     store = open_store(cfg.store.uri)
     sender_cfg = SenderConfig(model_id=cfg.model_id, receivers=receiver_ids(cfg.refit.receivers),
                               chunk_bytes=cfg.refit.chunk_bytes, upload_workers=cfg.refit.upload_workers,
+                              context=cfg.refit.context,
                               ack_timeout_s=cfg.refit.ack_timeout_s)
     hook = MegatronRefitHook(trainer.gpt, cfg.model, store, sender_cfg, verify_dense=cfg.refit.verify_dense)
     hook.export_initial()

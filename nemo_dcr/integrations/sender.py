@@ -27,6 +27,7 @@ from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec import chunk_digest, encode_chunk
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
+from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
@@ -63,6 +64,11 @@ class SenderConfig:
     ack_timeout_s: float = 300.0
     """How long rank 0 waits for every receiver's acknowledgement of a version."""
     ack_poll_s: float = 0.05
+    """Interval between checks for acknowledgements."""
+    context: bool = True
+    """Code records in the codec's context mode (conditioned on the committed base bits,
+    which receivers hold) wherever this rank holds the base of the record's whole canonical
+    range; row-parallel shards (strided coverage) stay context-free."""
 
     def __post_init__(self) -> None:
         if not self.receivers:
@@ -146,6 +152,15 @@ class RefitSender:
                 prev = self.canonical.setdefault(name, c)
                 if prev != c:
                     raise RuntimeError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
+        # context mode: where this rank can rebuild a record's canonical base bits
+        self._runs: dict[tuple[str, str], CanonicalRuns] = {}
+        if cfg.context:
+            for pname, vs in views.items():
+                for v in vs:
+                    if v.spec.is_main_replica:
+                        for cname, runs in canonical_runs(projector, v).items():
+                            if runs.contiguous:
+                                self._runs[(pname, cname)] = runs
         self.canonical_numel = sum(shape_numel(c.shape) for c in self.canonical.values())
         self.dense_bytes = sum(shape_numel(c.shape) * BITS_DTYPE[c.dtype].itemsize for c in self.canonical.values())
 
@@ -178,9 +193,27 @@ class RefitSender:
         stats.project_s += time.perf_counter() - t0
         return out
 
-    def _encode_upload(self, key: str, deltas: list[TensorDelta], meta: dict[str, str]) -> tuple[ChunkRef, float, float]:
+    def _context_bases(self, records: list[tuple[TensorDelta, str]]) -> dict[str, np.ndarray]:
+        """Committed canonical base bits over each context-coded record's range.  The arrays
+        are full-length but only ``[lo, hi)`` of each record is written or read by the
+        codec (``np.empty``: untouched pages cost no memory)."""
+        bases: dict[str, np.ndarray] = {}
+        for d, pname in records:
+            runs = self._runs.get((pname, d.name))
+            if runs is None:
+                continue
+            arr = bases.get(d.name)
+            if arr is None:
+                arr = bases[d.name] = np.empty(d.numel, dtype=BITS_DTYPE[d.dtype])
+            lo, hi = d.element_range
+            runs.fill(arr, self.baseline.bits(pname), lo, hi)
+        return bases
+
+    def _encode_upload(self, key: str, records: list[tuple[TensorDelta, str]], meta: dict[str, str]
+                       ) -> tuple[ChunkRef, float, float]:
         t0 = time.perf_counter()
-        blob = encode_chunk(deltas, meta=meta)
+        deltas = [d for d, _ in records]
+        blob = encode_chunk(deltas, meta=meta, base=self._context_bases(records) or None)
         t1 = time.perf_counter()
         self.store.put(key, blob)
         t2 = time.perf_counter()
@@ -199,7 +232,7 @@ class RefitSender:
                 "rank": str(_rank())}
         t_start = time.perf_counter()
         futures: list[Future] = []
-        pending: list[TensorDelta] = []
+        pending: list[tuple[TensorDelta, str]] = []  # (record, parameter it came from)
         pending_bytes = 0
         seq = 0
         with ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload") as pool:
@@ -223,7 +256,7 @@ class RefitSender:
                         size = piece.nnz * (8 + piece.values.itemsize)
                         if pending and pending_bytes + size > self.cfg.chunk_bytes:
                             flush()
-                        pending.append(piece)
+                        pending.append((piece, name))
                         pending_bytes += size
             flush()
             refs = []

@@ -498,6 +498,30 @@ class DeltaApplier:
         p.fed = fed
         return p
 
+    def canonical_bits(self, name: str) -> np.ndarray:
+        """The canonical bits the runtime holds now for ``name``: flat, ``BITS_DTYPE`` of its
+        wire dtype.  This is the base a context-mode delta is decoded against.
+
+        DIRECT tensors return a zero-copy view of the destination (read it, never write
+        through it, and do not keep it across ``apply``); VIEW tensors are gathered back
+        through their copies; TRANSFORM tensors read the canonical mirror."""
+        if not self._placements:
+            raise PlacementError("call prewarm() before canonical_bits()")
+        try:
+            kind = self._placements[name].kind
+        except KeyError:
+            raise DeltaValidationError(f"{name}: not a canonical tensor of this runtime") from None
+        bits_dtype = BITS_DTYPE[self._specs[name].dtype]
+        if kind is PlacementKind.DIRECT:
+            return self._direct[name].numpy().view(bits_dtype)
+        if kind is PlacementKind.VIEW:
+            return self._read_view_bits(name).view(bits_dtype)
+        if kind is PlacementKind.TRANSFORM:
+            return int_view(self._mirror[name].reshape(-1)).numpy().view(bits_dtype)
+        if kind is PlacementKind.EMPTY:
+            return np.empty(0, dtype=bits_dtype)
+        raise PlacementError(f"{name}: the loader drops this tensor; it has no canonical bits here")
+
     def _read_view_bits(self, name: str) -> np.ndarray:
         """Current canonical bits of a VIEW tensor, gathered back through its copies.
 

@@ -19,9 +19,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from nemo_dcr.codec import ChunkFormatError, chunk_digest, decode_chunk
+import numpy as np
+
+from nemo_dcr.codec import ChunkFormatError, chunk_digest, decode_chunk, read_chunk_index
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.protocol.manifest import (
     Ack,
@@ -37,6 +40,33 @@ from nemo_dcr.transport.store import ObjectStore, open_store
 
 class RefitRefused(RuntimeError):
     """A version this receiver will not apply; the message names the chunk and reason."""
+
+
+class _HeldBits(Mapping):
+    """Context-mode base for the decoder: the canonical bits the runtime holds now (the
+    version being applied is the base of), fetched on first use per tensor.  Valid only
+    until the first write, which is why every chunk is decoded before any apply."""
+
+    def __init__(self, applier):
+        self._applier = applier
+        self._names = frozenset(applier.adapter.tensor_specs())
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._cache:
+            self._cache[name] = self._applier.canonical_bits(name)
+        return self._cache[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,16 +125,18 @@ class Receiver:
             blobs.append((ref, blob))
         t1 = time.perf_counter()
         deltas: list[TensorDelta] = []
+        held = _HeldBits(self.applier)
+        want = {"model_id": manifest.model_id, "version": str(manifest.version),
+                "base_version": str(manifest.base_version)}
         for ref, blob in blobs:
             try:
-                chunk = decode_chunk(blob)
+                # the header first: a chunk of another version must not even be decoded
+                got = {k: read_chunk_index(blob).meta.get(k) for k in want}
+                if got != want:
+                    raise RefitRefused(f"chunk {ref.key}: header {got} disagrees with manifest {want}")
+                chunk = decode_chunk(blob, base=held)
             except ChunkFormatError as e:
                 raise RefitRefused(f"chunk {ref.key}: {e}") from None
-            want = {"model_id": manifest.model_id, "version": str(manifest.version),
-                    "base_version": str(manifest.base_version)}
-            got = {k: chunk.meta.get(k) for k in want}
-            if got != want:
-                raise RefitRefused(f"chunk {ref.key}: header {got} disagrees with manifest {want}")
             deltas.extend(chunk.deltas)
         t2 = time.perf_counter()
         return deltas, {"download_s": t1 - t0, "decode_s": t2 - t1,

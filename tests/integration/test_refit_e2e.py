@@ -131,6 +131,30 @@ def test_flipped_bit_in_chunk_is_refused_by_digest(fresh):
     _refused(rx, adapter, m, key, "digest")
 
 
+def test_receiver_that_diverged_from_the_base_refuses_context_chunks(fresh):
+    """Context records are decoded against the bits the receiver holds.  Here those are
+    not the trainer's committed base (the exponent of one element the step changes is
+    flipped): the decoded content fails its checksum and the version is refused before
+    any write.  (Divergence at an element the delta does not touch is invisible to any
+    delta; see docs/protocol.md.)"""
+    from nemo_dcr.codec import decode_chunk, read_chunk_index
+    from nemo_dcr.receiver.worker import _HeldBits
+
+    store, rx, adapter = fresh
+    m = _manifest(store, 1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    held = _HeldBits(rx.applier)
+    changed = None
+    for c in m.chunks:
+        blob = store.get(c.key)
+        if any(i.name == name and i.context for i in read_chunk_index(blob).records):
+            changed = next(d.positions[0] for d in decode_chunk(blob, base=held).deltas if d.name == name)
+    assert changed is not None  # column-parallel q_proj is coded in context mode
+    with torch.no_grad():
+        _int_bits(adapter.module.get_parameter(name)).view(-1)[int(changed)] ^= 1 << 14
+    _refused(rx, adapter, m, "chunk v/00000001/chunks/")
+
+
 def test_wrong_base_version_is_refused(fresh):
     store, rx, adapter = fresh
     _refused(rx, adapter, _manifest(store, 2), "base version 1", "holds version 0")
@@ -194,7 +218,8 @@ def test_manifest_is_parsed_strictly(run):
 def test_refit_through_s3(s3_bucket, tmp_path):
     """The same pipeline with chunks, manifests and acks on a real S3-compatible server."""
     cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={s3_bucket}/refit", "steps=2", *SMALL,
-                            "model.num_layers=1", "train.lr=3e-6", "refit.verify_dense=true"])
+                            "model.num_layers=1", "train.lr=3e-6", "refit.verify_dense=true",
+                            "refit.context=false"])  # the context-free coding path, end to end
     summary = demo.run(cfg)
     assert summary["refits"] == 2 and summary["committed"] == 2 and summary["bit_exact"] == 2
     from nemo_dcr.transport.store import open_store

@@ -120,3 +120,42 @@ def test_shard_spec_validates_offsets():
     with pytest.raises(ValueError):
         ShardSpec(key="k", local_shape=(4, 4), global_shape=(6, 4), global_offset=(4, 0),
                   prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("heads,groups,d,tp,block", [(4, 2, 8, 2, 7), (6, 2, 4, 2, 1 << 20), (4, 1, 8, 1, 5)])
+def test_canonical_runs_invert_the_projection(heads, groups, d, tp, block):
+    """Runs rebuild the canonical base of any range they cover contiguously, whatever the
+    block size they were computed in (small blocks split runs, which must merge again)."""
+    from nemo_dcr.layout.runs import canonical_runs
+    from nemo_dcr.layout.shards import ParamView
+
+    dims = _dims(heads, groups, d)
+    proj = CanonicalProjector(LLAMA_RULES, dims)
+    contiguous: dict[str, bool] = {}
+    for key, gshape in _global_shapes(dims, 48).items():
+        g = torch.arange(int(np.prod(gshape)), dtype=torch.int64).reshape(gshape)
+        dense = {n: t.contiguous().reshape(-1).numpy() for n, t in proj.dense(key, g).items()}
+        tp_key = 2 * tp if key.endswith("linear_fc1.weight") else tp
+        for spec in _shards(key, gshape, tp_key, SPLIT.get(key)):
+            if not spec.is_main_replica:
+                continue
+            view = ParamView(param_name="p", start=3, spec=spec)  # the view starts inside its param
+            local_vals = np.ravel_multi_index(tuple(spec.global_index(np.arange(spec.numel)).T), gshape)
+            param_bits = np.concatenate(([-1, -1, -1], local_vals))
+            for name, runs in canonical_runs(proj, view, block=block).items():
+                contiguous[name] = contiguous.get(name, True) and runs.contiguous
+                if not runs.contiguous:
+                    with pytest.raises(ValueError):
+                        runs.fill(np.zeros(dense[name].size, np.int64), param_bits, runs.lo, runs.hi)
+                    continue
+                dst = np.full(dense[name].size, -7, np.int64)
+                lo, hi = runs.lo + 1, max(runs.lo + 1, runs.hi - 2)  # a sub-range
+                runs.fill(dst, param_bits, lo, hi)
+                np.testing.assert_array_equal(dst[lo:hi], dense[name][lo:hi])
+                assert np.all(dst[:lo] == -7) and np.all(dst[hi:] == -7)  # nothing outside
+    # column-parallel, vocabulary and replicated tensors are contiguous per rank;
+    # row-parallel ones are strided (one run per row) unless TP=1
+    assert contiguous["model.layers.0.self_attn.q_proj.weight"]
+    assert contiguous["model.embed_tokens.weight"] and contiguous["model.norm.weight"]
+    assert contiguous["model.layers.0.self_attn.o_proj.weight"] == (tp == 1)
+    assert contiguous["model.layers.0.mlp.down_proj.weight"] == (tp == 1)

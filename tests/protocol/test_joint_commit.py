@@ -6,16 +6,17 @@ The receiver's runtime is a stand-in here (canonical numpy arrays updated with t
 runtime path is covered by tests/receiver and tests/integration.
 """
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from nemo_dcr.codec import apply_delta_
+from nemo_dcr.codec import apply_delta_, read_chunk_index
 from nemo_dcr.integrations.sender import ReceiverRefused, RefitSender, SenderConfig
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
-from nemo_dcr.protocol.manifest import COMMITTED_KEY, Ack, Committed, ack_key
+from nemo_dcr.protocol.manifest import COMMITTED_KEY, Ack, Committed, Manifest, ack_key, manifest_key
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
 from nemo_dcr.transport.store import LocalDirStore
@@ -25,13 +26,18 @@ DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_g
 
 
 class ArrayRuntime:
-    """Canonical tensors as numpy bit arrays; refuses the versions listed in ``refuse``."""
+    """Canonical tensors as numpy bit arrays; refuses the versions listed in ``refuse``.
+    Offers the two things the receiver asks of an applier: ``apply`` and, for context-mode
+    decoding, ``canonical_bits`` (plus ``adapter.tensor_specs()``)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], refuse=()):
         self.bits = {k: v.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for k, v in tensors.items()}
         self.refuse = set(refuse)
         self.calls = 0
-        self.adapter = None
+        self.adapter = SimpleNamespace(tensor_specs=lambda: dict.fromkeys(self.bits))
+
+    def canonical_bits(self, name):
+        return self.bits[name]
 
     def apply(self, deltas):
         self.calls += 1
@@ -69,6 +75,9 @@ def test_baseline_advances_only_on_commit_and_a_refused_version_is_skipped(tmp_p
         _step(w, rng)
         stats = sender.refit(1)
         assert stats.committed and stats.chunks > 1  # several chunks: streaming flushes
+        m1 = Manifest.from_json(store.get(manifest_key(1)))
+        infos = [i for c in m1.chunks for i in read_chunk_index(store.get(c.key)).records]
+        assert infos and all(i.context for i in infos)  # coded against the committed base
         assert Committed.from_json(store.get(COMMITTED_KEY)).version == 1
         _step(w, rng)
         with pytest.raises(ReceiverRefused, match="refusing apply call 2"):
@@ -81,6 +90,7 @@ def test_baseline_advances_only_on_commit_and_a_refused_version_is_skipped(tmp_p
     finally:
         t.join(timeout=30)
     assert rx.held_version == 3
+    assert all(a["ok"] for a in stats.acks)
     want = w.view(torch.int16).numpy().view(np.uint16).reshape(-1)
     np.testing.assert_array_equal(runtime.bits["canon.w"], want)
     # the committed baseline holds exactly the trainer's current bits
