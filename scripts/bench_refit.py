@@ -1,5 +1,6 @@
 """End-to-end refit benchmark: the demo pipeline (Megatron-Core TP=2 under torchrun ->
-local store -> Hugging Face receiver) at several learning rates.
+local store -> Hugging Face receiver) at several learning rates, with the codec's context
+mode on (the default) and off.
 
     .venv/bin/python scripts/bench_refit.py [--steps 4] [--lrs 1e-6,3e-6,1e-5] [overrides...]
 
@@ -31,21 +32,23 @@ def main() -> int:
 
     out = {"steps": args.steps, "overrides": args.overrides, "runs": []}
     for lr in args.lrs.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_demo_config([f"run_dir={tmp}/run", f"store.uri={tmp}/store", f"steps={args.steps}",
-                                    f"train.lr={lr}", "refit.verify_dense=true", *args.overrides])
-            summary = run(cfg)
-            with open(os.path.join(tmp, "run", "steps.jsonl")) as f:
-                rows = [json.loads(line) for line in f]
-        if summary["bit_exact"] != args.steps:
-            print(f"lr={lr}: only {summary['bit_exact']}/{args.steps} refits bit-exact", file=sys.stderr)
-            return 1
-        out["runs"].append({"lr": float(lr), "summary": summary, "steps": rows,
-                            "model": cfg.to_dict()["model"], "tp": cfg.parallel.tensor_model_parallel_size})
-        print(f"# lr={lr}: {json.dumps(summary)}", flush=True)
+        for context in (True, False):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = load_demo_config([f"run_dir={tmp}/run", f"store.uri={tmp}/store", f"steps={args.steps}",
+                                        f"train.lr={lr}", f"refit.context={str(context).lower()}",
+                                        "refit.verify_dense=true", *args.overrides])
+                summary = run(cfg)
+                with open(os.path.join(tmp, "run", "steps.jsonl")) as f:
+                    rows = [json.loads(line) for line in f]
+            if summary["bit_exact"] != args.steps:
+                print(f"lr={lr}: only {summary['bit_exact']}/{args.steps} refits bit-exact", file=sys.stderr)
+                return 1
+            out["runs"].append({"lr": float(lr), "context": context, "summary": summary, "steps": rows,
+                                "model": cfg.to_dict()["model"], "tp": cfg.parallel.tensor_model_parallel_size})
+            print(f"# lr={lr} context={context}: {json.dumps(summary)}", flush=True)
 
-    print("\n| lr | changed % | wire B / changed | dense / wire | diff ms | project ms | encode ms | receiver ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| lr | context | changed % | wire B / changed | dense / wire | diff ms | project ms | encode ms | receiver ms |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["runs"]:
         s, rows = r["summary"], r["steps"][1:] or r["steps"]  # step 1 includes warm-up
         med = lambda k: sorted(x[k] for x in rows)[len(rows) // 2] * 1e3  # noqa: E731
@@ -55,7 +58,7 @@ def main() -> int:
                       "compression": s["compression"], "diff_ms": med("diff_s"), "project_ms": med("project_s"),
                       "encode_ms": med("encode_s"), "receiver_ms": rx}
         t = r["table"]
-        print(f"| {r['lr']:g} | {t['changed_pct']:.2f} | {t['bytes_per_changed']:.3f} | {t['compression']:.1f}x | "
+        print(f"| {r['lr']:g} | {'on' if r['context'] else 'off'} | {t['changed_pct']:.2f} | {t['bytes_per_changed']:.3f} | {t['compression']:.1f}x | "
               f"{t['diff_ms']:.1f} | {t['project_ms']:.1f} | {t['encode_ms']:.1f} | {t['receiver_ms']:.1f} |")
 
     os.makedirs(RESULTS, exist_ok=True)
@@ -67,14 +70,18 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = {}
     for r in out["runs"]:
         steps = [x["step"] for x in r["steps"]]
-        a1.plot(steps, [x["wire_bytes"] / x["changed"] for x in r["steps"]], "o-", label=f"lr {r['lr']:g}")
-        a2.plot(steps, [x["dense_bytes"] / x["wire_bytes"] for x in r["steps"]], "o-", label=f"lr {r['lr']:g}")
+        c = colors.setdefault(r["lr"], f"C{len(colors)}")
+        style = "o-" if r["context"] else "s--"
+        label = f"lr {r['lr']:g}, context {'on' if r['context'] else 'off'}"
+        a1.plot(steps, [x["wire_bytes"] / x["changed"] for x in r["steps"]], style, color=c, label=label)
+        a2.plot(steps, [x["dense_bytes"] / x["wire_bytes"] for x in r["steps"]], style, color=c, label=label)
     a1.set(xlabel="step", ylabel="wire bytes per changed element", title="size per change")
     a2.set(xlabel="step", ylabel="dense bytes / wire bytes", title="compression vs dense refit")
     for a in (a1, a2):
-        a.legend()
+        a.legend(fontsize=7)
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "refit.png"), dpi=110)
