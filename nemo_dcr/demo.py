@@ -128,6 +128,7 @@ def run(cfg: DemoConfig) -> dict:
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
+    cells: list[dict[str, str]] = []
     seen = 0
     while True:
         done = trainer.poll() is not None
@@ -136,7 +137,8 @@ def run(cfg: DemoConfig) -> dict:
                 lines = f.read().splitlines()
             for line in lines[seen:]:
                 rows.append(json.loads(line))
-                _print_row(_row(rows[-1]))
+                cells.append(_row(rows[-1]))
+                _print_row(cells[-1])
             seen = len(lines)
         if done:
             break
@@ -153,7 +155,7 @@ def run(cfg: DemoConfig) -> dict:
         if p.wait(timeout=cfg.refit.ack_timeout_s) != 0:
             raise RuntimeError(f"receiver {rid} failed ({p.returncode}):\n{_tail(log.name)}")
 
-    bit_exact = sum(1 for r in rows if _row(r)["bit_exact"] == "yes")
+    bit_exact = sum(1 for c in cells if c["bit_exact"] == "yes")
     wire = sum(r["wire_bytes"] for r in rows)
     dense = sum(r["dense_bytes"] for r in rows)
     changed = sum(r["changed"] for r in rows)

@@ -17,7 +17,7 @@ from nemo_dcr import demo
 from nemo_dcr.config import load_demo_config
 from nemo_dcr.protocol.manifest import Ack, Manifest, ack_key, chunk_key, dense_key, manifest_key
 from nemo_dcr.receiver.apply import DeltaApplier
-from nemo_dcr.receiver.verify import module_state, state_digest
+from nemo_dcr.receiver.verify import load_dense, module_state, state_digest
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
 from nemo_dcr.runtimes.hf import HFTransformersAdapter
 from nemo_dcr.transport.store import LocalDirStore
@@ -53,8 +53,7 @@ def run(tmp_path_factory):
 def _dense_refit_state(d, version: int) -> dict[str, torch.Tensor]:
     """A fresh receiver model, dense-loaded with the trainer's full gather of ``version``."""
     ref = HFTransformersAdapter.from_pretrained(str(d / "store" / "init"))
-    dense = load_file(str(d / "store" / dense_key(version)))
-    ref.load_weights(dense.items())
+    load_dense(ref, load_file(str(d / "store" / dense_key(version))))
     return {k: v.clone() for k, v in module_state(ref.module).items()}
 
 
