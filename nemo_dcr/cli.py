@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from nemo_dcr.demo import main as demo_main
+        from nemo_dcr.testbed.demo import main as demo_main
 
         return demo_main(rest)
     if cmd == "receive":

@@ -27,8 +27,8 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for configs/demo.yaml")
     args = ap.parse_args()
 
-    from nemo_dcr.config import load_demo_config
-    from nemo_dcr.demo import run
+    from nemo_dcr.testbed.config import load_demo_config
+    from nemo_dcr.testbed.demo import run
 
     out = {"steps": args.steps, "overrides": args.overrides, "runs": []}
     for lr in args.lrs.split(","):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from nemo_dcr.layout.mapping import ModelDims
-from nemo_dcr.megatron.model import ModelConfig
+from nemo_dcr.testbed.model import ModelConfig
 from nemo_dcr.protocol.manifest import INIT_PREFIX
 from nemo_dcr.transport.store import ObjectStore
 

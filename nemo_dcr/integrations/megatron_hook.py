@@ -19,7 +19,7 @@ from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig
 from nemo_dcr.layout.llama import LLAMA_RULES
 from nemo_dcr.layout.mapping import CanonicalProjector
 from nemo_dcr.layout.shards import collect_param_views
-from nemo_dcr.megatron.model import ModelConfig
+from nemo_dcr.testbed.model import ModelConfig
 from nemo_dcr.protocol.manifest import dense_key
 from nemo_dcr.transport.store import ObjectStore
 

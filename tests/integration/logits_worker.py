@@ -19,7 +19,7 @@ def main() -> None:
     from nemo_dcr.layout.llama import LLAMA_RULES
     from nemo_dcr.layout.mapping import CanonicalProjector
     from nemo_dcr.layout.shards import collect_param_views
-    from nemo_dcr.megatron.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
+    from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
 
     # odd vocab (padded by Megatron), GQA with 2 query heads per group
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

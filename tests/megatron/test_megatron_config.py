@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from nemo_dcr.megatron.model import ModelConfig, padded_vocab_size
-from nemo_dcr.megatron.train import TrainConfig, token_batch
+from nemo_dcr.testbed.model import ModelConfig, padded_vocab_size
+from nemo_dcr.testbed.train import TrainConfig, token_batch
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_train_config_validation(kwargs):
 
 
 def test_cpu_shim_refuses_where_cuda_is_available_and_patches_nothing(monkeypatch):
-    from nemo_dcr.megatron import cpu_shim
+    from nemo_dcr.testbed import cpu_shim
 
     if cpu_shim.is_applied():
         pytest.skip("the shim was applied in this process by an earlier test")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_dcr.megatron.model import ModelConfig, padded_vocab_size
+from nemo_dcr.testbed.model import ModelConfig, padded_vocab_size
 
 WORKER = Path(__file__).with_name("_worker.py")
 LAUNCH_TIMEOUT_S = 240

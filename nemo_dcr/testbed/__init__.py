@@ -3,8 +3,8 @@
 Importing this package does not import megatron-core and patches nothing; megatron is
 imported (and the CPU shim applied) by :func:`init_parallel`.
 """
-from nemo_dcr.megatron import cpu_shim
-from nemo_dcr.megatron.model import (
+from nemo_dcr.testbed import cpu_shim
+from nemo_dcr.testbed.model import (
     ModelConfig,
     ParallelError,
     build_gpt,
@@ -13,7 +13,7 @@ from nemo_dcr.megatron.model import (
     padded_vocab_size,
     unwrap_gpt,
 )
-from nemo_dcr.megatron.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
+from nemo_dcr.testbed.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
 
 __all__ = [
     "ModelConfig",

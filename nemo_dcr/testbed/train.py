@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nemo_dcr.megatron.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
+from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
 
 __all__ = ["PostStepHook", "StepResult", "TrainConfig", "Trainer", "token_batch"]
 
@@ -269,7 +269,7 @@ class Trainer:
 
     def close(self) -> None:
         """Tear down megatron's model-parallel state and the process group."""
-        from nemo_dcr.megatron.model import destroy_parallel
+        from nemo_dcr.testbed.model import destroy_parallel
 
         destroy_parallel()
 

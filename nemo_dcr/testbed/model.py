@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from nemo_dcr.megatron import cpu_shim
+from nemo_dcr.testbed import cpu_shim
 
 __all__ = [
     "ModelConfig",

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 
-from nemo_dcr.config import DemoConfig, load_demo_config
-from nemo_dcr.integrations.run_trainer import receiver_ids
+from nemo_dcr.testbed.config import DemoConfig, load_demo_config
+from nemo_dcr.testbed.run_trainer import receiver_ids
 
 STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
@@ -93,7 +93,7 @@ def run(cfg: DemoConfig) -> dict:
     trainer_log = open(os.path.join(cfg.run_dir, "trainer.log"), "w")
     trainer = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-         "-m", "nemo_dcr.integrations.run_trainer", "--config", cfg_path],
+         "-m", "nemo_dcr.testbed.run_trainer", "--config", cfg_path],
         stdout=trainer_log, stderr=subprocess.STDOUT, env=env,
     )
     _err(f"trainer: {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from nemo_dcr.megatron.model import ModelConfig
-from nemo_dcr.megatron.train import TrainConfig
+from nemo_dcr.testbed.model import ModelConfig
+from nemo_dcr.testbed.train import TrainConfig
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""Trainer processes of the demo: ``torchrun ... -m nemo_dcr.integrations.run_trainer --config C``.
+"""Trainer processes of the demo: ``torchrun ... -m nemo_dcr.testbed.run_trainer --config C``.
 
 Every rank trains the Megatron-Core model and runs the refit hook after each step; rank 0
 appends one JSON line per step to ``<run_dir>/steps.jsonl`` (what ``nemo-dcr demo`` prints).
@@ -13,10 +13,10 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from nemo_dcr.config import DemoConfig
+from nemo_dcr.testbed.config import DemoConfig
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
 from nemo_dcr.integrations.sender import SenderConfig
-from nemo_dcr.megatron.train import Trainer
+from nemo_dcr.testbed.train import Trainer
 from nemo_dcr.transport.store import open_store
 
 
@@ -25,7 +25,7 @@ def receiver_ids(n: int) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.integrations.run_trainer")
+    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.run_trainer")
     ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
     args = ap.parse_args(argv)
     with open(args.config) as f:
