@@ -5,17 +5,20 @@ imported (and the CPU shim applied) by :func:`init_parallel`.
 """
 from nemo_dcr.testbed import cpu_shim
 from nemo_dcr.testbed.model import (
+    FAMILIES,
     ModelConfig,
     ParallelError,
     build_gpt,
     destroy_parallel,
     init_parallel,
     padded_vocab_size,
+    stage_layer_counts,
     unwrap_gpt,
 )
 from nemo_dcr.testbed.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
 
 __all__ = [
+    "FAMILIES",
     "ModelConfig",
     "ParallelError",
     "PostStepHook",
@@ -27,6 +30,7 @@ __all__ = [
     "destroy_parallel",
     "init_parallel",
     "padded_vocab_size",
+    "stage_layer_counts",
     "token_batch",
     "unwrap_gpt",
 ]

@@ -31,6 +31,12 @@ What :func:`apply` patches
    Both decide what a parameter is by comparing that legacy string with the CUDA names
    (optimizer.py: bf16 params get fp32 master copies, fp32 params are used as they are;
    clip_grads.py asserts fp32 grads).  Outside those two calls ``Tensor.type`` is untouched.
+5. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when it
+   is missing.  moe_utils imports it from Transformer Engine inside ``try/except ImportError``
+   without a fallback, but the MoE router's gating linear (``RouterGatingLinearFunction``,
+   forward and backward) tests ``te_general_gemm is not None``; without Transformer Engine that
+   raises ``NameError`` (any machine, not only CPU).  ``None`` selects the plain ``torch.mm``
+   branch the code already has.  Set only if the name is absent.
 
 What it does not patch, and how callers avoid it instead
 --------------------------------------------------------
@@ -78,6 +84,9 @@ class ShimReport:
     """Megatron modules whose global ``torch`` is the CPU-factory proxy (patch 3)."""
     type_name_scoped: tuple[str, ...]
     """Megatron callables during which ``Tensor.type()`` reports CUDA names (patch 4)."""
+    missing_globals_defined: tuple[str, ...]
+    """``module.name`` globals megatron reads but never defines without Transformer Engine,
+    set to ``None`` (patch 5)."""
 
 
 # Modules with literal ``device="cuda"`` allocations on the training path (patch 3).
@@ -168,8 +177,14 @@ def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return inner
 
 
+# Globals megatron tests against None but leaves undefined without Transformer Engine (patch 5).
+_MISSING_TE_GLOBALS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+)
+
+
 def apply() -> ShimReport:
-    """Apply patches 1-4 (see the module docstring); idempotent and thread-safe.
+    """Apply patches 1-5 (see the module docstring); idempotent and thread-safe.
 
     Returns the report of what is patched.  Raises :class:`CpuShimError` when CUDA is usable.
     """
@@ -202,6 +217,14 @@ def apply() -> ShimReport:
         clip_grads.clip_grad_by_total_norm_fp32 = clip
         optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
 
+        # Patch 5: undefined Transformer-Engine globals -> None (only where absent).
+        defined = []
+        for mod_name, attr in _MISSING_TE_GLOBALS:
+            module = importlib.import_module(mod_name)
+            if not hasattr(module, attr):
+                setattr(module, attr, None)
+                defined.append(f"{mod_name}.{attr}")
+
         _report = ShimReport(
             torch_cuda_functions=("current_device", "synchronize"),
             factory_proxied_modules=_FACTORY_PROXIED_MODULES,
@@ -209,6 +232,7 @@ def apply() -> ShimReport:
                 "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
                 "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
             ),
+            missing_globals_defined=tuple(defined),
         )
         return _report
 

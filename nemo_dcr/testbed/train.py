@@ -60,12 +60,19 @@ class TrainConfig:
     data_seed: int = 0
     """Seed of the token stream; batch ``(step, microbatch)`` is the same on every TP/PP rank of
     a model replica (data-parallel replicas draw different batches)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps the FP32 masters
+    and Adam state of a 1/DP slice of the gradient buffer, and the updated BF16 params are
+    all-gathered at the end of ``optimizer.step()`` (``overlap_param_gather=False``), so every
+    rank holds the new bits before the post-step hooks run."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
                 raise TypeError(f"TrainConfig.{f.name} must be an int, got {v!r}")
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise TypeError(f"TrainConfig.{f.name} must be a bool, got {v!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"TrainConfig.lr must be finite and > 0, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.adam_eps <= 0:
@@ -113,16 +120,23 @@ class Trainer:
     """Megatron-core GPT + DDP + mixed-precision AdamW on this rank (see module docstring).
 
     Construct it on every rank of a torchrun launch; ``tp * pp`` must divide the world size
-    (the rest is data parallelism).
+    (the rest is data parallelism) and ``ep`` (expert parallelism, MoE models) must divide the
+    data-parallel size.  ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) give
+    uneven pipeline stages (see :func:`~nemo_dcr.testbed.model.stage_layer_counts`).
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, tp: int, pp: int = 1):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, tp: int, pp: int = 1,
+                 ep: int = 1, first_stage_layers: int = 0, last_stage_layers: int = 0):
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
         self.tp = tp
         self.pp = pp
-        model_cfg.check_parallel(tp=tp, pp=pp)
-        init_parallel(tp, pp)
+        self.ep = ep
+        self.first_stage_layers = first_stage_layers
+        self.last_stage_layers = last_stage_layers
+        model_cfg.check_parallel(tp=tp, pp=pp, ep=ep, first_stage_layers=first_stage_layers,
+                                 last_stage_layers=last_stage_layers)
+        init_parallel(tp, pp, ep=ep)
 
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -131,14 +145,19 @@ class Trainer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        fp16_model = build_gpt(model_cfg, tp=tp, pp=pp)
+        fp16_model = build_gpt(model_cfg, tp=tp, pp=pp, ep=ep, first_stage_layers=first_stage_layers,
+                               last_stage_layers=last_stage_layers)
         self.config = fp16_model.config
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=train_cfg.use_distributed_optimizer,
+                # The post-step hooks read the new BF16 params on every rank right after
+                # optimizer.step(): the distributed optimizer must all-gather them inside step()
+                # (the non-overlapped path), not lazily in the next forward.
+                overlap_param_gather=False,
             ),
             module=fp16_model,
         )
@@ -157,7 +176,7 @@ class Trainer:
                 clip_grad=train_cfg.clip_grad,
                 bf16=True,
                 params_dtype=torch.bfloat16,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=train_cfg.use_distributed_optimizer,
             ),
             [self.model],
         )

@@ -91,3 +91,79 @@ def test_cpu_shim_refuses_where_cuda_is_available_and_patches_nothing(monkeypatc
     assert not cpu_shim.is_applied()
     with pytest.raises(cpu_shim.CpuShimError, match="apply"):
         cpu_shim.seed_model_parallel_rng(0)
+
+
+# ---- families, MoE, expert parallelism, uneven pipeline stages ---------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"family": "mistral"}, "family"),
+        ({"family": "qwen3_moe"}, "num_moe_experts"),
+        ({"family": "qwen3", "num_moe_experts": 4}, "num_moe_experts"),
+        ({"family": "qwen3_moe", "num_moe_experts": 4, "moe_router_topk": 5}, "moe_router_topk"),
+        ({"family": "qwen3_moe", "num_moe_experts": 4, "moe_router_topk": 0}, "moe_router_topk"),
+        ({"family": "llama", "moe_ffn_hidden_size": 64}, "moe_ffn_hidden_size"),
+        ({"num_moe_experts": -1}, "num_moe_experts"),
+    ],
+)
+def test_model_config_rejects_inconsistent_families(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
+
+
+def test_model_config_family_properties_and_types():
+    moe = ModelConfig(family="qwen3_moe", num_moe_experts=4, moe_ffn_hidden_size=96)
+    assert moe.is_moe and moe.qk_layernorm and moe.expert_ffn_hidden_size == 96
+    assert ModelConfig(family="qwen3_moe", num_moe_experts=4).expert_ffn_hidden_size == 256
+    assert ModelConfig(family="qwen3").qk_layernorm and not ModelConfig(family="qwen3").is_moe
+    assert not ModelConfig().qk_layernorm
+    with pytest.raises(TypeError):
+        ModelConfig(share_embeddings_and_output_weights=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ModelConfig(family=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        TrainConfig(use_distributed_optimizer="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "cfg, kw, match",
+    [
+        (ModelConfig(), {"ep": 2}, "MoE"),
+        (ModelConfig(family="qwen3_moe", num_moe_experts=6), {"ep": 4}, "num_moe_experts"),
+        (ModelConfig(family="qwen3_moe", num_moe_experts=4, moe_ffn_hidden_size=5), {"tp": 2},
+         "expert_ffn_hidden_size"),
+        (ModelConfig(), {"ep": 0}, ">= 1"),
+        (ModelConfig(num_layers=4), {"pp": 1, "first_stage_layers": 1}, "pp >= 2"),
+        (ModelConfig(num_layers=4), {"pp": 2, "first_stage_layers": 4}, "split evenly"),
+        (ModelConfig(num_layers=4), {"pp": 2, "first_stage_layers": 1, "last_stage_layers": 2},
+         "split evenly"),
+        (ModelConfig(num_layers=5), {"pp": 3, "first_stage_layers": 2}, "split evenly"),
+    ],
+)
+def test_check_parallel_rejects_bad_expert_and_stage_layouts(cfg, kw, match):
+    kw = {"tp": 1, "pp": 1, **kw}
+    with pytest.raises(ValueError, match=match):
+        cfg.check_parallel(**kw)
+
+
+@pytest.mark.parametrize(
+    "num_layers, pp, first, last, expected",
+    [
+        (4, 2, 0, 0, (2, 2)),
+        (4, 2, 1, 0, (1, 3)),
+        (4, 2, 0, 1, (3, 1)),
+        (4, 2, 3, 1, (3, 1)),
+        (6, 3, 1, 1, (1, 4, 1)),
+        (7, 3, 3, 0, (3, 2, 2)),
+    ],
+)
+def test_stage_layer_counts(num_layers, pp, first, last, expected):
+    from nemo_dcr.testbed.model import stage_layer_counts
+
+    counts = stage_layer_counts(num_layers, pp, first_stage_layers=first, last_stage_layers=last)
+    assert counts == expected and sum(counts) == num_layers
+    ModelConfig(num_layers=num_layers).check_parallel(
+        tp=1, pp=pp, first_stage_layers=first, last_stage_layers=last
+    )
