@@ -35,9 +35,9 @@ def main() -> None:
     args = ap.parse_args()
 
     trainer = Trainer(ModelConfig(), TrainConfig(lr=2e-6), tp=args.tp)
-    hook = MegatronRefitHook(
-        trainer.gpt, trainer.model_cfg, open_store(args.store),
-        SenderConfig(model_id="example", receivers=("r0",), ack_timeout_s=args.ack_timeout_s),
+    hook = MegatronRefitHook.from_model(  # family, dims and sharding come from the model itself
+        trainer.model, store=open_store(args.store), vocab_size=trainer.model_cfg.vocab_size,
+        sender_cfg=SenderConfig(model_id="example", receivers=("r0",), ack_timeout_s=args.ack_timeout_s),
     )
     hook.export_initial()  # version 0: the HF checkpoint both sides start from
     trainer.add_post_step_hook(hook)  # runs on every rank after each optimizer step

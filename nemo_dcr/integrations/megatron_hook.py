@@ -1,9 +1,25 @@
 """The refit hook for Megatron-Core training: runs on every rank after each optimizer step.
 
 It is the single object a training loop needs: ``Trainer.add_post_step_hook(hook)`` in our
-examples, a Lightning/NeMo callback's ``on_train_batch_end`` in a NeMo recipe.  Everything
-it needs is derived from the model itself: the shard -> canonical map from
-``sharded_state_dict()`` and the declarative Llama table.
+test bed, a Lightning/NeMo callback's ``on_train_batch_end`` in a NeMo recipe.  Build it
+with :meth:`MegatronRefitHook.from_model` from the model the trainer holds; everything
+else is derived from that model:
+
+* the architecture from its ``TransformerConfig`` and modules (``describe_gpt``), and from
+  that the layout family (``layout/families.py``: one declarative rule table each);
+* where every local element lives, from ``sharded_state_dict()`` (TP/PP/EP shards,
+  ``replica_id`` for DP / expert-DP replicas and the tied output layer of the last
+  pipeline stage, which Megatron checkpoints as a non-main replica of the embedding).
+
+Construction is collective and fails closed, before anything is published: a parameter
+no ShardedTensor covers (or covers twice), a parameter whose Megatron key the family
+table does not map, or a global tensor whose main replicas over all ranks do not tile it
+exactly once is refused with the parameter's (or key's) name.
+
+When to call it: after the optimizer wrote the new BF16 params on every rank.  With
+megatron's distributed optimizer that is after its parameter all-gather, which
+``optimizer.step()`` runs itself unless ``overlap_param_gather=True`` defers it into the
+next forward's pre-hooks; in that case finish the gather first (see docs/design.md).
 """
 from __future__ import annotations
 
@@ -14,12 +30,12 @@ import torch.distributed as dist
 from safetensors.torch import save as save_safetensors
 
 from nemo_dcr.integrations.dense import gather_canonical_state
-from nemo_dcr.integrations.hf_export import model_dims, write_checkpoint
+from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
+from nemo_dcr.integrations.megatron_model import describe_gpt, unwrap_gpt
 from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig
-from nemo_dcr.layout.llama import LLAMA_RULES
-from nemo_dcr.layout.mapping import CanonicalProjector
-from nemo_dcr.layout.shards import collect_param_views
-from nemo_dcr.testbed.model import ModelConfig
+from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_family
+from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
+from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
 from nemo_dcr.protocol.manifest import dense_key
 from nemo_dcr.transport.store import ObjectStore
 
@@ -28,18 +44,72 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProjector, family: ModelFamily) -> None:
+    """Every local parameter range has a rule that fits its geometry (all replicas, not
+    only main ones: a rank must not hold weights the table cannot name)."""
+    for pname, vs in views.items():
+        for v in vs:
+            try:
+                projector.check(v.spec)
+            except UnmappedKeyError:
+                raise UnsupportedModelError(
+                    f"parameter {pname} (Megatron key {v.spec.key}) has no rule in the {family.name} layout "
+                    "table; refusing to attach rather than never refitting it") from None
+            except ValueError as e:
+                raise UnsupportedModelError(f"parameter {pname}: {e}") from None
+
+
+def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
+    mine = [v.spec for vs in views.values() for v in vs if v.spec.is_main_replica]
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    check_tiling([s for rank_specs in everyone for s in rank_specs])
+
+
 class MegatronRefitHook:
-    def __init__(self, gpt: torch.nn.Module, model_cfg: ModelConfig, store: ObjectStore,
+    """Diff -> project -> encode -> upload after each step, then the joint commit."""
+
+    def __init__(self, gpt: torch.nn.Module, dims: ModelDims, family: ModelFamily, store: ObjectStore,
                  sender_cfg: SenderConfig, *, verify_dense: bool = False):
-        """``gpt``: the inner megatron ``GPTModel`` of this rank (BF16 params)."""
-        self.model_cfg = model_cfg
+        """Prefer :meth:`from_model`.  ``gpt``: this rank's megatron ``GPTModel``."""
+        self.dims = dims
+        self.family = family
         self.store = store
         self.verify_dense = verify_dense
         self.params = dict(gpt.named_parameters())
-        self.views = collect_param_views(gpt)
-        self.projector = CanonicalProjector(LLAMA_RULES, model_dims(model_cfg))
+        try:
+            self.views = collect_param_views(gpt)
+        except ValueError as e:
+            raise UnsupportedModelError(f"sharded_state_dict() does not describe the model: {e}") from None
+        self.projector = CanonicalProjector(family.rules, dims)
+        _check_mapped(self.views, self.projector, family)
+        try:
+            _check_global_tiling(self.views)
+        except ValueError as e:
+            raise UnsupportedModelError(f"sharded_state_dict() over all ranks: {e}") from None
         self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg)
         self.last_stats: PublishStats | None = None
+        self._published = self.sender.baseline.version
+
+    @classmethod
+    def from_model(cls, model, *, store: ObjectStore, sender_cfg: SenderConfig, family: str | None = None,
+                   vocab_size: int | None = None, verify_dense: bool = False) -> MegatronRefitHook:
+        """Collective: attach to ``model`` (a ``GPTModel`` or any wrapper of one) on every rank.
+
+        family: a name in ``layout.families.FAMILIES``; by default the one registered family
+            the model's features (MoE, q/k-norm) match.  Given, it is checked against them.
+        vocab_size: the tokenizer's vocabulary (Megatron's padded rows beyond it are not
+            canonical); default: the model's padded vocabulary.
+        """
+        gpt = unwrap_gpt(model)
+        dims = describe_gpt(gpt, vocab_size=vocab_size)
+        return cls(gpt, dims, select_family(dims, family), store, sender_cfg, verify_dense=verify_dense)
+
+    def hf_config(self) -> dict:
+        """``config.json`` of the equivalent Hugging Face model."""
+        return hf_config(self.family, self.dims)
 
     def dense_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full canonical state on rank 0 (None elsewhere)."""
@@ -49,9 +119,12 @@ class MegatronRefitHook:
         """Collective: write version 0 (the initial HF checkpoint) to the store."""
         state = self.dense_state()
         if _rank() == 0:
-            write_checkpoint(self.store, self.model_cfg, state)
+            write_checkpoint(self.store, self.hf_config(), state)
 
-    def __call__(self, trainer, step: int) -> None:
+    def __call__(self, trainer=None, step: int | None = None) -> None:
+        """Publish a version (collective): ``step`` (the optimizer step just taken) if
+        given, else one past the last version published.  A version number is never
+        reused, also after a refused one.  (``trainer`` is the test bed's hook argument.)"""
         before = None
         dense_s = 0.0
         if self.verify_dense:
@@ -61,6 +134,8 @@ class MegatronRefitHook:
             if _rank() == 0:
                 def before(manifest, state=state):
                     self.store.put(dense_key(manifest.version), save_safetensors(state))
-        stats = self.sender.refit(step, before_manifest=before)
+        version = self._published + 1 if step is None else int(step)
+        self._published = version
+        stats = self.sender.refit(version, before_manifest=before)
         stats.reference_s = dense_s
         self.last_stats = stats

@@ -13,6 +13,8 @@ Each transform has two implementations that the tests check against each other:
 from __future__ import annotations
 
 import abc
+import itertools
+import string
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -24,7 +26,9 @@ from nemo_dcr.layout.shards import ShardSpec
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims:
-    """Shapes the fused layouts depend on (canonical = unpadded vocabulary)."""
+    """The architecture of one model, as far as the canonical (Hugging Face) checkpoint and
+    its ``config.json`` depend on it.  Derived from the Megatron model itself
+    (``nemo_dcr.integrations.megatron_model.describe_gpt``); canonical = unpadded vocabulary."""
 
     num_layers: int
     hidden_size: int
@@ -33,6 +37,20 @@ class ModelDims:
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
+    """Canonical (tokenizer) vocabulary; Megatron's padded rows beyond it are dropped."""
+    num_moe_experts: int = 0
+    """Routed experts per MoE layer (0: dense MLP)."""
+    moe_ffn_hidden_size: int = 0
+    """Width of each expert's gate/up branch (MoE only)."""
+    moe_router_topk: int = 0
+    """Experts per token (MoE only)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+    tied_embeddings: bool = False
+    """The output layer is the word embedding (one canonical tensor)."""
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
@@ -40,6 +58,8 @@ class ModelDims:
                 f"num_attention_heads={self.num_attention_heads} not divisible by "
                 f"num_query_groups={self.num_query_groups}"
             )
+        if self.num_moe_experts and (self.moe_ffn_hidden_size <= 0 or self.moe_router_topk <= 0):
+            raise ValueError("an MoE model needs moe_ffn_hidden_size > 0 and moe_router_topk > 0")
 
 
 class Transform(abc.ABC):
@@ -162,18 +182,34 @@ class GroupedQKV(Transform):
         }
 
 
+LAYER = ("layer",)
+"""Prepended axes of stacked ``decoder.layers.*`` keys: the global layer index."""
+LAYER_EXPERT = ("layer", "expert")
+"""Prepended axes of MoE expert keys (``...mlp.experts.experts.*``): global layer, then
+global expert index (Megatron's expert-parallel offset is already in the latter)."""
+
+
 @dataclass(frozen=True)
 class Rule:
     """One Megatron checkpoint key -> canonical tensor name template(s).
 
-    ``targets`` maps each transform part to a name template; ``{layer}`` is the global
-    layer index (the first, prepended axis of stacked ``decoder.layers.*`` keys).
+    ``targets`` maps each transform part to a name template.  ``axes`` names the axes
+    Megatron prepends to the key's global shape (``ShardedTensor.prepend_axis_num`` of
+    them); each shard sits at one index along each, and the templates receive those indices
+    by name (``{layer}``, ``{expert}``).
     """
 
     megatron_key: str
     targets: Mapping[str, str]
     transform: Transform = field(default_factory=Identity)
-    layered: bool = False
+    axes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for part, template in self.targets.items():
+            fields_ = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+            if fields_ != set(self.axes):
+                raise ValueError(f"rule {self.megatron_key}: target {template!r} (part {part!r}) uses "
+                                 f"{sorted(fields_)}, the rule's prepended axes are {list(self.axes)}")
 
 
 @dataclass(frozen=True)
@@ -207,23 +243,33 @@ class CanonicalProjector:
             ) from None
 
     def _src_shape(self, rule: Rule, global_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(global_shape[1:]) if rule.layered else tuple(global_shape)
+        return tuple(global_shape[len(rule.axes):])
 
-    def _names(self, rule: Rule, layer: int | None, parts: dict) -> list[str]:
+    def _names(self, rule: Rule, index: tuple[int, ...], parts: dict) -> list[str]:
         missing = set(parts) - set(rule.targets)
         if missing:
             raise ValueError(f"rule for {rule.megatron_key} has no target for parts {sorted(missing)}")
-        return [rule.targets[p].format(layer=layer) for p in parts]
+        fmt = dict(zip(rule.axes, index))
+        return [rule.targets[p].format(**fmt) for p in parts]
+
+    def check(self, spec: ShardSpec) -> None:
+        """Raise ``ValueError`` unless the rule of ``spec.key`` fits its geometry."""
+        rule = self.rule(spec.key)
+        if spec.prepend_axis_num != len(rule.axes):
+            raise ValueError(f"{spec.key}: Megatron prepends {spec.prepend_axis_num} axes, the "
+                             f"layout table expects {len(rule.axes)} ({', '.join(rule.axes) or 'none'})")
+        rule.transform.parts(self._src_shape(rule, spec.global_shape), self.dims)
 
     def canonical_specs(self, spec: ShardSpec) -> list[CanonicalSpec]:
         """The canonical tensors a shard contributes to."""
         rule = self.rule(spec.key)
+        self.check(spec)
         src = self._src_shape(rule, spec.global_shape)
         parts = rule.transform.parts(src, self.dims)
-        layer = spec.global_offset[0] if rule.layered else None
+        index = tuple(spec.global_offset[: len(rule.axes)])
         return [
             CanonicalSpec(n, spec.dtype, shape)
-            for n, shape in zip(self._names(rule, layer, parts), parts.values())
+            for n, shape in zip(self._names(rule, index, parts), parts.values())
         ]
 
     def project(
@@ -233,11 +279,8 @@ class CanonicalProjector:
         for the shard-local flat indices ``local_flat``; dropped elements (vocab padding)
         are not yielded."""
         rule = self.rule(spec.key)
-        if rule.layered and spec.prepend_axis_num != 1:
-            raise ValueError(f"{spec.key}: layered rule needs exactly one prepended (layer) axis")
-        gidx = spec.global_index(local_flat)
-        if rule.layered:
-            gidx = gidx[:, 1:]
+        self.check(spec)
+        gidx = spec.global_index(local_flat)[:, len(rule.axes):]
         src = self._src_shape(rule, spec.global_shape)
         part, flat = rule.transform.project(gidx, src, self.dims)
         for p_no, cspec in enumerate(self.canonical_specs(spec)):
@@ -249,10 +292,9 @@ class CanonicalProjector:
         """Canonical tensors from one whole Megatron global tensor."""
         rule = self.rule(key)
         out: dict[str, torch.Tensor] = {}
-        layers = range(global_tensor.shape[0]) if rule.layered else [None]
-        for layer in layers:
-            src = global_tensor[layer] if layer is not None else global_tensor
+        for index in itertools.product(*(range(n) for n in global_tensor.shape[: len(rule.axes)])):
+            src = global_tensor[index]
             parts = rule.transform.dense(src, self.dims)
-            for name, t in zip(self._names(rule, layer, parts), parts.values()):
+            for name, t in zip(self._names(rule, index, parts), parts.values()):
                 out[name] = t
         return out

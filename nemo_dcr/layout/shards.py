@@ -171,3 +171,33 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
                 f"parameter {name}: ShardedTensors cover {covered} of {params[name].numel()} elements"
             )
     return views
+
+
+def check_tiling(specs) -> None:
+    """Every element of every global tensor is held by exactly one main replica.
+
+    ``specs``: the main-replica ``ShardSpec``s of ALL ranks.  Per key, the shards must
+    agree on the global shape, have distinct offsets, lie inside it (``ShardSpec``
+    checks that) and their volumes must add up to the global volume.  Megatron's shards
+    of one key are a grid (equal extents along each split axis), so distinct offsets and
+    a matching volume mean an exact tiling; a missing shard or one emitted twice by two
+    ranks (a wrong replica_id) is refused.  O(shards log shards), data-free.
+    """
+    by_key: dict[str, list[ShardSpec]] = {}
+    for s in specs:
+        by_key.setdefault(s.key, []).append(s)
+    for key, group in by_key.items():
+        shapes = {s.global_shape for s in group}
+        if len(shapes) != 1:
+            raise ValueError(f"{key}: shards disagree on the global shape: {sorted(shapes)}")
+        (shape,) = shapes
+        offsets = [s.global_offset for s in group]
+        if len(set(offsets)) != len(offsets):
+            dup = next(o for o in offsets if offsets.count(o) > 1)
+            raise ValueError(f"{key}: two main replicas hold the shard at offset {dup} (an element would be "
+                             "emitted twice: check replica_id)")
+        volume = sum(shape_numel(s.local_shape) for s in group)
+        total = shape_numel(shape[group[0].prepend_axis_num:]) * shape_numel(shape[: group[0].prepend_axis_num])
+        if volume != total:
+            raise ValueError(f"{key}: main replicas cover {volume} of {total} elements of {shape}"
+                             + (" (some shard has no main replica)" if volume < total else " (overlap)"))

@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
                               chunk_bytes=cfg.refit.chunk_bytes, upload_workers=cfg.refit.upload_workers,
                               context=cfg.refit.context,
                               ack_timeout_s=cfg.refit.ack_timeout_s)
-    hook = MegatronRefitHook(trainer.gpt, cfg.model, store, sender_cfg, verify_dense=cfg.refit.verify_dense)
+    # the hook sees only the model: family, dims and sharding come from it; the tokenizer's
+    # vocabulary size is the one fact the padded model does not hold
+    hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg,
+                                        vocab_size=cfg.model.vocab_size, verify_dense=cfg.refit.verify_dense)
     hook.export_initial()
     trainer.add_post_step_hook(hook)
     rank = dist.get_rank()
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.train_step()
         if rank == 0:
             row = {"step": result.step, "loss": result.loss, "canonical_numel": hook.sender.canonical_numel,
+                   "family": hook.family.name,
                    **asdict(hook.last_stats)}
             with open(steps_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
