@@ -25,10 +25,35 @@ class ParallelConfig:
     """Megatron pipeline parallelism (stages)."""
     data_parallel_size: int = 1
     """Model replicas; only the main replica of each element (Megatron's replica_id) emits."""
+    expert_model_parallel_size: int = 1
+    """Megatron expert parallelism (MoE models): the experts of each layer are split over this
+    many ranks.  It regroups ranks within the world (it does not multiply it): megatron needs
+    ``tp * ep * pp`` to divide the world (``initialize_model_parallel``, expert TP = TP), i.e.
+    EP must divide ``data_parallel_size``."""
+    num_layers_in_first_pipeline_stage: int = 0
+    """Transformer layers on the first pipeline stage; 0 = even split (megatron's
+    ``num_layers_in_first_pipeline_stage`` unset)."""
+    num_layers_in_last_pipeline_stage: int = 0
+    """Transformer layers on the last pipeline stage; 0 = even split."""
 
     def __post_init__(self) -> None:
-        if min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.data_parallel_size) < 1:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "data_parallel_size", "expert_model_parallel_size",
+                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"parallel.{name} must be an int, got {v!r}")
+        if min(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+               self.data_parallel_size, self.expert_model_parallel_size) < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if min(self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage) < 0:
+            raise ValueError("parallel.num_layers_in_first/last_pipeline_stage must be >= 0 (0 = even split)")
+        if self.data_parallel_size % self.expert_model_parallel_size:
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={self.expert_model_parallel_size} must divide "
+                f"data_parallel_size={self.data_parallel_size}: megatron's initialize_model_parallel "
+                f"needs tp*ep*pp to divide the world size tp*pp*dp (expert TP = TP)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -87,8 +112,13 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
-        self.model.check_parallel(tp=self.parallel.tensor_model_parallel_size,
-                                  pp=self.parallel.pipeline_model_parallel_size)
+        p = self.parallel
+        self.model.check_parallel(
+            tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+            ep=p.expert_model_parallel_size,
+            first_stage_layers=p.num_layers_in_first_pipeline_stage,
+            last_stage_layers=p.num_layers_in_last_pipeline_stage,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

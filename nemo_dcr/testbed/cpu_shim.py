@@ -27,16 +27,25 @@ What :func:`apply` patches
    (transformer/utils.py).
    Everything else in those modules sees the real torch.
 4. ``torch.Tensor.type()`` reports ``torch.cuda.<X>Tensor`` for CPU tensors, **only while**
-   ``Float16OptimizerWithFloat16Params.__init__`` or ``clip_grad_by_total_norm_fp32`` runs.
-   Both decide what a parameter is by comparing that legacy string with the CUDA names
-   (optimizer.py: bf16 params get fp32 master copies, fp32 params are used as they are;
-   clip_grads.py asserts fp32 grads).  Outside those two calls ``Tensor.type`` is untouched.
+   ``Float16OptimizerWithFloat16Params.__init__``, ``DistributedOptimizer.__init__`` or
+   ``clip_grad_by_total_norm_fp32`` runs.  They decide what a parameter is by comparing that
+   legacy string with the CUDA names (optimizer.py: bf16 params get fp32 master copies, fp32
+   params are used as they are; distrib_optimizer.py, ``_build_model_and_main_param_groups``
+   and the ``main_param`` marking in ``__init__``: the same classification, else
+   ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor...``; clip_grads.py
+   asserts fp32 grads).  Outside those calls ``Tensor.type`` is untouched.
 5. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when it
    is missing.  moe_utils imports it from Transformer Engine inside ``try/except ImportError``
    without a fallback, but the MoE router's gating linear (``RouterGatingLinearFunction``,
    forward and backward) tests ``te_general_gemm is not None``; without Transformer Engine that
    raises ``NameError`` (any machine, not only CPU).  ``None`` selects the plain ``torch.mm``
    branch the code already has.  Set only if the name is absent.
+6. ``torch.Tensor.cuda()`` returns the tensor itself, **only while**
+   ``LanguageModule.setup_embeddings_and_output_layer`` runs.  With tied embeddings and PP > 1
+   it moves the shared word-embedding / output weight to the GPU (``weight.data =
+   weight.data.cuda()``) before all-reducing it over the embedding group, which raises on a
+   CPU build.  On the CPU the tensor already is where the all-reduce needs it; outside that
+   call ``Tensor.cuda`` is untouched (and still raises).
 
 What it does not patch, and how callers avoid it instead
 --------------------------------------------------------
@@ -84,6 +93,8 @@ class ShimReport:
     """Megatron modules whose global ``torch`` is the CPU-factory proxy (patch 3)."""
     type_name_scoped: tuple[str, ...]
     """Megatron callables during which ``Tensor.type()`` reports CUDA names (patch 4)."""
+    cuda_noop_scoped: tuple[str, ...]
+    """Megatron callables during which ``Tensor.cuda()`` returns the CPU tensor (patch 6)."""
     missing_globals_defined: tuple[str, ...]
     """``module.name`` globals megatron reads but never defines without Transformer Engine,
     set to ``None`` (patch 5)."""
@@ -177,6 +188,30 @@ def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return inner
 
 
+_ORIGINAL_TENSOR_CUDA = torch.Tensor.cuda
+_cuda_noop_depth = threading.local()
+
+
+def _cuda_noop_in_scope(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if getattr(_cuda_noop_depth, "n", 0) > 0 and self.device.type == "cpu":
+        return self
+    return _ORIGINAL_TENSOR_CUDA(self, *args, **kwargs)
+
+
+def _scoped_cuda_noop(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_cuda_noop_depth, "n", 0)
+        _cuda_noop_depth.n = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _cuda_noop_depth.n = depth
+
+    inner.__nemo_dcr_cpu_shim__ = True  # type: ignore[attr-defined]
+    return inner
+
+
 # Globals megatron tests against None but leaves undefined without Transformer Engine (patch 5).
 _MISSING_TE_GLOBALS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
@@ -184,7 +219,7 @@ _MISSING_TE_GLOBALS: tuple[tuple[str, str], ...] = (
 
 
 def apply() -> ShimReport:
-    """Apply patches 1-5 (see the module docstring); idempotent and thread-safe.
+    """Apply patches 1-6 (see the module docstring); idempotent and thread-safe.
 
     Returns the report of what is patched.  Raises :class:`CpuShimError` when CUDA is usable.
     """
@@ -207,15 +242,26 @@ def apply() -> ShimReport:
                 raise CpuShimError(f"{name}: expected a module-level `torch`, megatron changed")
             module.torch = proxy  # type: ignore[attr-defined]
 
-        # Patch 4: install the scoped Tensor.type once, then scope it to two callables.
+        # Patch 4: install the scoped Tensor.type once, then scope it to three callables.
         torch.Tensor.type = _cuda_named_type  # type: ignore[method-assign]
         from megatron.core.optimizer import clip_grads, optimizer
 
-        cls = optimizer.Float16OptimizerWithFloat16Params
-        cls.__init__ = _scoped(cls.__init__)  # type: ignore[method-assign]
+        from megatron.core.optimizer import distrib_optimizer
+
+        for cls in (optimizer.Float16OptimizerWithFloat16Params,
+                    distrib_optimizer.DistributedOptimizer):
+            cls.__init__ = _scoped(cls.__init__)  # type: ignore[method-assign]
         clip = _scoped(clip_grads.clip_grad_by_total_norm_fp32)
         clip_grads.clip_grad_by_total_norm_fp32 = clip
         optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
+
+        # Patch 6: Tensor.cuda() is the identity inside one megatron method.
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        torch.Tensor.cuda = _cuda_noop_in_scope  # type: ignore[method-assign]
+        LanguageModule.setup_embeddings_and_output_layer = _scoped_cuda_noop(  # type: ignore[method-assign]
+            LanguageModule.setup_embeddings_and_output_layer
+        )
 
         # Patch 5: undefined Transformer-Engine globals -> None (only where absent).
         defined = []
@@ -230,7 +276,12 @@ def apply() -> ShimReport:
             factory_proxied_modules=_FACTORY_PROXIED_MODULES,
             type_name_scoped=(
                 "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+                "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__",
                 "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+            ),
+            cuda_noop_scoped=(
+                "megatron.core.models.common.language_module.language_module."
+                "LanguageModule.setup_embeddings_and_output_layer",
             ),
             missing_globals_defined=tuple(defined),
         )

@@ -225,6 +225,13 @@ class ModelConfig:
         for name in names:
             if getattr(self, name) % tp:
                 raise ValueError(f"tensor parallel size {tp} does not divide {name}={getattr(self, name)}")
+        if self.is_moe and tp > 1:
+            raise ValueError(
+                f"qwen3_moe with tensor parallelism (tp={tp}) does not train in this testbed: "
+                "megatron's MoELayer refuses TP > 1 without sequence parallelism during training "
+                "(moe_layer.py), and the only RMSNorm without Transformer Engine / Apex "
+                "(WrappedTorchNorm) refuses sequence parallelism (torch_norm.py); use tp=1"
+            )
         if ep > 1 and not self.is_moe:
             raise ValueError(f"expert parallelism (ep={ep}) needs an MoE model (family 'qwen3_moe')")
         if self.is_moe and self.num_moe_experts % ep:

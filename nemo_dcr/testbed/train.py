@@ -34,7 +34,7 @@ import torch
 
 from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
 
-__all__ = ["PostStepHook", "StepResult", "TrainConfig", "Trainer", "token_batch"]
+__all__ = ["MasterShard", "PostStepHook", "StepResult", "TrainConfig", "Trainer", "token_batch"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,6 +96,25 @@ class StepResult:
     """Global gradient norm before clipping."""
     update_successful: bool
     """False if megatron skipped the update (non-finite gradients)."""
+
+
+@dataclass(frozen=True)
+class MasterShard:
+    """The FP32 master copy this rank's optimizer holds for (a flat slice of) one BF16 param."""
+
+    start: int
+    """First element, in the param's flattened (row-major) order, that the master covers."""
+    stop: int
+    """One past the last element covered (``stop - start == master.numel()``)."""
+    master: torch.Tensor
+    """FP32 values (live optimizer state, not a copy), flat ``[stop - start]``.  After a step,
+    ``param.view(-1)[start:stop]`` equals ``master.to(bfloat16)`` bit for bit."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop or self.master.numel() != self.stop - self.start:
+            raise ValueError(
+                f"MasterShard [{self.start}, {self.stop}) does not match {self.master.numel()} elements"
+            )
 
 
 PostStepHook = Callable[["Trainer", int], None]
@@ -277,7 +296,14 @@ class Trainer:
 
     def master_params(self) -> dict[str, torch.Tensor]:
         """The optimizer's FP32 master copy of each BF16 parameter, by the same names as
-        :meth:`bf16_params` (after a step, each BF16 param is its master rounded to BF16)."""
+        :meth:`bf16_params` (after a step, each BF16 param is its master rounded to BF16).
+
+        Only for the non-distributed optimizer; with ``use_distributed_optimizer`` a rank holds
+        masters of slices only: use :meth:`master_shards`."""
+        if self.train_cfg.use_distributed_optimizer:
+            raise RuntimeError(
+                "the distributed optimizer holds FP32 masters of param slices only: use master_shards()"
+            )
         masters = {}
         for name, p in self.gpt.named_parameters():
             main = getattr(p, "main_param", None)
@@ -285,6 +311,29 @@ class Trainer:
                 raise RuntimeError(f"{name}: the optimizer holds no FP32 master copy")
             masters[name] = main
         return masters
+
+    def master_shards(self) -> dict[str, MasterShard]:
+        """The FP32 masters this rank's optimizer holds, by :meth:`bf16_params` name.
+
+        Non-distributed optimizer: every param, whole (``start=0, stop=numel``).  Distributed
+        optimizer: only the params whose elements fall in this data-parallel rank's slice of
+        the gradient buffer, each with the flat range it covers (megatron's
+        ``_get_model_param_range_map(param)["param"]``); other ranks hold the rest."""
+        if not self.train_cfg.use_distributed_optimizer:
+            return {
+                n: MasterShard(start=0, stop=m.numel(), master=m.view(-1))
+                for n, m in self.master_params().items()
+            }
+        names = {p: n for n, p in self.gpt.named_parameters()}
+        out: dict[str, MasterShard] = {}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for model_group, shard_group in zip(
+                opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True
+            ):
+                for param, shard in zip(model_group, shard_group, strict=True):
+                    rng = opt._get_model_param_range_map(param)["param"]
+                    out[names[param]] = MasterShard(start=rng.start, stop=rng.end, master=shard.view(-1))
+        return out
 
     def close(self) -> None:
         """Tear down megatron's model-parallel state and the process group."""

@@ -167,3 +167,48 @@ def test_stage_layer_counts(num_layers, pp, first, last, expected):
     ModelConfig(num_layers=num_layers).check_parallel(
         tp=1, pp=pp, first_stage_layers=first, last_stage_layers=last
     )
+
+
+def test_moe_with_tensor_parallelism_is_refused_with_the_reason():
+    cfg = ModelConfig(family="qwen3_moe", num_moe_experts=4)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        cfg.check_parallel(tp=2, pp=1, ep=2)
+    cfg.check_parallel(tp=1, pp=2, ep=4)
+
+
+def test_demo_config_parallel_expert_and_stage_fields_round_trip():
+    from nemo_dcr.testbed.config import DemoConfig, ParallelConfig
+
+    moe = ModelConfig(family="qwen3_moe", num_moe_experts=4, num_layers=3)
+    cfg = DemoConfig(
+        model=moe,
+        train=TrainConfig(use_distributed_optimizer=True),
+        parallel=ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                data_parallel_size=2, expert_model_parallel_size=2),
+    )
+    again = DemoConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.parallel.world_size == 2
+    # Old dicts (no new keys) still load, with the defaults.
+    d = cfg.to_dict()
+    for k in ("expert_model_parallel_size", "num_layers_in_first_pipeline_stage",
+              "num_layers_in_last_pipeline_stage"):
+        del d["parallel"][k]
+    del d["train"]["use_distributed_optimizer"]
+    d["model"] = dataclasses.asdict(ModelConfig())
+    old = DemoConfig.from_dict(d)
+    assert old.parallel.expert_model_parallel_size == 1 and not old.train.use_distributed_optimizer
+    with pytest.raises(ValueError, match="must divide data_parallel_size"):
+        ParallelConfig(tensor_model_parallel_size=1, data_parallel_size=3, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        DemoConfig(model=ModelConfig(family="qwen3_moe", num_moe_experts=3),
+                   parallel=ParallelConfig(tensor_model_parallel_size=1, data_parallel_size=2,
+                                           expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match="split evenly"):
+        DemoConfig(model=ModelConfig(num_layers=3),
+                   parallel=ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                           num_layers_in_first_pipeline_stage=3))
+    DemoConfig(model=ModelConfig(num_layers=3),
+               parallel=ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                       num_layers_in_first_pipeline_stage=1))
+    with pytest.raises(TypeError):
+        ParallelConfig(expert_model_parallel_size=True)  # type: ignore[arg-type]
