@@ -25,9 +25,21 @@ writes each canonical tensor gets a placement:
   applies the delta to the mirror and feeds the whole new tensor through the loader,
   executing its writes: exactly what a dense refit does.  Costs a canonical copy of each
   such tensor in host memory and O(numel) per changed tensor per apply.
+* ``TRACED``: the loader builds what it copies from the fed tensors by data movement only
+  (transformers v5 stacks per-expert checkpoint tensors into fused MoE parameters).  The
+  probe follows the fed bits through that movement (``nemo_dcr.receiver.provenance``) and
+  keeps, per canonical tensor, affine runs from canonical to destination-storage indices
+  (``nemo_dcr.receiver.traced``).  ``apply`` XORs / overwrites the changed elements through
+  the runs: O(nnz log runs), no loader call.
 * ``DROPPED``: the loader never writes the tensor.  A dense refit ignores it too; the
   default ``CoveragePolicy.STRICT`` refuses such a runtime at prewarm.
 * ``EMPTY``: zero elements; nothing to place.
+
+Load units: an adapter may declare names its loader must receive together
+(``load_groups()``, e.g. every expert tensor of one fused MoE layer).  Probes then hold whole
+units and a unit is never probed member by member; a unit with one TRANSFORM member is
+TRANSFORM as a whole (its overwrite feeds every member, from the mirror); a member whose
+copies are plain but strided is TRACED rather than VIEW (no loader call needs the others).
 
 Atomicity: ``apply`` validates the whole batch (names, dtypes, shapes, ranges, positions,
 placement unchanged since prewarm) and prepares every write before the first one; only a
@@ -39,7 +51,7 @@ from __future__ import annotations
 import enum
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -53,6 +65,15 @@ from nemo_dcr.receiver.capture import (
     storage_fingerprint,
 )
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
+from nemo_dcr.receiver.provenance import TracingCapture
+from nemo_dcr.receiver.traced import (
+    Runs,
+    check_traced_overlaps,
+    flat_storage,
+    load_units,
+    plain_pieces,
+    traced_pieces,
+)
 from nemo_dcr.runtimes.base import RuntimeAdapter, TensorSpec
 
 _INT_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -72,6 +93,7 @@ def _signed_bits(values: np.ndarray) -> np.ndarray:
 class PlacementKind(enum.Enum):
     DIRECT = "direct"
     VIEW = "view"
+    TRACED = "traced"
     TRANSFORM = "transform"
     DROPPED = "dropped"
     EMPTY = "empty"
@@ -107,6 +129,10 @@ class TensorPlacement:
     copies: tuple[CopyPlacement, ...]
     reason: str
     """Why this kind (for TRANSFORM: the first write that is not bit-preserving)."""
+    traced: Runs | None = None
+    """TRACED: canonical -> destination storage index runs."""
+    load_unit: tuple[str, ...] = ()
+    """The names the loader must be given together with this one (itself included)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,23 @@ class ApplyResult:
     """Names applied by running the loader (VIEW and TRANSFORM placements)."""
     xor_elements: int
     overwrite_elements: int
+
+
+@dataclass
+class _Attribution:
+    """Probe writes by canonical name, as prewarm collects them.
+
+    writes: plain / cast / computed writes involving the name (a computed write of a one-unit
+        probe involves every member of the unit).
+    owned: the same writes, each under exactly one name (for the overlap check).
+    traced: traced writes reaching the name (source and origins dropped).
+    pieces: index runs of the name's traced and, where needed, plain copies.
+    """
+
+    writes: dict[str, list[CapturedWrite]] = field(default_factory=dict)
+    owned: dict[str, list[CapturedWrite]] = field(default_factory=dict)
+    traced: dict[str, list[CapturedWrite]] = field(default_factory=dict)
+    pieces: dict[str, list[Runs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -160,6 +203,12 @@ class DeltaApplier:
         self._placements: dict[str, TensorPlacement] = {}
         self._direct: dict[str, torch.Tensor] = {}
         self._view_writes: dict[str, list[CapturedWrite]] = {}
+        self._traced: dict[str, tuple[Runs, list[np.ndarray]]] = {}
+        self._units = load_units(adapter, self._specs)
+        self._unit_of = {n: u for u in self._units for n in u}
+        unknown = sorted(set(self._unit_of) - set(self._specs))
+        if unknown:
+            raise PlacementError(f"the adapter's load groups name unknown tensors, e.g. {unknown[:3]}")
         self._mirror: dict[str, torch.Tensor] = {}
         self._fingerprint: dict[str, tuple[int, int]] | None = None
 
@@ -176,20 +225,28 @@ class DeltaApplier:
         """Learn where the loader puts every canonical tensor; the module is not written."""
         module = self._adapter.module
         storages = module_storages(module)
-        writes: dict[str, list[CapturedWrite]] = {}
-        for group in self._probe_groups():
-            captured = self._probe(group, storages)
-            if len(group) == 1:
-                writes[group[0]] = captured
-            elif all(w.fed_name is not None for w in captured):
-                for name in group:
-                    writes[name] = [w for w in captured if w.fed_name == name]
-            else:
-                for name in group:
-                    writes[name] = self._probe([name], storages)
+        found = _Attribution()
+        for units in self._probe_groups():
+            capture = self._probe([n for u in units for n in u], storages)
+            if not self._attribute(capture, found, one_unit=len(units) == 1):
+                for unit in units:  # re-probe unit by unit: a unit is never split
+                    self._attribute(self._probe(list(unit), storages), found, one_unit=True)
+        writes = found.writes
 
-        placements = {name: self._classify(self._specs[name], writes.get(name, [])) for name in self._specs}
-        placements = self._check_overlaps(placements, writes)
+        placements = {
+            name: self._classify(
+                self._specs[name], writes.get(name, []), found.traced.get(name, []), found.pieces.get(name)
+            )
+            for name in self._specs
+        }
+        untraced = {n: ws for n, ws in found.owned.items() if placements[n].kind is not PlacementKind.TRACED}
+        placements = self._check_overlaps(placements, untraced)
+        check_traced_overlaps(
+            {n: p.traced for n, p in placements.items() if p.kind is PlacementKind.TRACED},
+            untraced,
+            {o.name: o.tensor for o in storages.values()},
+        )
+        placements = self._join_units(placements)
 
         dropped = sorted(n for n, p in placements.items() if p.kind is PlacementKind.DROPPED)
         if dropped and self._coverage is CoveragePolicy.STRICT:
@@ -235,32 +292,81 @@ class DeltaApplier:
                 self._direct[name] = flat
             elif p.kind is PlacementKind.VIEW:
                 self._view_writes[name] = writes[name]
+        owners = {o.name: o.tensor for o in storages.values()}
+        self._traced = {
+            name: (p.traced, [flat_storage(owners[o]) for o in p.traced.owners])
+            for name, p in placements.items()
+            if p.kind is PlacementKind.TRACED
+        }
         self._fingerprint = storage_fingerprint(module)
         return self.placements
 
-    def _probe_groups(self) -> Iterable[list[str]]:
-        group: list[str] = []
+    def _probe_groups(self) -> Iterable[list[tuple[str, ...]]]:
+        """Whole load units, packed up to ``probe_bytes`` per loader call (a unit larger
+        than that is one call of its own)."""
+        group: list[tuple[str, ...]] = []
         size = 0
-        for name, spec in self._specs.items():
-            if spec.numel == 0:
+        for unit in self._units:
+            specs = [self._specs[n] for n in unit]
+            if len(unit) == 1 and specs[0].numel == 0:
                 continue
-            nbytes = spec.numel * spec.torch_dtype.itemsize
+            nbytes = sum(s.numel * s.torch_dtype.itemsize for s in specs)
             if group and size + nbytes > self._probe_bytes:
                 yield group
                 group, size = [], 0
-            group.append(name)
+            group.append(unit)
             size += nbytes
         if group:
             yield group
 
-    def _probe(self, names: list[str], storages) -> list[CapturedWrite]:
+    def _attribute(self, capture: TracingCapture, found: _Attribution, *, one_unit: bool) -> bool:
+        """Assign one probe's writes to canonical names (see ``_Attribution``).
+
+        A probe of several units whose writes cannot each be given to one unit changes
+        nothing and returns False (the caller re-probes unit by unit)."""
+        fed_names = capture.table.names
+        traced = {id(w): traced_pieces(w, capture.table) for w in capture.writes if w.origins is not None}
+        for w in capture.writes:
+            units = {self._unit_of.get(n, (n,)) for n in traced.get(id(w), ())}
+            if len(units) > 1 and one_unit:
+                raise PlacementError(
+                    f"the loader combines {sorted(traced[id(w)])[:4]} in one write into {w.dest_owner.name}, "
+                    "but the adapter does not declare them one load group"
+                )
+            if not one_unit and (len(units) > 1 or (w.fed_name is None and w.origins is None)):
+                return False
+        traced_here: set[str] = set()
+        for w in capture.writes:
+            if w.origins is not None:
+                parts = traced[id(w)]
+                stripped = replace(w, source=None, origins=None)  # drop the probe's intermediates
+                for n, runs in parts.items():
+                    found.pieces.setdefault(n, []).append(runs)
+                    found.traced.setdefault(n, []).append(stripped)
+                    traced_here.add(n)
+            elif w.fed_name is not None:
+                found.writes.setdefault(w.fed_name, []).append(w)
+                found.owned.setdefault(w.fed_name, []).append(w)
+            else:  # only in a one-unit probe: the write belongs to the whole unit
+                for n in fed_names:
+                    found.writes.setdefault(n, []).append(w)
+                found.owned.setdefault(fed_names[0], []).append(w)
+        # plain copies of a traced name, or of a member of a multi-name unit, as runs too
+        for n in fed_names:
+            if n in traced_here or len(self._unit_of.get(n, ())) > 1:
+                for w in found.writes.get(n, []):
+                    if w.plain and w.fed_name == n and w.source is not None:
+                        found.pieces.setdefault(n, []).append(plain_pieces(w, capture.fed[n]))
+        return True
+
+    def _probe(self, names: list[str], storages) -> TracingCapture:
         module = self._adapter.module
         # Probe contents are left unset: writes are suppressed, so a plain copy never reads
         # them, and not zero-filling saves a page-faulting pass over model-sized memory.
         fed = {n: torch.empty(self._specs[n].shape, dtype=self._specs[n].torch_dtype) for n in names}
         before = storage_fingerprint(module)
         saved = _snapshot_slots(module)
-        capture = WriteCapture(storages, fed, execute=False)
+        capture = TracingCapture(storages, fed, execute=False)
         try:
             with torch.no_grad(), capture:
                 self._adapter.load_weights(fed.items())
@@ -273,13 +379,20 @@ class DeltaApplier:
                 f"the loader rebinds parameters or buffers instead of writing into them (probing {names[:3]}); "
                 "in-place apply needs a loader that copies into existing storage (restored the originals)"
             )
-        return capture.writes
+        return capture
 
-    def _classify(self, spec: TensorSpec, writes: list[CapturedWrite]) -> TensorPlacement:
+    def _classify(
+        self,
+        spec: TensorSpec,
+        writes: list[CapturedWrite],
+        traced: list[CapturedWrite] = (),
+        pieces: list[Runs] | None = None,
+    ) -> TensorPlacement:
+        unit = self._unit_of.get(spec.name, (spec.name,))
         if spec.numel == 0:
-            return TensorPlacement(spec, PlacementKind.EMPTY, (), "no elements")
-        if not writes:
-            return TensorPlacement(spec, PlacementKind.DROPPED, (), "the loader never writes it")
+            return TensorPlacement(spec, PlacementKind.EMPTY, (), "no elements", load_unit=unit)
+        if not writes and not traced:
+            return TensorPlacement(spec, PlacementKind.DROPPED, (), "the loader never writes it", load_unit=unit)
         copies = []
         reason = ""
         for w in writes:
@@ -288,17 +401,43 @@ class DeltaApplier:
             copies.append(CopyPlacement(w.dest_owner.name, w.dest_geometry, source_geometry, plain, w.op))
             if not plain and not reason:
                 reason = _describe_nonplain(spec, w)
+        for w in traced:
+            if w.dest.dtype != w.dest_owner.tensor.dtype and not reason:
+                reason = f"{w.op} into {w.dest_owner.name} through a reinterpreting view"
+            copies.append(CopyPlacement(w.dest_owner.name, w.dest_geometry, None, False, w.op))
         copies_t = tuple(copies)
         if reason:
-            return TensorPlacement(spec, PlacementKind.TRANSFORM, copies_t, reason)
-        if (
-            len(writes) == 1
-            and copies_t[0].source_geometry.is_contiguous_whole(spec.shape)
-            and tuple(writes[0].dest.shape) == spec.shape
-            and writes[0].dest.is_contiguous()
-        ):
-            return TensorPlacement(spec, PlacementKind.DIRECT, copies_t, "one plain whole-tensor copy")
-        return TensorPlacement(spec, PlacementKind.VIEW, copies_t, f"{len(writes)} plain strided copies")
+            return TensorPlacement(spec, PlacementKind.TRANSFORM, copies_t, reason, load_unit=unit)
+        if pieces and (traced or (len(unit) > 1 and not _is_direct(spec, writes, copies_t))):
+            runs = Runs.merge(pieces)
+            problem = runs.coverage_problem(spec.numel)
+            if problem:
+                return TensorPlacement(spec, PlacementKind.TRANSFORM, copies_t, problem, load_unit=unit)
+            why = f"{runs.count} affine runs through the loader's data movement"
+            return TensorPlacement(spec, PlacementKind.TRACED, copies_t, why, traced=runs, load_unit=unit)
+        if _is_direct(spec, writes, copies_t):
+            return TensorPlacement(spec, PlacementKind.DIRECT, copies_t, "one plain whole-tensor copy", load_unit=unit)
+        why = f"{len(writes)} plain strided copies"
+        return TensorPlacement(spec, PlacementKind.VIEW, copies_t, why, load_unit=unit)
+
+    def _join_units(self, placements: dict[str, TensorPlacement]) -> dict[str, TensorPlacement]:
+        """A unit with a TRANSFORM member is overwritten through the loader as a whole."""
+        out = dict(placements)
+        for unit in self._units:
+            if len(unit) == 1:
+                continue
+            kinds = {out[n].kind for n in unit}
+            if PlacementKind.TRANSFORM not in kinds:
+                continue
+            if PlacementKind.DROPPED in kinds:
+                raise PlacementError(f"load group {list(unit)[:3]} mixes dropped and transformed tensors")
+            first = next(n for n in unit if out[n].kind is PlacementKind.TRANSFORM)
+            for n in unit:
+                p = out[n]
+                if p.kind in (PlacementKind.DIRECT, PlacementKind.VIEW, PlacementKind.TRACED):
+                    why = f"loaded together with {first}: {out[first].reason}"
+                    out[n] = TensorPlacement(p.spec, PlacementKind.TRANSFORM, p.copies, why, load_unit=p.load_unit)
+        return out
 
     def _check_overlaps(
         self, placements: dict[str, TensorPlacement], writes: dict[str, list[CapturedWrite]]
@@ -357,10 +496,11 @@ class DeltaApplier:
         if not mirror:
             return
         storages = module_storages(self._adapter.module)
-        for name, initial in mirror.items():
-            if not all(w.op == "aten.copy_.default" for w in writes[name]):
+        for unit in {self._unit_of.get(n, (n,)) for n in mirror}:
+            name = unit[0]
+            if not all(w.op == "aten.copy_.default" for n in unit for w in writes.get(n, [])):
                 continue
-            fed = {name: initial.clone()}
+            fed = {n: mirror[n].clone() if n in mirror else self._unit_tensor(n) for n in unit}
             capture = WriteCapture(storages, fed, execute=False)
             with torch.no_grad(), capture:
                 self._adapter.load_weights(fed.items())
@@ -387,13 +527,19 @@ class DeltaApplier:
 
             # ---- first write from here on ----
             touched: set[str] = set()
+            by_unit: dict[tuple[str, ...], list[_Prepared]] = defaultdict(list)
             for p in prepared.values():
                 if p.kind is PlacementKind.TRANSFORM:
-                    self._overwrite_through_loader(p)
-                    touched.add(p.name)
+                    by_unit[self._unit_of.get(p.name, (p.name,))].append(p)
+            for unit, ps in by_unit.items():
+                self._overwrite_through_loader(unit, ps)
+                touched.update(p.name for p in ps)
             for p in prepared.values():
                 if p.kind is PlacementKind.DIRECT:
                     _write_direct(self._direct[p.name], p)
+                    touched.add(p.name)
+                elif p.kind is PlacementKind.TRACED:
+                    _write_traced(*self._traced[p.name], p)
                     touched.add(p.name)
                 elif p.kind is PlacementKind.EMPTY:
                     touched.add(p.name)
@@ -475,7 +621,7 @@ class DeltaApplier:
         if ows:
             p.ow_idx = np.concatenate([r.positions for r in ows])
             p.ow_val = _signed_bits(np.concatenate([r.values for r in ows]))
-        if kind is PlacementKind.DIRECT:
+        if kind in (PlacementKind.DIRECT, PlacementKind.TRACED):
             return p
         if p.xor_idx is None and p.ow_idx is None:
             p.kind = PlacementKind.EMPTY  # nothing changes: no loader call
@@ -504,7 +650,8 @@ class DeltaApplier:
 
         DIRECT tensors return a zero-copy view of the destination (read it, never write
         through it, and do not keep it across ``apply``); VIEW tensors are gathered back
-        through their copies; TRANSFORM tensors read the canonical mirror."""
+        through their copies; TRACED tensors through their runs; TRANSFORM tensors read the
+        canonical mirror."""
         if not self._placements:
             raise PlacementError("call prewarm() before canonical_bits()")
         try:
@@ -516,6 +663,14 @@ class DeltaApplier:
             return self._direct[name].numpy().view(bits_dtype)
         if kind is PlacementKind.VIEW:
             return self._read_view_bits(name).view(bits_dtype)
+        if kind is PlacementKind.TRACED:
+            runs, flats = self._traced[name]
+            owner, dest = runs.locate(np.arange(self._specs[name].numel, dtype=np.int64))
+            out = np.empty(owner.size, dtype=flats[0].dtype)
+            for i, flat in enumerate(flats):
+                sel = owner == i
+                out[sel] = flat.take(dest[sel])
+            return out.view(bits_dtype)
         if kind is PlacementKind.TRANSFORM:
             return int_view(self._mirror[name].reshape(-1)).numpy().view(bits_dtype)
         if kind is PlacementKind.EMPTY:
@@ -543,6 +698,11 @@ class DeltaApplier:
         if not prepared:
             return {}
         fed = {p.name: p.fed for p in prepared}
+        checked = list(fed)
+        for p in prepared:  # the loader needs whole units: other members carry zero XOR bits
+            for n in self._unit_of.get(p.name, ()):
+                if n not in fed:
+                    fed[n] = torch.zeros(self._specs[n].shape, dtype=self._specs[n].torch_dtype)
         capture = WriteCapture(module_storages(self._adapter.module), fed, execute=False)
         with capture:
             self._adapter.load_weights(fed.items())
@@ -553,24 +713,34 @@ class DeltaApplier:
                     f"loader made a non-plain write {w.op} into {w.dest_owner.name} during a VIEW apply"
                 )
             out[w.fed_name].append(w)
-        for name in fed:
+        for name in checked:
             seen = Counter((w.dest_owner.name, w.dest_geometry, Geometry.of(w.source)) for w in out.get(name, []))
             want = Counter((c.dest, c.dest_geometry, c.source_geometry) for c in self._placements[name].copies)
             if seen != want:
                 raise PlacementError(f"{name}: the loader's placement changed since prewarm; call prewarm() again")
         return dict(out)
 
-    def _overwrite_through_loader(self, p: _Prepared) -> None:
-        fed = {p.name: p.fed}
+    def _overwrite_through_loader(self, unit: tuple[str, ...], ps: list[_Prepared]) -> None:
+        """Feed the new mirrors of ``ps`` (and the current ones of the rest of their load
+        unit) through the loader, executing its writes."""
+        fed = {n: self._unit_tensor(n) for n in unit}
+        fed.update({p.name: p.fed for p in ps})
         capture = WriteCapture(module_storages(self._adapter.module), fed, execute=True)
         with capture:
             self._adapter.load_weights(fed.items())
-        want = {c.dest for c in self._placements[p.name].copies}
+        want = {c.dest for n in unit for c in self._placements[n].copies}
         if {w.dest_owner.name for w in capture.writes} != want:
             raise IncompleteApplyError(
-                f"{p.name}: the loader wrote other destinations than at prewarm ({sorted(want)})"
+                f"{ps[0].name}: the loader wrote other destinations than at prewarm ({sorted(want)[:4]})"
             )
-        self._mirror[p.name] = p.fed
+        for p in ps:
+            self._mirror[p.name] = p.fed
+
+    def _unit_tensor(self, name: str) -> torch.Tensor:
+        spec = self._specs[name]
+        if spec.numel == 0:
+            return torch.empty(spec.shape, dtype=spec.torch_dtype)
+        return self._mirror[name]
 
 
 def _write_direct(flat: torch.Tensor, p: _Prepared) -> None:
@@ -588,6 +758,36 @@ def _write_direct(flat: torch.Tensor, p: _Prepared) -> None:
     if p.ow_idx is not None:
         assert p.ow_val.dtype == bits.dtype
         bits.put(p.ow_idx, p.ow_val)
+
+
+def _is_direct(spec: TensorSpec, writes: list[CapturedWrite], copies: tuple[CopyPlacement, ...]) -> bool:
+    return (
+        len(writes) == 1
+        and len(copies) == 1
+        and copies[0].source_geometry is not None
+        and copies[0].source_geometry.is_contiguous_whole(spec.shape)
+        and tuple(writes[0].dest.shape) == spec.shape
+        and writes[0].dest.is_contiguous()
+    )
+
+
+def _write_traced(runs: Runs, flats: list[np.ndarray], p: _Prepared) -> None:
+    """O(nnz log runs): locate changed canonical elements through the runs, then the same
+    gather / XOR / scatter as ``_write_direct`` on each destination storage."""
+    for idx, val, xor in ((p.xor_idx, p.xor_val, True), (p.ow_idx, p.ow_val, False)):
+        if idx is None:
+            continue
+        owner, dest = runs.locate(idx)
+        for i, flat in enumerate(flats):
+            sel = owner == i if len(flats) > 1 else slice(None)
+            d, v = dest[sel], val[sel]
+            assert v.dtype == flat.dtype
+            if xor:
+                old = flat.take(d)
+                np.bitwise_xor(old, v, out=old)
+                flat.put(d, old)
+            else:
+                flat.put(d, v)
 
 
 def _describe_nonplain(spec: TensorSpec, w: CapturedWrite) -> str:

@@ -102,6 +102,9 @@ class CapturedWrite:
     source: for ``copy_``, the source tensor; else ``None``.
     fed_name: the canonical name whose fed tensor ``source`` is a view of, else ``None``.
     plain: ``copy_``, source is a view of a fed tensor, equal dtypes at both ends.
+    origins: for a ``copy_`` that is not plain but whose source was produced from fed tensors
+        by data movement only (``nemo_dcr.receiver.provenance``): per destination element
+        (row-major over ``dest.shape``), the int64 origin id of the fed element it receives.
     """
 
     op: str
@@ -110,6 +113,7 @@ class CapturedWrite:
     source: torch.Tensor | None
     fed_name: str | None
     plain: bool
+    origins: torch.Tensor | None = None
 
     @property
     def dest_geometry(self) -> Geometry:
@@ -147,7 +151,7 @@ class WriteCapture(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not func._schema.is_mutable:
-            return func(*args, **kwargs)
+            return self._pure(func, args, kwargs)
         written = _written_tensors(func, args, kwargs)
         hits = [(t, self._storages.get(t.untyped_storage().data_ptr())) for t in written if t.numel()]
         hits = [(t, owner) for t, owner in hits if owner is not None]
@@ -164,11 +168,29 @@ class WriteCapture(TorchDispatchMode):
                     and source.dtype == dest.dtype == self._fed[fed_name].dtype
                     and source.device == dest.device
                 )
+            origins = None
+            if func is _COPY and not plain and isinstance(source, torch.Tensor) and source.dtype == dest.dtype:
+                origins = self._origins(source, dest)
             self.writes.append(
                 CapturedWrite(
-                    op=str(func), dest_owner=owner, dest=dest, source=source, fed_name=fed_name, plain=plain
+                    op=str(func),
+                    dest_owner=owner,
+                    dest=dest,
+                    source=source,
+                    fed_name=fed_name,
+                    plain=plain,
+                    origins=origins,
                 )
             )
         if self._execute:
             return func(*args, **kwargs)
         return written[0] if len(written) == 1 else tuple(written)
+
+    def _pure(self, func, args, kwargs):
+        """An op that writes nothing; a subclass may follow where its data comes from."""
+        return func(*args, **kwargs)
+
+    def _origins(self, source: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
+        """Origin ids of a non-plain ``copy_`` source (see ``CapturedWrite.origins``); none here."""
+        del source, dest
+        return None

@@ -14,11 +14,14 @@ loader this adapter exposes.
 
 Consequences, stated rather than hidden:
 
-* Canonical names are the module's state-dict names as ``save_pretrained`` writes them
-  (``_keys_to_ignore_on_save`` and tied aliases removed, via transformers' own
-  ``remove_tied_weights_from_state_dict``).  Models whose checkpoint layout differs from
-  the module layout through transformers' weight-conversion mapping (e.g. v5's fused MoE
-  experts) are refused at construction: ``load_state_dict`` would not know their names.
+* Canonical names are the names ``save_pretrained`` writes (``_keys_to_ignore_on_save`` and
+  tied aliases removed, via transformers' own ``remove_tied_weights_from_state_dict``).
+  Models whose checkpoint layout differs from the module layout through transformers'
+  weight-conversion mapping (e.g. v5's fused MoE experts: per-expert checkpoint tensors,
+  one 3-D parameter per layer) keep the checkpoint's names; ``load_weights`` first runs
+  transformers' own converters on them (``nemo_dcr.runtimes.hf_convert``), then
+  ``load_state_dict``.  Such a converter needs all of its inputs at once, so the adapter
+  declares them as ``load_groups()`` and refuses an incomplete group.
 * Tied weights behave as the runtime does: ``lm_head.weight`` and
   ``model.embed_tokens.weight`` are one ``Parameter``; the checkpoint carries only the
   source name and writing it updates both.
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr.runtimes.base import TensorSpec, dtype_name
+from nemo_dcr.runtimes.hf_convert import CheckpointConversion, conversion_transforms, reverted_specs
 
 _SAFETENSORS_DTYPES = {
     "BF16": "bfloat16",
@@ -83,7 +87,7 @@ def _checkpoint_index(directory: str | os.PathLike[str]) -> dict[str, tuple[Tens
 
 
 def module_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:
-    """The canonical specs ``save_pretrained`` would write for ``model`` (no conversion)."""
+    """The canonical specs ``save_pretrained`` would write for ``model``."""
     state = dict(model.state_dict())
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
@@ -94,28 +98,9 @@ def module_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:
         PreTrainedModel = None  # noqa: N806
     if PreTrainedModel is not None and isinstance(model, PreTrainedModel):
         state = remove_tied_weights_from_state_dict(state, model)
+        if conversion_transforms(model):
+            return reverted_specs(model, state)
     return {name: TensorSpec.of(name, t) for name, t in state.items()}
-
-
-def _refuse_converted_layouts(model: torch.nn.Module) -> None:
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
-        return
-    if not isinstance(model, PreTrainedModel):
-        return
-    from transformers.core_model_loading import PrefixChange
-
-    conversions = [
-        c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
-    ]
-    if conversions:
-        raise ValueError(
-            f"{type(model).__name__}: its checkpoint layout differs from its module layout "
-            f"({len(conversions)} weight conversions); load_state_dict cannot take its canonical "
-            "tensors, so this adapter cannot update it in place"
-        )
 
 
 class HFTransformersAdapter:
@@ -135,14 +120,15 @@ class HFTransformersAdapter:
         specs: Mapping[str, TensorSpec] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        _refuse_converted_layouts(model)
         self._model = model
         self._specs = dict(specs) if specs is not None else module_specs(model)
         for key, spec in self._specs.items():
             if key != spec.name:
                 raise ValueError(f"spec under key {key!r} is named {spec.name!r}")
+        transforms = conversion_transforms(model)
+        self._conversion = CheckpointConversion(model, self._specs, transforms) if transforms else None
         loadable = set(model.state_dict().keys())
-        unknown = sorted(set(self._specs) - loadable)
+        unknown = sorted(set(self._specs) - loadable) if self._conversion is None else []
         if unknown:
             raise ValueError(
                 f"{type(model).__name__}.load_state_dict does not know {len(unknown)} canonical "
@@ -182,9 +168,15 @@ class HFTransformersAdapter:
             if name in batch:
                 raise ValueError(f"load_weights: {name} given twice")
             batch[name] = tensor
+        if self._conversion is not None:
+            batch = self._conversion.to_module(batch)
         result = self._model.load_state_dict(batch, strict=False, assign=False)
         if result.unexpected_keys:
             raise KeyError(f"load_state_dict did not take {sorted(result.unexpected_keys)}")
+
+    def load_groups(self) -> list[tuple[str, ...]]:
+        """Canonical names ``load_weights`` must be given together (one converter's inputs)."""
+        return self._conversion.load_groups() if self._conversion is not None else []
 
     def post_load(self, names: frozenset[str]) -> None:
         del names
