@@ -18,6 +18,11 @@ loaded from, when the adapter can read it without trusting foreign bytes (safete
 The apply engine needs it only for tensors whose loader transforms values (a cast or a
 scale cannot be inverted from the parameter), to seed its canonical mirror of them.
 
+Optional: ``load_groups() -> Iterable[Iterable[str]]``, names the loader must be given
+together (a converter that builds one fused parameter from several checkpoint tensors, e.g.
+the experts of a MoE layer).  The apply engine then probes and feeds those groups whole.
+It is not part of the ``Protocol`` so adapters without it still satisfy ``isinstance``.
+
 A second runtime (vLLM's CPU build) plugs in by implementing this protocol; the apply
 logic in ``nemo_dcr.receiver.apply`` does not change.
 """
