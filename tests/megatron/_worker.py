@@ -1,8 +1,9 @@
 """torchrun worker for tests/megatron: trains a few steps and writes what it saw as JSON.
 
 Run by the tests as ``torchrun --standalone --nproc-per-node N _worker.py OUT_DIR --tp T --pp P
---steps S``; each rank writes ``OUT_DIR/rank{R}.json``.  It checks nothing itself: the tests
-compare what the ranks recorded.
+--steps S [--ep E --family F --tie --dist-opt --first-stage-layers K ...]``; each rank writes
+``OUT_DIR/rank{R}.json``.  It checks nothing itself: the tests compare what the ranks recorded.
+Model-shape flags left out keep ``ModelConfig``'s defaults.
 """
 from __future__ import annotations
 
@@ -40,7 +41,16 @@ def layout_records(gpt) -> list[dict]:
         ShardedTensorFactory,
     )
 
-    storages = {p.untyped_storage().data_ptr(): n for n, p in gpt.named_parameters()}
+    # Which parameter's memory a shard's data lies in.  By address range, not by storage: with
+    # the distributed optimizer all params are views into one contiguous DDP param buffer.
+    spans = sorted(
+        (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in gpt.named_parameters()
+    )
+
+    def owner(t) -> str | None:
+        lo = t.data_ptr()
+        hits = [n for a, b, n in spans if a <= lo < b]
+        return hits[0] if len(hits) == 1 else None
 
     def tensor_record(sd_name: str, st, factory: str | None) -> dict:
         return {
@@ -58,7 +68,7 @@ def layout_records(gpt) -> list[dict]:
                 st.flattened_range.start, st.flattened_range.stop
             ],
             # Which parameter's storage the shard's data lives in (None: not a parameter).
-            "param_storage": storages.get(st.data.untyped_storage().data_ptr()),
+            "param_storage": owner(st.data),
         }
 
     out = []
@@ -87,7 +97,19 @@ def shim_checks() -> dict:
     probe = torch.zeros(2, dtype=torch.bfloat16)
     with cpu_shim._cuda_type_names():
         inside = probe.type()
+    try:
+        probe.cuda()
+        cuda_outside_raises = False
+    except (AssertionError, RuntimeError):
+        cuda_outside_raises = True
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.moe import moe_utils
+
     return {
+        "cuda_outside_scope_raises": cuda_outside_raises,
+        "setup_embeddings_scoped": bool(getattr(
+            LanguageModule.setup_embeddings_and_output_layer, "__nemo_dcr_cpu_shim__", False)),
+        "te_general_gemm_is_none": moe_utils.te_general_gemm is None,
         "idempotent": first is again,
         "current_device": str(torch.cuda.current_device()),
         "type_outside_scope": probe.type(),
@@ -98,6 +120,8 @@ def shim_checks() -> dict:
             "torch_cuda_functions": list(first.torch_cuda_functions),
             "factory_proxied_modules": list(first.factory_proxied_modules),
             "type_name_scoped": list(first.type_name_scoped),
+            "cuda_noop_scoped": list(first.cuda_noop_scoped),
+            "missing_globals_defined": list(first.missing_globals_defined),
         },
     }
 
@@ -111,13 +135,33 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--vocab-size", type=int, default=1000)
     ap.add_argument("--num-microbatches", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--first-stage-layers", type=int, default=0)
+    ap.add_argument("--last-stage-layers", type=int, default=0)
+    ap.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
+    ap.add_argument("--tie", action="store_true", help="share_embeddings_and_output_weights")
+    ap.add_argument("--family")
+    # ModelConfig shape overrides (omitted: ModelConfig's defaults).
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+             "ffn_hidden_size", "seq_length", "num_moe_experts", "moe_router_topk")
+    for name in shape:
+        ap.add_argument("--" + name.replace("_", "-"), type=int)
     args = ap.parse_args()
 
+    model_kw = {n: getattr(args, n) for n in shape if getattr(args, n) is not None}
+    if args.family:
+        model_kw["family"] = args.family
+    if args.tie:
+        model_kw["share_embeddings_and_output_weights"] = True
     trainer = Trainer(
-        ModelConfig(vocab_size=args.vocab_size),
-        TrainConfig(lr=args.lr, num_microbatches=args.num_microbatches),
+        ModelConfig(vocab_size=args.vocab_size, **model_kw),
+        TrainConfig(lr=args.lr, num_microbatches=args.num_microbatches,
+                    use_distributed_optimizer=args.dist_opt),
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
     )
     from megatron.core import parallel_state as ps
 
@@ -126,10 +170,12 @@ def main() -> int:
         "rank": rank,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
         "shim": shim_checks(),
         "layout": layout_records(trainer.gpt),
         "param_dtypes": sorted({str(p.dtype) for p in trainer.bf16_params().values()}),
-        "master_dtypes": sorted({str(p.dtype) for p in trainer.master_params().values()}),
+        "master_dtypes": sorted({str(m.master.dtype) for m in trainer.master_shards().values()}),
         "initial_digests": {n: digest(p) for n, p in trainer.bf16_params().items()},
         "steps": [],
     }
@@ -144,7 +190,8 @@ def main() -> int:
         before = {n: bits(p).clone() for n, p in trainer.bf16_params().items()}
         res = trainer.train_step()
         params = trainer.bf16_params()
-        masters = trainer.master_params()
+        # Whole params (non-distributed optimizer) or this DP rank's slices (distributed).
+        masters = trainer.master_shards()
         changed = {n: int((bits(p) != before[n]).sum()) for n, p in params.items()}
         record["steps"].append({
             "step": res.step,
@@ -156,17 +203,20 @@ def main() -> int:
             "digests": {n: digest(p) for n, p in params.items()},
             "hook_digests": seen_in_hook.get(res.step),
             "master_digests": {
-                n: hashlib.sha256(m.detach().contiguous().view(torch.int32).numpy().tobytes()).hexdigest()
+                n: hashlib.sha256(m.master.detach().contiguous().view(torch.int32).numpy().tobytes()).hexdigest()
                 for n, m in masters.items()
             },
-            # BF16 param == its FP32 master rounded to BF16, bit for bit.
+            "master_ranges": {n: [m.start, m.stop] for n, m in masters.items()},
+            # BF16 param (the slice a master covers) == that FP32 master rounded to BF16.
             "bf16_is_rounded_master": {
-                n: bool(torch.equal(bits(masters[n].to(torch.bfloat16)), bits(p)))
-                for n, p in params.items()
+                n: bool(torch.equal(bits(m.master.to(torch.bfloat16)),
+                                    bits(params[n].view(-1)[m.start:m.stop])))
+                for n, m in masters.items()
             },
             # Master elements not representable in BF16 (the extra precision it carries).
             "master_finer_than_bf16": sum(
-                int((masters[n] != p.float()).sum()) for n, p in params.items()
+                int((m.master != params[n].view(-1)[m.start:m.stop].float()).sum())
+                for n, m in masters.items()
             ),
         })
         if rank == 0:

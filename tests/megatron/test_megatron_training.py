@@ -258,6 +258,12 @@ def test_shim_reports_and_scopes_its_patches(tp2):
         assert shim["type_outside_scope"] == "torch.BFloat16Tensor"
         assert shim["type_inside_scope"] == "torch.cuda.BFloat16Tensor"
         assert shim["clip_scoped"]
+        assert shim["cuda_outside_scope_raises"] and shim["setup_embeddings_scoped"]
+        assert shim["te_general_gemm_is_none"]
+        assert any("DistributedOptimizer" in n for n in shim["report"]["type_name_scoped"])
+        assert shim["report"]["missing_globals_defined"] == [
+            "megatron.core.transformer.moe.moe_utils.te_general_gemm"
+        ]
 
 
 # ---- pipeline parallelism ------------------------------------------------------------------
