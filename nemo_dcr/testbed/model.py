@@ -9,8 +9,8 @@ untied unless ``share_embeddings_and_output_weights``.  Per family (``ModelConfi
 * ``qwen3``: llama + per-head RMSNorm of queries and keys before RoPE (``qk_layernorm=True``;
   megatron's ``q_layernorm`` / ``k_layernorm``, weight of size ``head_dim``).
 * ``qwen3_moe``: qwen3 with a mixture-of-experts MLP in every layer, no shared expert, the
-  routing of HF ``Qwen3MoeForCausalLM``: softmax over all experts, top-k, top-k weights
-  renormalised to sum 1.  Megatron computes it as top-k of the logits then a softmax over
+  routing of HF ``Qwen3MoeForCausalLM`` with ``norm_topk_prob=True`` (as the released
+  checkpoints set it): softmax over all experts, top-k, top-k weights renormalised to sum 1.  Megatron computes it as top-k of the logits then a softmax over
   those k (``moe_router_score_function="softmax"``, ``moe_router_pre_softmax=False``), which is
   the same function.  Experts are SwiGLU MLPs in megatron's ``SequentialMLP``
   (``moe_grouped_gemm=False``); tokens move with the ``allgather`` dispatcher (see
