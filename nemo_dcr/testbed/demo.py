@@ -96,9 +96,9 @@ def run(cfg: DemoConfig) -> dict:
          "-m", "nemo_dcr.testbed.run_trainer", "--config", cfg_path],
         stdout=trainer_log, stderr=subprocess.STDOUT, env=env,
     )
-    _err(f"trainer: {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "
-         f"PP={cfg.parallel.pipeline_model_parallel_size}, DP={cfg.parallel.data_parallel_size}), "
-         f"log {trainer_log.name}")
+    _err(f"trainer: {cfg.model.family}, {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "
+         f"PP={cfg.parallel.pipeline_model_parallel_size}, DP={cfg.parallel.data_parallel_size}, "
+         f"EP={cfg.parallel.expert_model_parallel_size}), log {trainer_log.name}")
 
     from nemo_dcr.integrations.hf_export import WEIGHTS_KEY, download_checkpoint
     from nemo_dcr.transport.store import open_store
@@ -169,9 +169,14 @@ def run(cfg: DemoConfig) -> dict:
         "compression": round(dense / max(wire, 1), 2),
         "bytes_per_changed": round(wire / max(changed, 1), 3),
         "changed_pct_mean": round(100 * changed / max(sum(r["canonical_numel"] for r in rows), 1), 4),
+        "family": rows[0]["family"] if rows else cfg.model.family,
+        "num_moe_experts": cfg.model.num_moe_experts,
+        "tied_embeddings": cfg.model.share_embeddings_and_output_weights,
+        "distributed_optimizer": cfg.train.use_distributed_optimizer,
         "tp": cfg.parallel.tensor_model_parallel_size,
         "pp": cfg.parallel.pipeline_model_parallel_size,
         "dp": cfg.parallel.data_parallel_size,
+        "ep": cfg.parallel.expert_model_parallel_size,
         "receivers": cfg.refit.receivers,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "store": cfg.store.uri,

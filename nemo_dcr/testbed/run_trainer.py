@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         cfg = DemoConfig.from_dict(json.load(f))
 
-    trainer = Trainer(cfg.model, cfg.train, tp=cfg.parallel.tensor_model_parallel_size,
-                      pp=cfg.parallel.pipeline_model_parallel_size)
+    par = cfg.parallel
+    trainer = Trainer(cfg.model, cfg.train, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                      ep=par.expert_model_parallel_size, first_stage_layers=par.num_layers_in_first_pipeline_stage,
+                      last_stage_layers=par.num_layers_in_last_pipeline_stage)
     store = open_store(cfg.store.uri)
     sender_cfg = SenderConfig(model_id=cfg.model_id, receivers=receiver_ids(cfg.refit.receivers),
                               chunk_bytes=cfg.refit.chunk_bytes, upload_workers=cfg.refit.upload_workers,
