@@ -6,11 +6,15 @@ The step is megatron's own machinery end to end:
   PP=1, the 1F1B schedule with p2p send/recv for PP>1), next-token cross-entropy computed by
   ``GPTModel`` itself (vocab-parallel cross-entropy over the padded vocabulary);
 * megatron ``DistributedDataParallel`` with FP32 gradient buffers (``main_grad``), and
-  ``finalize_model_grads`` (data-parallel all-reduce; the embedding / layer-norm all-reduces it
-  also does are no-ops for this model: untied embeddings, no sequence parallelism);
+  ``finalize_model_grads`` (data-parallel all-reduce -- a reduce-scatter with the distributed
+  optimizer; expert params over the expert-data-parallel group; with tied embeddings and PP > 1
+  the all-reduce of the embedding and output-layer grads over the embedding group; the
+  layer-norm all-reduce is a no-op: no sequence parallelism);
 * megatron's ``Float16OptimizerWithFloat16Params`` from ``get_megatron_optimizer(bf16=True)``:
   FP32 master copies of the BF16 params, ``torch.optim.AdamW`` on the masters, global-norm
-  gradient clipping, then the masters are rounded into the BF16 params.
+  gradient clipping, then the masters are rounded into the BF16 params.  With ``TrainConfig.use_distributed_optimizer`` megatron's ``DistributedOptimizer`` instead
+  keeps masters of this DP rank's slice only and all-gathers the BF16 params inside
+  ``step()`` (``overlap_param_gather=False``).
 
 Why TP-replicated params stay identical across TP ranks: the RMSNorm weights (and nothing else
 here) are replicated over the TP group.  Their gradients are computed from activations and
