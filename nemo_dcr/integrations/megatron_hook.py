@@ -16,10 +16,12 @@ no ShardedTensor covers (or covers twice), a parameter whose Megatron key the fa
 table does not map, or a global tensor whose main replicas over all ranks do not tile it
 exactly once is refused with the parameter's (or key's) name.
 
-When to call it: after the optimizer wrote the new BF16 params on every rank.  With
-megatron's distributed optimizer that is after its parameter all-gather, which
-``optimizer.step()`` runs itself unless ``overlap_param_gather=True`` defers it into the
-next forward's pre-hooks; in that case finish the gather first (see docs/design.md).
+When to call it: after ``optimizer.step()`` on every rank.  With megatron's distributed
+optimizer each rank updates only its shard of the BF16 params and the all-gather of the
+rest runs at the end of ``step()`` -- unless ``overlap_param_gather=True`` defers it into
+the next forward's pre-hooks.  The hook handles both: when ``from_model`` finds a DDP
+wrapper with the deferred gather, every call first forces it (synchronously; the next
+forward then finds it done and does not gather again).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from safetensors.torch import save as save_safetensors
 
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
-from nemo_dcr.integrations.megatron_model import describe_gpt, unwrap_gpt
+from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
 from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig
 from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_family
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
@@ -92,6 +94,7 @@ class MegatronRefitHook:
         self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg)
         self.last_stats: PublishStats | None = None
         self._published = self.sender.baseline.version
+        self._param_gathers: list = []
 
     @classmethod
     def from_model(cls, model, *, store: ObjectStore, sender_cfg: SenderConfig, family: str | None = None,
@@ -105,7 +108,16 @@ class MegatronRefitHook:
         """
         gpt = unwrap_gpt(model)
         dims = describe_gpt(gpt, vocab_size=vocab_size)
-        return cls(gpt, dims, select_family(dims, family), store, sender_cfg, verify_dense=verify_dense)
+        hook = cls(gpt, dims, select_family(dims, family), store, sender_cfg, verify_dense=verify_dense)
+        hook._param_gathers = deferred_param_gathers(model)
+        return hook
+
+    def sync_params(self) -> None:
+        """Collective: finish a distributed optimizer's deferred BF16 all-gather, if the
+        model has one (``overlap_param_gather=True``; see the module docstring).  Every
+        call of the hook does this first."""
+        for ddp in self._param_gathers:
+            ddp.start_param_sync(force_sync=True)
 
     def hf_config(self) -> dict:
         """``config.json`` of the equivalent Hugging Face model."""
@@ -125,6 +137,7 @@ class MegatronRefitHook:
         """Publish a version (collective): ``step`` (the optimizer step just taken) if
         given, else one past the last version published.  A version number is never
         reused, also after a refused one.  (``trainer`` is the test bed's hook argument.)"""
+        self.sync_params()
         before = None
         dense_s = 0.0
         if self.verify_dense:

@@ -45,6 +45,27 @@ def unwrap_gpt(model) -> torch.nn.Module:
     raise UnsupportedModelError(f"no megatron GPTModel inside {type(model).__name__}")
 
 
+def deferred_param_gathers(model) -> list:
+    """The megatron DDP wrappers around ``model`` whose distributed optimizer defers the
+    BF16 parameter all-gather into the next forward (``overlap_param_gather=True``): after
+    ``optimizer.step()`` their parameters still hold the *previous* bits outside this
+    rank's optimizer shard.  The hook forces that gather before reading the parameters
+    (``start_param_sync(force_sync=True)``: synchronous, marks the buckets dispatched, so
+    the next forward's pre-hooks do not gather again)."""
+    found = []
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for inner in chunks:
+        for _ in range(8):
+            ddp_config = getattr(inner, "ddp_config", None)
+            if (ddp_config is not None and hasattr(inner, "start_param_sync")
+                    and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
+                found.append(inner)
+            inner = getattr(inner, "module", None)
+            if inner is None:
+                break
+    return found
+
+
 def _refuse(condition: bool, what: str) -> None:
     if condition:
         raise UnsupportedModelError(f"unsupported model: {what}")
@@ -104,4 +125,4 @@ def describe_gpt(gpt: torch.nn.Module, *, vocab_size: int | None = None) -> Mode
     )
 
 
-__all__ = ["describe_gpt", "unwrap_gpt"]
+__all__ = ["deferred_param_gathers", "describe_gpt", "unwrap_gpt"]

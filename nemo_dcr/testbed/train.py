@@ -69,6 +69,11 @@ class TrainConfig:
     and Adam state of a 1/DP slice of the gradient buffer, and the updated BF16 params are
     all-gathered at the end of ``optimizer.step()`` (``overlap_param_gather=False``), so every
     rank holds the new bits before the post-step hooks run."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer only: defer that all-gather into the next forward's pre-hooks
+    (megatron's overlap).  Right after ``step()`` a rank's params outside its own optimizer
+    shard then still hold the previous step's bits; the refit hook forces the gather
+    (``MegatronRefitHook`` / ``deferred_param_gathers``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,6 +90,8 @@ class TrainConfig:
             raise ValueError("TrainConfig: Adam betas must lie in [0, 1)")
         if self.micro_batch_size < 1 or self.num_microbatches < 1 or self.data_seed < 0:
             raise ValueError("TrainConfig: micro_batch_size, num_microbatches >= 1, data_seed >= 0")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("TrainConfig.overlap_param_gather needs use_distributed_optimizer=true")
 
 
 @dataclass(frozen=True)
@@ -177,10 +184,10 @@ class Trainer:
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=train_cfg.use_distributed_optimizer,
-                # The post-step hooks read the new BF16 params on every rank right after
-                # optimizer.step(): the distributed optimizer must all-gather them inside step()
-                # (the non-overlapped path), not lazily in the next forward.
-                overlap_param_gather=False,
+                # False: the distributed optimizer all-gathers the new BF16 params inside
+                # step(), before the post-step hooks.  True: in the next forward's pre-hooks
+                # (the refit hook then forces the gather itself).
+                overlap_param_gather=train_cfg.overlap_param_gather,
             ),
             module=fp16_model,
         )
