@@ -36,6 +36,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from nemo_dcr.integrations.megatron_model import unwrap_gpt  # the product's: one definition
 from nemo_dcr.testbed import cpu_shim
 
 __all__ = [
@@ -411,17 +412,3 @@ def build_gpt(cfg: ModelConfig, *, tp: int, pp: int, ep: int = 1, first_stage_la
     )
     return Float16Module(config, gpt)
 
-
-def unwrap_gpt(model: torch.nn.Module):
-    """The ``GPTModel`` inside the wrappers (``Float16Module``, DDP); its
-    ``sharded_state_dict()`` is what the delta path reads."""
-    from megatron.core.models.gpt import GPTModel
-
-    inner = model
-    for _ in range(4):
-        if isinstance(inner, GPTModel):
-            return inner
-        inner = getattr(inner, "module", None)
-        if inner is None:
-            break
-    raise TypeError(f"no GPTModel inside {type(model).__name__}")
