@@ -99,7 +99,7 @@ class RefitConfig:
 class DemoConfig:
     steps: int = 4
     """Optimizer steps; a refit follows every step."""
-    model_id: str = "demo-llama"
+    model_id: str = "demo"
     """Lineage name carried by manifests and chunks."""
     run_dir: str = "runs/demo"
     """Logs, per-step stats (steps.jsonl) and the resolved config go here."""
