@@ -42,6 +42,8 @@ SLOW_LAYOUTS = {  # 4 ranks on 2 cores.  (No EP x TP: megatron's MoE layer needs
     # parallelism for TP > 1 in training, and its only non-TE RMSNorm refuses sequence
     # parallelism -- see docs/megatron-on-cpu.md.)
     "llama-tp2-pp2": ["parallel.pipeline_model_parallel_size=2"],
+    # EP=2 inside DP=4: each expert has an expert-data-parallel replica that must not emit
+    "qwen3_moe-ep2-expert_dp2": [*MOE, *TP1, "parallel.data_parallel_size=4", "parallel.expert_model_parallel_size=2"],
 }
 
 
@@ -119,6 +121,10 @@ def test_layout_refits_bit_exactly(tmp_path, layout):
 @pytest.mark.parametrize("layout", sorted(SLOW_LAYOUTS))
 def test_four_rank_layout_refits_bit_exactly(tmp_path, layout):
     _run_layout(tmp_path, SLOW_LAYOUTS[layout])
+    if "expert_dp2" in layout:  # ranks 0 and 1 hold experts 0-1 and 2-3; 2 and 3 are replicas
+        store = LocalDirStore(str(tmp_path / "store"))
+        for v in range(1, STEPS + 1):
+            assert {c.rank for c in Manifest.from_json(store.get(manifest_key(v))).chunks} == {0, 1}
 
 
 def test_the_product_does_not_import_the_test_bed():
