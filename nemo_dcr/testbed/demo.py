@@ -184,7 +184,17 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    cfg = load_demo_config(argv)
+    try:
+        cfg = load_demo_config(argv)
+    except Exception as e:  # a config error is the user's: one line, no traceback
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (ValueError, TypeError, HydraException, OmegaConfBaseException)):
+            raise
+        msg = " ".join(str(e).split())
+        _err(f"invalid configuration: {msg}")
+        return 2
     summary = run(cfg)
     print(json.dumps(summary), flush=True)
     ok = summary["refits"] == cfg.steps and summary["committed"] == cfg.steps
