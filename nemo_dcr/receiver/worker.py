@@ -47,9 +47,9 @@ class _HeldBits(Mapping):
     version being applied is the base of), fetched on first use per tensor.  Valid only
     until the first write, which is why every chunk is decoded before any apply."""
 
-    def __init__(self, applier):
-        self._applier = applier
-        self._names = frozenset(applier.adapter.tensor_specs())
+    def __init__(self, served):
+        self._applier = served
+        self._names = frozenset(served.tensor_specs())
         self._cache: dict[str, np.ndarray] = {}
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -91,10 +91,18 @@ class ReceiverConfig:
 class Receiver:
     def __init__(self, applier, store: ObjectStore, cfg: ReceiverConfig, *, held_version: int = 0,
                  reference=None):
-        """``applier``: a prewarmed ``DeltaApplier``; ``reference``: a second runtime adapter
-        used by ``verify_dense``."""
-        if cfg.verify_dense and reference is None:
-            raise ValueError("verify_dense needs a reference runtime")
+        """``applier``: a ``ServedModel`` (``receiver/served.py``), or a prewarmed
+        ``DeltaApplier`` with ``reference``, a second runtime adapter used by
+        ``verify_dense`` (they are wrapped in an ``InProcessModel``)."""
+        from nemo_dcr.receiver.apply import DeltaApplier
+        from nemo_dcr.receiver.served import InProcessModel
+
+        if isinstance(applier, DeltaApplier):
+            if cfg.verify_dense and reference is None:
+                raise ValueError("verify_dense needs a reference runtime")
+            self.served = InProcessModel(applier, reference)
+        else:
+            self.served = applier
         self.applier = applier
         self.store = store
         self.cfg = cfg
@@ -125,7 +133,7 @@ class Receiver:
             blobs.append((ref, blob))
         t1 = time.perf_counter()
         deltas: list[TensorDelta] = []
-        held = _HeldBits(self.applier)
+        held = _HeldBits(self.served)
         want = {"model_id": manifest.model_id, "version": str(manifest.version),
                 "base_version": str(manifest.base_version)}
         for ref, blob in blobs:
@@ -146,7 +154,7 @@ class Receiver:
         try:
             deltas, stats = self.fetch(manifest)
             t0 = time.perf_counter()
-            self.applier.apply(deltas)  # validates everything before the first write
+            self.served.apply(deltas)  # validates everything before the first write
             stats["apply_s"] = time.perf_counter() - t0
         except (RefitRefused, ValueError) as e:
             return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=False,
@@ -156,19 +164,19 @@ class Receiver:
             self.on_applied(manifest.version)
         if self.cfg.verify_dense:
             stats.update(self.verify_against_dense(manifest.version))
+        sample = self.served.sample()
+        if sample is not None:
+            stats["sample"] = sample
         return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
                    held_version=self.held_version, stats=stats)
 
     def verify_against_dense(self, version: int) -> dict:
         from safetensors.torch import load as load_safetensors
 
-        from nemo_dcr.receiver.verify import compare_with_dense
-
         t0 = time.perf_counter()
         dense = load_safetensors(self.store.get(dense_key(version)))
-        report = compare_with_dense(self.applier.adapter.module, self.reference, dense)
-        return {"bit_exact": report.equal, "mismatches": list(report.mismatched_names)[:10],
-                "verify_s": time.perf_counter() - t0}
+        report = self.served.verify_dense(dense)
+        return {**report, "verify_s": time.perf_counter() - t0}
 
     # --------------------------------------------------------------- loop
     def run(self, *, until_version: int | None = None, timeout_s: float | None = None,

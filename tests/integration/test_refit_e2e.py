@@ -142,7 +142,7 @@ def test_receiver_that_diverged_from_the_base_refuses_context_chunks(fresh):
     store, rx, adapter = fresh
     m = _manifest(store, 1)
     name = "model.layers.0.self_attn.q_proj.weight"
-    held = _HeldBits(rx.applier)
+    held = _HeldBits(rx.served)
     changed = None
     for c in m.chunks:
         blob = store.get(c.key)

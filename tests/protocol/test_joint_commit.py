@@ -6,7 +6,6 @@ The receiver's runtime is a stand-in here (canonical numpy arrays updated with t
 runtime path is covered by tests/receiver and tests/integration.
 """
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,14 +26,21 @@ DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_g
 
 class ArrayRuntime:
     """Canonical tensors as numpy bit arrays; refuses the versions listed in ``refuse``.
-    Offers the two things the receiver asks of an applier: ``apply`` and, for context-mode
-    decoding, ``canonical_bits`` (plus ``adapter.tensor_specs()``)."""
+    A ``ServedModel`` (receiver/served.py): ``apply``, ``tensor_specs`` and, for
+    context-mode decoding, ``canonical_bits``; no dense verification, no sample."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], refuse=()):
         self.bits = {k: v.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for k, v in tensors.items()}
         self.refuse = set(refuse)
         self.calls = 0
-        self.adapter = SimpleNamespace(tensor_specs=lambda: dict.fromkeys(self.bits))
+    def tensor_specs(self):
+        return dict.fromkeys(self.bits)
+
+    def verify_dense(self, dense):
+        raise NotImplementedError
+
+    def sample(self):
+        return None
 
     def canonical_bits(self, name):
         return self.bits[name]
