@@ -208,8 +208,8 @@ class Receiver:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``nemo-dcr receive`` / ``python -m nemo_dcr.receiver.worker``: a Hugging Face
-    transformers receiver serving versions from a store."""
+    """``nemo-dcr receive`` / ``python -m nemo_dcr.receiver.worker``: a receiver keeping a
+    transformers model or a vLLM engine at the versions a store publishes."""
     ap = argparse.ArgumentParser(prog="nemo-dcr receive")
     ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
     ap.add_argument("--receiver-id", required=True)
@@ -219,23 +219,39 @@ def main(argv: list[str] | None = None) -> int:
                     help="give up when no next manifest appears for this long (default: wait forever)")
     ap.add_argument("--verify-dense", action="store_true")
     ap.add_argument("--init-dir", required=True, help="local directory with the initial HF checkpoint")
+    ap.add_argument("--runtime", choices=("hf", "vllm"), default="hf",
+                    help="serving runtime kept current: a transformers model in this process, or a vllm.LLM engine")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM only: TP workers of the engine")
+    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM only: the engine's context length")
+    ap.add_argument("--sample-tokens", type=int, default=0,
+                    help="vLLM only: greedy tokens generated after every refit and reported in the ack")
     ap.add_argument("--dump-dir", default=None,
                     help="testing aid: after each applied version write every parameter and buffer "
                          "to DIR/v<version>.safetensors")
     args = ap.parse_args(argv)
 
-    from nemo_dcr.receiver.apply import DeltaApplier
-    from nemo_dcr.runtimes.hf import HFTransformersAdapter
-
     store = open_store(args.store)
-    adapter = HFTransformersAdapter.from_pretrained(args.init_dir)
-    applier = DeltaApplier(adapter)
-    applier.prewarm()
-    reference = HFTransformersAdapter.from_pretrained(args.init_dir) if args.verify_dense else None
     cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense)
-    rx = Receiver(applier, store, cfg, reference=reference)
-    if args.dump_dir:
-        rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
+    if args.runtime == "vllm":
+        from nemo_dcr.runtimes.vllm.served import VLLMServedModel
+
+        served = VLLMServedModel.start(args.init_dir, tensor_parallel_size=args.tensor_parallel_size,
+                                       max_model_len=args.max_model_len, reference=args.verify_dense,
+                                       sample_tokens=args.sample_tokens)
+        rx = Receiver(served, store, cfg)
+        if args.dump_dir:
+            rx.on_applied = lambda version: served.dump(args.dump_dir, version)
+    else:
+        from nemo_dcr.receiver.apply import DeltaApplier
+        from nemo_dcr.runtimes.hf import HFTransformersAdapter
+
+        adapter = HFTransformersAdapter.from_pretrained(args.init_dir)
+        applier = DeltaApplier(adapter)
+        applier.prewarm()
+        reference = HFTransformersAdapter.from_pretrained(args.init_dir) if args.verify_dense else None
+        rx = Receiver(applier, store, cfg, reference=reference)
+        if args.dump_dir:
+            rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
     print(json.dumps({"receiver": args.receiver_id, "ready": True}), flush=True)
     rx.run(until_version=args.until_version, timeout_s=args.timeout_s)
     return 0

@@ -95,6 +95,31 @@ class RefitConfig:
             raise ValueError("refit: receivers, chunk_bytes, upload_workers must be >= 1, ack_timeout_s > 0")
 
 
+RUNTIMES = ("hf", "vllm")
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+"""Head sizes vLLM's CPU attention kernels take."""
+
+
+@dataclass(kw_only=True)
+class ReceiverRuntimeConfig:
+    runtime: str = "hf"
+    """Serving runtime each receiver keeps current: ``hf`` (a transformers model in the
+    receiver process) or ``vllm`` (a ``vllm.LLM`` engine, CPU build)."""
+    tensor_parallel_size: int = 1
+    """vLLM only: tensor-parallel workers of each receiver's engine."""
+    sample_tokens: int = 8
+    """vLLM only: greedy tokens each receiver generates after every refit, shown by the demo
+    (0 = none)."""
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"receiver.runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        if self.tensor_parallel_size < 1 or self.sample_tokens < 0:
+            raise ValueError("receiver.tensor_parallel_size must be >= 1 and receiver.sample_tokens >= 0")
+        if self.runtime == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError("receiver.tensor_parallel_size applies to receiver.runtime=vllm only")
+
+
 @dataclass(kw_only=True)
 class DemoConfig:
     steps: int = 4
@@ -108,10 +133,21 @@ class DemoConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
+    receiver: ReceiverRuntimeConfig = field(default_factory=ReceiverRuntimeConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
+        if self.receiver.runtime == "vllm":
+            if self.model.head_dim not in VLLM_HEAD_DIMS:
+                raise ValueError(f"receiver.runtime=vllm: vLLM's CPU attention takes head_dim in {VLLM_HEAD_DIMS}, "
+                                 f"the model has hidden_size/num_attention_heads = {self.model.head_dim}")
+            if self.model.family != "llama":
+                raise ValueError("receiver.runtime=vllm is tested with model.family=llama only")
+            tp = self.receiver.tensor_parallel_size
+            if self.model.num_attention_heads % tp or self.model.num_query_groups % tp:
+                raise ValueError(f"receiver.tensor_parallel_size={tp} must divide the model's query heads "
+                                 f"({self.model.num_attention_heads}) and KV heads ({self.model.num_query_groups})")
         p = self.parallel
         self.model.check_parallel(
             tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -129,7 +165,7 @@ class DemoConfig:
             steps=d["steps"], model_id=d["model_id"], run_dir=d["run_dir"],
             model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
             parallel=ParallelConfig(**d["parallel"]), store=StoreConfig(**d["store"]),
-            refit=RefitConfig(**d["refit"]),
+            refit=RefitConfig(**d["refit"]), receiver=ReceiverRuntimeConfig(**d.get("receiver", {})),
         )
 
 

@@ -124,6 +124,9 @@ def run(cfg: DemoConfig) -> dict:
             cmd.append("--verify-dense")
         if cfg.refit.receiver_dump_dir:
             cmd += ["--dump-dir", os.path.join(cfg.refit.receiver_dump_dir, rid)]
+        if cfg.receiver.runtime == "vllm":
+            cmd += ["--runtime", "vllm", "--tensor-parallel-size", str(cfg.receiver.tensor_parallel_size),
+                    "--max-model-len", str(cfg.model.seq_length), "--sample-tokens", str(cfg.receiver.sample_tokens)]
         receivers.append((rid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
@@ -139,6 +142,10 @@ def run(cfg: DemoConfig) -> dict:
                 rows.append(json.loads(line))
                 cells.append(_row(rows[-1]))
                 _print_row(cells[-1])
+                for a in rows[-1].get("acks", []):
+                    if a["stats"].get("sample") is not None:
+                        print(f"     {a['receiver']} greedy after v{rows[-1]['step']}: {a['stats']['sample']}",
+                              flush=True)
             seen = len(lines)
         if done:
             break
@@ -178,6 +185,8 @@ def run(cfg: DemoConfig) -> dict:
         "dp": cfg.parallel.data_parallel_size,
         "ep": cfg.parallel.expert_model_parallel_size,
         "receivers": cfg.refit.receivers,
+        "runtime": cfg.receiver.runtime,
+        "receiver_tp": cfg.receiver.tensor_parallel_size,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "store": cfg.store.uri,
     }

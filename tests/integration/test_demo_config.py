@@ -11,9 +11,12 @@ from nemo_dcr.testbed.demo import main
     ("model.family=qwen3_moe", "num_moe_experts must be > 0"),
     ("parallel.expert_model_parallel_size=2", "must divide data_parallel_size"),
     ("model.num_moe_experts=abc", "model.num_moe_experts"),
+    ("receiver.runtime=sglang", "receiver.runtime must be one of"),
+    ("receiver.tensor_parallel_size=2", "applies to receiver.runtime=vllm only"),
+    ("receiver.runtime=vllm model.hidden_size=96", "head_dim in"),
 ])
 def test_bad_config_is_one_line(override, needle, capsys, tmp_path):
-    assert main([override, f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store"]) == 2
+    assert main([*override.split(), f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()
