@@ -514,6 +514,15 @@ class DeltaApplier:
                     )
 
     # -------------------------------------------------------------------- apply
+    def validate(self, deltas: Sequence[TensorDelta]) -> None:
+        """The checks ``apply`` runs before its first write, without writing: lets a caller
+        holding several appliers (one per TP worker) refuse a batch before any of them writes."""
+        if self._fingerprint is None:
+            self.prewarm()
+        if storage_fingerprint(self._adapter.module) != self._fingerprint:
+            raise PlacementError("parameters or buffers were rebound since prewarm; call prewarm() again")
+        self._validate(deltas)
+
     def apply(self, deltas: Sequence[TensorDelta]) -> ApplyResult:
         """Apply ``deltas`` in place; validate and prepare everything before the first write."""
         if self._fingerprint is None:

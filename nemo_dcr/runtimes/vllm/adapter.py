@@ -1,0 +1,222 @@
+"""The worker side of a vLLM receiver: ``RuntimeAdapter`` over one worker's model.
+
+What vLLM's CPU build does to the weights after loading (vLLM 0.32, found by reading
+``model_executor/layers/{linear,utils,vocab_parallel_embedding}.py`` and confirmed on a
+running engine):
+
+* ``UnquantizedLinearMethod.process_weights_after_loading`` (qkv_proj, o_proj,
+  gate_up_proj, down_proj) calls ``dispatch_cpu_unquantized_gemm(layer,
+  remove_weight=True)``: the weight is packed into a oneDNN (or SGL / zentorch) handle held
+  by the ``layer.cpu_linear`` closure and the parameter is replaced by an empty one.  No
+  storage is left to write into, and ``load_weights`` into the empty parameter fails.
+* ``UnquantizedEmbeddingMethod`` (embed_tokens, lm_head) keeps the weight but also builds a
+  packed handle from it (``remove_weight=False``): the embedding lookup reads the
+  parameter, the lm_head GEMM reads the handle.  An in-place write changes the former
+  only, so every layer with a ``quant_method`` whose weights changed needs its handle
+  rebuilt.
+* Norms (``RMSNorm.weight``) are plain parameters read directly.
+
+Decision: *kernel-layout staging* (a mirror kept in vLLM's own pre-packing layout, not in
+canonical coordinates).  For every layer whose weight was packed away, the adapter
+restores the plain parameter vLLM had before packing, from the metadata vLLM records for
+weight reloading (``reload.layerwise.get_layerwise_info(layer).restore_metadata``:
+class, shape, ``weight_loader`` and TP attributes, materialised with vLLM's
+``materialize_meta_tensor`` / ``restore_layer_refs``), registers it as ``layer.weight``
+(the packed kernels ignore the ``weight`` argument, a plain fallback GEMM reads it), and
+fills it by running the model's own ``load_weights`` on the checkpoint.  From then on:
+
+* ``load_weights`` is the worker model's own ``load_weights``: vLLM's loaders narrow the
+  TP shard and copy q/k/v into the fused ``qkv_proj`` rows, gate/up into
+  ``gate_up_proj``, etc.  ``DeltaApplier`` observes those copies, so every tensor has an
+  XOR placement (DIRECT or VIEW) and no canonical mirror is needed;
+* ``post_load(names)`` re-runs vLLM's own ``quant_method.process_weights_after_loading``
+  on exactly the layers whose storages those names write (learned by capture when the
+  staging is filled), which rebuilds the packed handle from the updated plain weight as a
+  dense load would; for a packed layer the staging parameter is then registered again
+  (vLLM replaces it by an empty one), so parameters are never rebound across an apply.
+
+Costs: one shard-sized copy of every packed weight per worker (what vLLM holds between
+loading and packing), and per apply a repack of each touched layer, O(layer size), the
+same work a dense load does for that layer.  Not chosen: (a) a plain-weight linear method
+(a quantization plugin in every worker) changes the serving kernels, so the engine would
+no longer match a stock one; (b) a canonical mirror fed through vLLM's layerwise reload
+holds full canonical tensors in every worker (TP times the bytes), must feed whole fused
+groups (a partial group leaves the rest of the layer uninitialised), and costs O(group)
+per touched tensor even for one changed element.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nemo_dcr.receiver.capture import WriteCapture, module_storages
+from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.runtimes.base import TensorSpec, dtype_name
+from nemo_dcr.runtimes.hf import checkpoint_specs
+
+
+@dataclass
+class _Staged:
+    """A layer whose weight vLLM packed away, with the plain weight the adapter keeps."""
+
+    layer: torch.nn.Module
+    staging: torch.nn.Parameter
+
+
+def _checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                out[name] = path
+    return out
+
+
+class VLLMWorkerAdapter:
+    """``RuntimeAdapter`` for the model of one vLLM worker (see the module docstring).
+
+    model: the worker's model (``worker.model_runner.get_model()``), loaded from
+        ``checkpoint_dir`` and not yet updated.
+    checkpoint_dir: the safetensors checkpoint the engine was started from; gives the
+        canonical specs, fills the staging weights and seeds ``initial_tensor``.
+    """
+
+    def __init__(self, model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str]) -> None:
+        self._model = model
+        self._specs = checkpoint_specs(checkpoint_dir)
+        self._files = _checkpoint_files(checkpoint_dir)
+        self._staged: dict[str, _Staged] = {}
+        self._rebuild: dict[str, tuple[str, ...]] = {}
+        self._install_staging()
+        self._fill_staging()
+
+    # ---------------------------------------------------------------- set-up
+    def _install_staging(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        for lname, layer in self._model.named_modules():
+            if getattr(layer, "quant_method", None) is None:
+                continue
+            weight = layer._parameters.get("weight")
+            if weight is None or weight.numel() or weight.is_meta:
+                continue  # plain weight (or none): nothing was packed away
+            info = get_layerwise_info(layer)
+            meta = info.restore_metadata[0].get("weight")
+            if meta is None or meta.numel() == 0:
+                raise PlacementError(f"{lname}: packed weight without vLLM reload metadata to restore it from")
+            with info.restore_device:
+                staging = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            layer.register_parameter("weight", staging)
+            self._staged[lname] = _Staged(layer, staging)
+
+    def _quant_layers_by_storage(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = defaultdict(list)
+        for lname, layer in self._model.named_modules():
+            if getattr(layer, "quant_method", None) is None:
+                continue
+            for p in layer._parameters.values():
+                if p is not None and p.numel():
+                    out[p.untyped_storage().data_ptr()].append(lname)
+        return out
+
+    def _fill_staging(self) -> None:
+        """Learn which canonical tensors write into layers with a packed kernel (probe with
+        writes suppressed), fill the staging weights through the model's loader, and check
+        the rebuilt kernels compute bit-for-bit what the engine's own kernels compute."""
+        tensors = {name: self.initial_tensor(name) for name in self._specs}
+        storages = module_storages(self._model)
+        capture = WriteCapture(storages, tensors, execute=False)
+        with torch.no_grad(), capture:
+            self._model.load_weights(tensors.items())
+        by_storage = self._quant_layers_by_storage()
+        rebuild: dict[str, set[str]] = defaultdict(set)
+        staged_ptrs = {s.staging.untyped_storage().data_ptr() for s in self._staged.values()}
+        to_fill: set[str] = set()
+        for w in capture.writes:
+            if w.fed_name is None:
+                continue
+            ptr = w.dest_owner.tensor.untyped_storage().data_ptr()
+            rebuild[w.fed_name].update(by_storage.get(ptr, ()))
+            if ptr in staged_ptrs:
+                to_fill.add(w.fed_name)
+        self._rebuild = {n: tuple(sorted(ls)) for n, ls in rebuild.items()}
+        with torch.no_grad():
+            self._model.load_weights((n, tensors[n]) for n in sorted(to_fill))
+        unfilled = [n for n, s in self._staged.items() if not any(n in ls for ls in self._rebuild.values())]
+        if unfilled:
+            raise PlacementError(f"no checkpoint tensor fills the packed weight of {unfilled[:3]}")
+        for lname in self._staged:
+            self._check_rebuilt_kernel(lname)
+
+    def _check_rebuilt_kernel(self, lname: str) -> None:
+        """The kernel rebuilt from the staging weight must give the engine's kernel's bits."""
+        staged = self._staged[lname]
+        layer = staged.layer
+        k = staged.staging.shape[1]
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(staged.staging.dtype)
+        bias = layer._parameters.get("bias")
+        with torch.no_grad():
+            before = layer.cpu_linear(x, staged.staging, bias)
+            self._rebuild_layer(lname)
+            after = layer.cpu_linear(x, staged.staging, bias)
+        if not torch.equal(before.view(torch.int16), after.view(torch.int16)):
+            raise PlacementError(
+                f"{lname}: the checkpoint does not reproduce the engine's packed weight "
+                "(engine not at the checkpoint's version?)"
+            )
+
+    def _rebuild_layer(self, lname: str) -> None:
+        layer = self._model.get_submodule(lname)
+        layer.quant_method.process_weights_after_loading(layer)
+        staged = self._staged.get(lname)
+        if staged is not None:  # vLLM registered an empty weight in its place
+            layer.register_parameter("weight", staged.staging)
+
+    # ---------------------------------------------------------- RuntimeAdapter
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._model
+
+    def tensor_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._model.load_weights(weights)
+
+    def post_load(self, names: frozenset[str]) -> None:
+        for lname in sorted({lname for n in names for lname in self._rebuild.get(n, ())}):
+            self._rebuild_layer(lname)
+
+    def initial_tensor(self, name: str) -> torch.Tensor | None:
+        path = self._files.get(name)
+        if path is None:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            t = f.get_tensor(name)
+        spec = self._specs[name]
+        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+            raise ValueError(f"{path.name}: {name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
+        return t
+
+    # ----------------------------------------------------------------- extras
+    def staging_bytes(self) -> int:
+        """Bytes of plain weights kept beside vLLM's packed kernels (this worker)."""
+        return sum(s.staging.numel() * s.staging.element_size() for s in self._staged.values())
+
+    def staged_layers(self) -> tuple[str, ...]:
+        return tuple(self._staged)
+
+    def rebuilt_layers(self, name: str) -> tuple[str, ...]:
+        """Layers whose kernel ``post_load`` rebuilds after ``name`` changed."""
+        return self._rebuild.get(name, ())
