@@ -79,7 +79,10 @@ class VLLMRuntime:
         except BaseException:
             _shutdown(llm)
             raise
-        return cls(llm, str(checkpoint_dir), tensor_parallel_size, setup)
+        runtime = cls(llm, str(checkpoint_dir), tensor_parallel_size, setup)
+        if tensor_parallel_size == 1:
+            _IN_PROCESS_OPEN.add(id(runtime))
+        return runtime
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -161,10 +164,27 @@ class VLLMRuntime:
         return _checked(self._llm.collective_rpc("dcr_dense_reload", args=(str(checkpoint_dir),)))
 
     def close(self) -> None:
-        if self._llm is not None:
-            _shutdown(self._llm)
-            self._llm = None
-            gc.collect()
+        """Shut the engine down.  A TP=1 engine runs its worker in this process, and
+        shutting one down tears down the process-wide torch.distributed / vLLM parallel
+        state every other in-process engine uses; so such an engine is only shut down
+        when it is the last in-process engine open (earlier ones wait, holding memory)."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._tp > 1:
+            _shutdown(llm)
+        else:
+            _IN_PROCESS_OPEN.discard(id(self))
+            _IN_PROCESS_CLOSED.append(llm)
+            if not _IN_PROCESS_OPEN:
+                while _IN_PROCESS_CLOSED:
+                    _shutdown(_IN_PROCESS_CLOSED.pop())
+        gc.collect()
+
+
+# ids of open TP=1 runtimes, and closed ones whose shutdown waits for the last of them
+_IN_PROCESS_OPEN: set[int] = set()
+_IN_PROCESS_CLOSED: list = []
 
 
 def _shutdown(llm) -> None:
