@@ -253,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dump_dir:
             rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
     print(json.dumps({"receiver": args.receiver_id, "ready": True}), flush=True)
-    rx.run(until_version=args.until_version, timeout_s=args.timeout_s)
+    try:
+        rx.run(until_version=args.until_version, timeout_s=args.timeout_s)
+    finally:
+        if args.runtime == "vllm":
+            served.close()
     return 0
 
 
