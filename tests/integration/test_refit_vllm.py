@@ -60,3 +60,54 @@ def test_vllm_receiver_refits_bit_exactly(tmp_path, tp):
     if tp == 2:  # both workers hold shards
         assert any(k.startswith("w1.") for k in fresh)
     assert torch.is_tensor(next(iter(fresh.values())))
+
+
+@pytest.fixture(scope="module")
+def vllm_store(tmp_path_factory):
+    """One 2-step run into a vLLM receiver; its store is replayed below."""
+    d = tmp_path_factory.mktemp("vllm-store")
+    cfg = load_demo_config([f"run_dir={d}/run", f"store.uri={d}/store", "steps=2", *VLLM_SMALL,
+                            "train.lr=3e-6", "refit.verify_dense=false", "receiver.runtime=vllm"])
+    summary = demo.run(cfg)
+    assert summary["committed"] == 2
+    return d / "store", cfg
+
+
+def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
+    """Through the receiver loop: a wrong base version and a corrupted chunk are refused
+    with a clear ack; the engine's weights (digest) and greedy generations are unchanged;
+    the clean version then applies (control)."""
+    from nemo_dcr.protocol.manifest import Manifest, manifest_key
+    from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+    from nemo_dcr.runtimes.vllm.served import VLLMServedModel, verify_prompts
+    from nemo_dcr.transport.store import LocalDirStore
+
+    src, cfg = vllm_store
+    shutil.copytree(src, tmp_path / "store")
+    store = LocalDirStore(str(tmp_path / "store"))
+    served = VLLMServedModel.start(str(tmp_path / "store" / "init"), max_model_len=32)
+    try:
+        rx = Receiver(served, store, ReceiverConfig(receiver_id="t0", model_id=cfg.model_id))
+        prompts = verify_prompts(cfg.model.vocab_size)
+
+        def state():
+            return served.runtime.weight_digest(), served.runtime.generate(prompts, max_tokens=8, logprobs=2)
+
+        before = state()
+        ack = rx.apply_manifest(Manifest.from_json(store.get(manifest_key(2))))
+        assert not ack.ok and "base version 1" in ack.error and "holds version 0" in ack.error
+        m1 = Manifest.from_json(store.get(manifest_key(1)))
+        key = m1.chunks[0].key
+        good = store.get(key)
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0x10
+        store.put(key, bytes(bad))
+        ack = rx.apply_manifest(m1)
+        assert not ack.ok and key in ack.error and "digest" in ack.error
+        assert state() == before and rx.held_version == 0
+        store.put(key, good)
+        ack = rx.apply_manifest(m1)
+        assert ack.ok and rx.held_version == 1
+        assert state()[0] != before[0]  # the control applied and changed weights
+    finally:
+        served.close()
