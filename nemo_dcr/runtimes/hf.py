@@ -86,6 +86,17 @@ def _checkpoint_index(directory: str | os.PathLike[str]) -> dict[str, tuple[Tens
     return out
 
 
+def read_checkpoint_tensor(path: str | os.PathLike[str], spec: TensorSpec) -> torch.Tensor:
+    """``spec.name`` from one safetensors file, checked against ``spec`` (dtype, shape)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        t = f.get_tensor(spec.name)
+    if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
+        raise ValueError(f"{Path(path).name}: {spec.name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
+    return t
+
+
 def module_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:
     """The canonical specs ``save_pretrained`` would write for ``model``."""
     state = dict(model.state_dict())
@@ -183,13 +194,4 @@ class HFTransformersAdapter:
 
     def initial_tensor(self, name: str) -> torch.Tensor | None:
         path = self._files.get(name)
-        if path is None:
-            return None
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            t = f.get_tensor(name)
-        spec = self._specs[name]
-        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
-            raise ValueError(f"{path.name}: {name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
-        return t
+        return None if path is None else read_checkpoint_tensor(path, self._specs[name])

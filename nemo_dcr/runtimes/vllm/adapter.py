@@ -56,8 +56,8 @@ import torch
 
 from nemo_dcr.receiver.capture import WriteCapture, module_storages
 from nemo_dcr.receiver.errors import PlacementError
-from nemo_dcr.runtimes.base import TensorSpec, dtype_name
-from nemo_dcr.runtimes.hf import checkpoint_specs
+from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.runtimes.hf import checkpoint_specs, read_checkpoint_tensor
 
 
 @dataclass
@@ -201,16 +201,7 @@ class VLLMWorkerAdapter:
 
     def initial_tensor(self, name: str) -> torch.Tensor | None:
         path = self._files.get(name)
-        if path is None:
-            return None
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            t = f.get_tensor(name)
-        spec = self._specs[name]
-        if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
-            raise ValueError(f"{path.name}: {name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
-        return t
+        return None if path is None else read_checkpoint_tensor(path, self._specs[name])
 
     # ----------------------------------------------------------------- extras
     def staging_bytes(self) -> int:
