@@ -11,7 +11,8 @@ else is derived from that model:
   ``replica_id`` for DP / expert-DP replicas and the tied output layer of the last
   pipeline stage, which Megatron checkpoints as a non-main replica of the embedding).
 
-Construction is collective and fails closed, before anything is published: a parameter
+Construction is collective and fails closed, on every rank with the same message (ranks
+agree before any further collective), before anything is published: a parameter
 no ShardedTensor covers (or covers twice), a parameter whose Megatron key the family
 table does not map, or a global tensor whose main replicas over all ranks do not tile it
 exactly once is refused with the parameter's (or key's) name.
@@ -61,6 +62,20 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
+def _agree(error: str | None) -> None:
+    """Collective: raise the same ``UnsupportedModelError`` on EVERY rank if any rank
+    found one (a rank that raised alone would leave the others waiting in the next
+    collective)."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise UnsupportedModelError(e if len(errors) == 1 else f"rank {r}: {e}")
+
+
 def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
     mine = [v.spec for vs in views.values() for v in vs if v.spec.is_main_replica]
     everyone = [mine]
@@ -81,12 +96,16 @@ class MegatronRefitHook:
         self.store = store
         self.verify_dense = verify_dense
         self.params = dict(gpt.named_parameters())
+        self.projector = CanonicalProjector(family.rules, dims)
+        error = None
         try:
             self.views = collect_param_views(gpt)
+            _check_mapped(self.views, self.projector, family)
+        except UnsupportedModelError as e:
+            error = str(e)
         except ValueError as e:
-            raise UnsupportedModelError(f"sharded_state_dict() does not describe the model: {e}") from None
-        self.projector = CanonicalProjector(family.rules, dims)
-        _check_mapped(self.views, self.projector, family)
+            error = f"sharded_state_dict() does not describe the model: {e}"
+        _agree(error)
         try:
             _check_global_tiling(self.views)
         except ValueError as e:
@@ -106,9 +125,15 @@ class MegatronRefitHook:
         vocab_size: the tokenizer's vocabulary (Megatron's padded rows beyond it are not
             canonical); default: the model's padded vocabulary.
         """
-        gpt = unwrap_gpt(model)
-        dims = describe_gpt(gpt, vocab_size=vocab_size)
-        hook = cls(gpt, dims, select_family(dims, family), store, sender_cfg, verify_dense=verify_dense)
+        error = None
+        try:
+            gpt = unwrap_gpt(model)
+            dims = describe_gpt(gpt, vocab_size=vocab_size)
+            chosen = select_family(dims, family)
+        except ValueError as e:  # UnsupportedModelError included
+            error = str(e)
+        _agree(error)
+        hook = cls(gpt, dims, chosen, store, sender_cfg, verify_dense=verify_dense)
         hook._param_gathers = deferred_param_gathers(model)
         return hook
 

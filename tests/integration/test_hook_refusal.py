@@ -20,4 +20,6 @@ def test_unsupported_models_are_refused_at_construction(tmp_path):
     assert "not a qwen3" in r["family_mismatch"]
     assert "decoder.final_layernorm.weight" in r["uncovered"] and "cover 0 of 64" in r["uncovered"]
     assert "decoder.final_layernorm.weight" in r["twice"] and "emitted twice" in r["twice"]
+    # a refusal found on rank 1 only is raised on rank 0 too (no hang), naming the rank
+    assert r["one_rank"].startswith("UnsupportedModelError: rank 1:") and "final_layernorm" in r["one_rank"]
     assert r["published"] == []  # nothing written to the store
