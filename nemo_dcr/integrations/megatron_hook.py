@@ -62,10 +62,9 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
-def _agree(error: str | None) -> None:
-    """Collective: raise the same ``UnsupportedModelError`` on EVERY rank if any rank
-    found one (a rank that raised alone would leave the others waiting in the next
-    collective)."""
+def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:
+    """Collective: raise the same ``exc`` on EVERY rank if any rank reports an ``error``
+    (a rank that raised alone would leave the others waiting in the next collective)."""
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
@@ -73,7 +72,7 @@ def _agree(error: str | None) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         r, e = failed[0]
-        raise UnsupportedModelError(e if len(errors) == 1 else f"rank {r}: {e}")
+        raise exc(e if len(errors) == 1 else f"rank {r}: {e}")
 
 
 def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
@@ -105,7 +104,7 @@ class MegatronRefitHook:
             error = str(e)
         except ValueError as e:
             error = f"sharded_state_dict() does not describe the model: {e}"
-        _agree(error)
+        agree_or_raise(error)
         try:
             _check_global_tiling(self.views)
         except ValueError as e:
@@ -132,7 +131,7 @@ class MegatronRefitHook:
             chosen = select_family(dims, family)
         except ValueError as e:  # UnsupportedModelError included
             error = str(e)
-        _agree(error)
+        agree_or_raise(error)
         hook = cls(gpt, dims, chosen, store, sender_cfg, verify_dense=verify_dense)
         hook._param_gathers = deferred_param_gathers(model)
         return hook

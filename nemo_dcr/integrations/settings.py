@@ -1,0 +1,102 @@
+"""Settings of a refit attached to someone else's training loop (NeMo recipe, Megatron-Bridge,
+a plain megatron-core loop): keyword-only dataclass = schema, Hydra only at the edge.
+
+``load_refit_settings(overrides)`` composes ``configs/refit.yaml`` with Hydra's override
+grammar (``refit.store_uri=s3://bucket/run``, ``refit.receivers=[r0,r1]``); unknown keys
+and wrong types are errors.  A recipe keeps its own override syntax for everything else.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+from nemo_dcr.integrations.sender import SenderConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+class RefitSetupError(ValueError):
+    """The refit cannot start (bad settings, unreachable store, unmappable model)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RefitSettings:
+    store_uri: str
+    """Where versions go: a directory (the embedded default) or an fsspec URI (``s3://...``)."""
+    model_id: str
+    """Lineage name carried by manifests and chunks; receivers refuse another model's."""
+    receivers: tuple[str, ...]
+    """Receiver ids whose acknowledgement the joint commit waits for (at least one)."""
+    chunk_bytes: int = 4 << 20
+    """Upper bound on a chunk's raw records before coding (chunks stream at this size)."""
+    upload_workers: int = 2
+    """Encode/upload threads per trainer rank."""
+    context: bool = True
+    """Context-mode coding (conditioned on the base bits receivers hold)."""
+    ack_timeout_s: float = 300.0
+    """How long rank 0 waits for every receiver's acknowledgement of a version."""
+    vocab_size: int = 0
+    """The tokenizer's vocabulary (Megatron pads its embedding); 0 = the padded size."""
+    family: str = ""
+    """Layout family (``llama``, ``qwen3``, ``qwen3_moe``); '' = chosen from the model."""
+    export_initial: bool = True
+    """Write version 0 (the initial HF checkpoint) when the refit attaches."""
+    every_n_steps: int = 1
+    """Publish a version after every n-th optimizer step."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "receivers", tuple(self.receivers))
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
+                raise RefitSetupError(f"refit.{f.name} must be an int, got {v!r}")
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise RefitSetupError(f"refit.{f.name} must be true or false, got {v!r}")
+        if not self.store_uri:
+            raise RefitSetupError("refit.store_uri is empty")
+        if not self.receivers:
+            raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
+        if self.chunk_bytes < 1 or self.upload_workers < 1 or self.ack_timeout_s <= 0 or self.every_n_steps < 1:
+            raise RefitSetupError("refit: chunk_bytes, upload_workers, every_n_steps must be >= 1, ack_timeout_s > 0")
+        if self.vocab_size < 0:
+            raise RefitSetupError(f"refit.vocab_size must be >= 0, got {self.vocab_size}")
+
+    def sender_config(self) -> SenderConfig:
+        return SenderConfig(model_id=self.model_id, receivers=self.receivers, chunk_bytes=self.chunk_bytes,
+                            upload_workers=self.upload_workers, ack_timeout_s=self.ack_timeout_s,
+                            context=self.context)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SCHEMA_NAME = "nemo_dcr_refit_schema"
+
+
+def load_refit_settings(overrides: list[str], *, config_dir: str = CONFIG_DIR,
+                        config_name: str = "refit") -> RefitSettings:
+    """Compose ``<config_dir>/<config_name>.yaml`` (its ``refit:`` node) with Hydra overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    @dataclass
+    class _Schema:  # Hydra wants a mutable structured node; validation is RefitSettings'
+        refit: dict
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=_Schema(refit={}))
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+            composed = compose(config_name=config_name, overrides=list(overrides))
+        raw = OmegaConf.to_container(composed, resolve=True)["refit"]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise RefitSetupError(" ".join(str(e).split())) from None
+    unknown = sorted(set(raw) - {f.name for f in fields(RefitSettings)})
+    if unknown:
+        raise RefitSetupError(f"unknown refit settings {unknown}")
+    try:
+        return RefitSettings(**raw)
+    except TypeError as e:
+        raise RefitSetupError(str(e)) from None

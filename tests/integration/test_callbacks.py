@@ -1,0 +1,104 @@
+"""Framework callbacks drive the refit: ``RefitBridgeCallback`` (Megatron-Bridge protocol)
+and ``RefitCallback`` (NeMo / Lightning protocol), called by a real megatron-core training
+loop (TP=2 under torchrun) the way those frameworks call them.  Bridge and NeMo are not
+installed in this environment: this is a protocol test, not a framework test.
+
+A receiver process (``nemo-dcr receive``, transformers) follows every step; each version
+it holds must equal, on integer views, transformers' own load of the dense reference the
+trainer gathered from full Megatron tensors.  Bad settings fail before training.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError, load_refit_settings
+
+from .test_refit_e2e import bit_differences
+
+HERE = os.path.dirname(__file__)
+STEPS = 3
+
+
+def _dense_hf_state(store, dense_file, work):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from nemo_dcr.receiver.verify import module_state
+
+    work.mkdir()
+    shutil.copy(os.path.join(store, "init", "config.json"), work / "config.json")
+    shutil.copy(dense_file, work / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(str(work), dtype=torch.bfloat16, local_files_only=True)
+    return {k: v.clone() for k, v in module_state(model).items()}
+
+
+@pytest.mark.parametrize("kind", ["bridge", "nemo"])
+def test_callback_refit_is_bit_exact(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    store, dense, dump = tmp_path / "store", tmp_path / "dense", tmp_path / "dump"
+    dense.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(HERE, "callback_worker.py"), kind, str(store), str(dense), str(STEPS)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while not (store / "init" / "model.safetensors").exists():
+        assert trainer.poll() is None, trainer.stdout.read()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    receiver = subprocess.run(
+        [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
+         "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", str(STEPS),
+         "--timeout-s", "300", "--dump-dir", str(dump)],
+        capture_output=True, text=True, env=env, timeout=600)
+    out, _ = trainer.communicate(timeout=600)
+    assert receiver.returncode == 0, receiver.stdout[-3000:] + receiver.stderr[-3000:]
+    assert trainer.returncode == 0, out[-4000:]
+    previous = None
+    for v in range(1, STEPS + 1):
+        got = load_file(str(dump / f"v{v}.safetensors"))
+        want = _dense_hf_state(str(store), dense / f"v{v}.safetensors", tmp_path / f"hf{v}")
+        assert bit_differences(got, want) == [], f"version {v}"
+        if previous is not None:
+            assert bit_differences(got, previous)
+        previous = got
+
+
+def test_settings_from_hydra_overrides():
+    s = load_refit_settings(["refit.store_uri=s3://bucket/run", "refit.receivers=[r0,r1]", "refit.context=false"])
+    assert s.store_uri == "s3://bucket/run" and s.receivers == ("r0", "r1") and s.context is False
+    assert s.sender_config().receivers == ("r0", "r1")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["refit.receivers=[]"], "refit.receivers is empty"),
+    (["refit.chunk_bytes=abc"], "refit.chunk_bytes must be an int"),
+    (["refit.context=maybe"], "refit.context must be true or false"),
+    (["refit.colour=red"], "Could not override 'refit.colour'"),
+    (["+refit.colour=red"], "unknown refit settings ['colour']"),
+])
+def test_bad_settings_fail_with_one_message(overrides, needle):
+    with pytest.raises(RefitSetupError) as e:
+        load_refit_settings(overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unreachable_store_and_unmappable_model_fail_at_attach(tmp_path):
+    from nemo_dcr.integrations.attach import RefitAttachment
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad_store = RefitSettings(store_uri=str(blocker / "store"), model_id="m", receivers=("r0",))
+    with pytest.raises(RefitSetupError, match="is not usable"):
+        RefitAttachment(bad_store).attach(torch.nn.Linear(2, 2))
+    ok_store = RefitSettings(store_uri=str(tmp_path / "store"), model_id="m", receivers=("r0",))
+    with pytest.raises(RefitSetupError, match="cannot map this model: no megatron GPTModel inside Linear"):
+        RefitAttachment(ok_store).attach(torch.nn.Linear(2, 2))
+    assert not (tmp_path / "store" / "init" / "model.safetensors").exists()
