@@ -49,44 +49,34 @@ def main() -> None:
     results["layernorm"] = attempt(custom(normalization="LayerNorm"))
     results["family_mismatch"] = attempt(build_gpt(cfg, tp=1, pp=1), family="qwen3")
 
-    # a parameter sharded_state_dict() leaves uncovered
-    gpt = unwrap_gpt(build_gpt(cfg, tp=1, pp=1))
-    real = gpt.sharded_state_dict
+    def edited(edit, *, on_ranks=(0, 1)):
+        """A fresh model whose sharded_state_dict() is changed by ``edit`` on ``on_ranks``."""
+        gpt = unwrap_gpt(build_gpt(cfg, tp=1, pp=1))
+        if dist.get_rank() in on_ranks:
+            real = gpt.sharded_state_dict
 
-    def drop_router_like(*a, **k):
-        sd = real(*a, **k)
+            def patched(*a, **k):
+                sd = real(*a, **k)
+                edit(sd)
+                return sd
+
+            gpt.sharded_state_dict = patched
+        return gpt
+
+    def drop_final_norm(sd):
         sd.pop("decoder.final_layernorm.weight")
-        return sd
 
-    gpt.sharded_state_dict = drop_router_like
-    results["uncovered"] = attempt(gpt)
+    def final_norm_main_everywhere(sd):
+        sd["decoder.final_layernorm.weight"].replica_id = (0, 0, 0)
 
+    # a parameter sharded_state_dict() leaves uncovered
+    results["uncovered"] = attempt(edited(drop_final_norm))
     # both data-parallel replicas claim the main replica of the final norm (a wrong
     # replica_id): every element of it would be emitted twice
-    gpt = unwrap_gpt(build_gpt(cfg, tp=1, pp=1))
-    real2 = gpt.sharded_state_dict
-
-    def all_main(*a, **k):
-        sd = real2(*a, **k)
-        st = sd["decoder.final_layernorm.weight"]
-        st.replica_id = (0, 0, 0)
-        return sd
-
-    gpt.sharded_state_dict = all_main
-    results["twice"] = attempt(gpt)
+    results["twice"] = attempt(edited(final_norm_main_everywhere))
     # only rank 1's model is broken: rank 0 must not wait forever in a collective; every
     # rank raises the same message
-    gpt = unwrap_gpt(build_gpt(cfg, tp=1, pp=1))
-    if dist.get_rank() == 1:
-        real3 = gpt.sharded_state_dict
-
-        def drop_on_one_rank(*a, **k):
-            sd = real3(*a, **k)
-            sd.pop("decoder.final_layernorm.weight")
-            return sd
-
-        gpt.sharded_state_dict = drop_on_one_rank
-    results["one_rank"] = attempt(gpt)
+    results["one_rank"] = attempt(edited(drop_final_norm, on_ranks=(1,)))
     results["published"] = sorted(os.listdir(store_dir)) if os.path.isdir(store_dir) else []
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
