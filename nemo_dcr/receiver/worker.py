@@ -48,7 +48,7 @@ class _HeldBits(Mapping):
     until the first write, which is why every chunk is decoded before any apply."""
 
     def __init__(self, served):
-        self._applier = served
+        self._served = served
         self._names = frozenset(served.tensor_specs())
         self._cache: dict[str, np.ndarray] = {}
 
@@ -56,7 +56,7 @@ class _HeldBits(Mapping):
         if name not in self._names:
             raise KeyError(name)
         if name not in self._cache:
-            self._cache[name] = self._applier.canonical_bits(name)
+            self._cache[name] = self._served.canonical_bits(name)
         return self._cache[name]
 
     def __contains__(self, name: object) -> bool:
@@ -103,11 +103,9 @@ class Receiver:
             self.served = InProcessModel(applier, reference)
         else:
             self.served = applier
-        self.applier = applier
         self.store = store
         self.cfg = cfg
         self.held_version = held_version
-        self.reference = reference
         self.on_applied = None  # optional fn(version), called after each applied version
 
     # --------------------------------------------------------------- one version

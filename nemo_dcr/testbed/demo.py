@@ -1,7 +1,7 @@
 """``nemo-dcr demo``: end-to-end refit on the embedded default store.
 
 Launches the trainer ranks with torchrun (Megatron-Core, gloo on CPU) and the receiver
-processes (Hugging Face transformers), prints one table row per refit as it lands, and
+processes (a transformers model or a vLLM engine each, ``receiver.runtime``), prints one table row per refit as it lands, and
 ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.
 """
 from __future__ import annotations
