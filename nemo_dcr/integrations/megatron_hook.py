@@ -62,13 +62,19 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
+def _all_gather(obj) -> list:
+    """Collective: every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:
     """Collective: raise the same ``exc`` on EVERY rank if any rank reports an ``error``
     (a rank that raised alone would leave the others waiting in the next collective)."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+    errors = _all_gather(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         r, e = failed[0]
@@ -77,11 +83,7 @@ def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelErr
 
 def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
     mine = [v.spec for vs in views.values() for v in vs if v.spec.is_main_replica]
-    everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    check_tiling([s for rank_specs in everyone for s in rank_specs])
+    check_tiling([s for rank_specs in _all_gather(mine) for s in rank_specs])
 
 
 class MegatronRefitHook:

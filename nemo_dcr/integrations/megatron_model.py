@@ -24,25 +24,36 @@ from nemo_dcr.layout.families import UnsupportedModelError
 from nemo_dcr.layout.mapping import ModelDims
 
 
+def _chunks(model) -> list:
+    """Model chunks a trainer holds: a list (virtual pipeline stages) or one model."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _wrapper_chain(model):
+    """``model`` and every module under it along ``.module`` (Float16Module, megatron DDP /
+    FSDP, NeMo's wrappers each expose the wrapped model there), outermost first."""
+    inner = model
+    for _ in range(8):
+        yield inner
+        inner = getattr(inner, "module", None)
+        if inner is None:
+            return
+
+
 def unwrap_gpt(model) -> torch.nn.Module:
     """The megatron ``GPTModel`` inside the wrappers a trainer holds (``Float16Module``,
     megatron DDP / FSDP, NeMo's ``MegatronParallel`` modules: each exposes ``.module``).
     A list of model chunks (virtual pipeline stages) is not supported yet."""
     from megatron.core.models.gpt import GPTModel
 
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise UnsupportedModelError(
-                f"{len(model)} model chunks (virtual pipeline parallelism) are not supported; pass one chunk")
-        model = model[0]
-    inner = model
-    for _ in range(8):
+    chunks = _chunks(model)
+    if len(chunks) != 1:
+        raise UnsupportedModelError(
+            f"{len(chunks)} model chunks (virtual pipeline parallelism) are not supported; pass one chunk")
+    for inner in _wrapper_chain(chunks[0]):
         if isinstance(inner, GPTModel):
             return inner
-        inner = getattr(inner, "module", None)
-        if inner is None:
-            break
-    raise UnsupportedModelError(f"no megatron GPTModel inside {type(model).__name__}")
+    raise UnsupportedModelError(f"no megatron GPTModel inside {type(chunks[0]).__name__}")
 
 
 def deferred_param_gathers(model) -> list:
@@ -53,16 +64,12 @@ def deferred_param_gathers(model) -> list:
     (``start_param_sync(force_sync=True)``: synchronous, marks the buckets dispatched, so
     the next forward's pre-hooks do not gather again)."""
     found = []
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for inner in chunks:
-        for _ in range(8):
+    for chunk in _chunks(model):
+        for inner in _wrapper_chain(chunk):
             ddp_config = getattr(inner, "ddp_config", None)
             if (ddp_config is not None and hasattr(inner, "start_param_sync")
                     and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
                 found.append(inner)
-            inner = getattr(inner, "module", None)
-            if inner is None:
-                break
     return found
 
 
