@@ -56,8 +56,12 @@ class RefitSettings:
             raise RefitSetupError("refit.store_uri is empty")
         if not self.receivers:
             raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
-        if self.chunk_bytes < 1 or self.upload_workers < 1 or self.ack_timeout_s <= 0 or self.every_n_steps < 1:
-            raise RefitSetupError("refit: chunk_bytes, upload_workers, every_n_steps must be >= 1, ack_timeout_s > 0")
+        if self.every_n_steps < 1:
+            raise RefitSetupError(f"refit.every_n_steps must be >= 1, got {self.every_n_steps}")
+        try:  # the sender's own bounds (chunk_bytes, upload_workers, ack_timeout_s)
+            self.sender_config()
+        except ValueError as e:
+            raise RefitSetupError(f"refit: {e}") from None
         if self.vocab_size < 0:
             raise RefitSetupError(f"refit.vocab_size must be >= 0, got {self.vocab_size}")
 
