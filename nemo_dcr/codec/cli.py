@@ -26,11 +26,12 @@ from nemo_dcr.codec.chunk import decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.format import ChunkFormatError, MissingBaseError
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 from nemo_dcr.codec.apply import apply_delta_
+from nemo_dcr.errors import ValidationError
 
 META_FORMAT = "nemo-dcr delta file v1"
 
 
-class DeltaCliError(RuntimeError):
+class DeltaCliError(ValidationError):
     """A user-facing refusal (wrong base, mismatched files): printed without a traceback."""
 
 

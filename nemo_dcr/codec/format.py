@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
+from nemo_dcr.errors import FormatError
 
 MAGIC = b"NEMODCR\x00"
 END_MAGIC = b"DCR\x00"
@@ -82,7 +83,7 @@ class Coding(enum.IntEnum):
     """Adaptive binary range coding with the context models of ``codec/csrc/ans.c``."""
 
 
-class ChunkFormatError(ValueError):
+class ChunkFormatError(FormatError):
     """The bytes are not a valid v1 chunk (corrupt, truncated, hostile or over a limit)."""
 
 

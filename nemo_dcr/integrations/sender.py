@@ -40,13 +40,14 @@ from nemo_dcr.protocol.manifest import (
     manifest_key,
 )
 from nemo_dcr.transport.store import ObjectStore
+from nemo_dcr.errors import ProtocolError
 
 
-class CommitTimeout(RuntimeError):
+class CommitTimeout(ProtocolError):
     pass
 
 
-class ReceiverRefused(RuntimeError):
+class ReceiverRefused(ProtocolError):
     pass
 
 

@@ -11,11 +11,12 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from nemo_dcr.integrations.sender import SenderConfig
+from nemo_dcr.errors import ValidationError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
-class RefitSetupError(ValueError):
+class RefitSetupError(ValidationError):
     """The refit cannot start (bad settings, unreachable store, unmappable model)."""
 
 

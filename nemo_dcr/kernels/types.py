@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.errors import DcrError, ValidationError
+
 #: Unsigned numpy dtype carrying the bits of an element of each width (bytes).
 BITS_NP: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
@@ -25,7 +27,7 @@ BITS_TORCH_NP: dict[int, np.dtype] = {
 }
 
 
-class StaleCountsError(RuntimeError):
+class StaleCountsError(DcrError, RuntimeError):
     """Block counts handed to a fill pass do not describe ``current ^ baseline``.
 
     Raised when a block's rescan disagrees with its count (the tensors changed between the
@@ -33,7 +35,7 @@ class StaleCountsError(RuntimeError):
     data and must not be used."""
 
 
-class DiffCapacityError(ValueError):
+class DiffCapacityError(ValidationError):
     """Caller-provided ``DiffBuffers`` are too small for this diff.
 
     ``needed`` is the number of changed elements and ``block_counts`` the counts already

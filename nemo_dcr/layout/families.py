@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from nemo_dcr.layout.llama import LLAMA_RULES
 from nemo_dcr.layout.mapping import ModelDims, Rule
 from nemo_dcr.layout.qwen3 import QWEN3_MOE_RULES, QWEN3_RULES
+from nemo_dcr.errors import PlacementError
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(PlacementError, ValueError):
     """The model uses a layout or a layer kind no registered family maps."""
 
 

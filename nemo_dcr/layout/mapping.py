@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.layout.shards import ShardSpec
+from nemo_dcr.errors import PlacementError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +220,7 @@ class CanonicalSpec:
     shape: tuple[int, ...]
 
 
-class UnmappedKeyError(KeyError):
+class UnmappedKeyError(PlacementError, KeyError):
     pass
 
 

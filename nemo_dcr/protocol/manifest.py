@@ -21,6 +21,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nemo_dcr.errors import FormatError
+
 FORMAT = "nemo-dcr-manifest"
 FORMAT_VERSION = 1
 MAX_JSON_BYTES = 64 << 20
@@ -28,7 +30,7 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 
-class ManifestError(ValueError):
+class ManifestError(FormatError):
     pass
 
 

@@ -2,13 +2,16 @@
 docstring says otherwise."""
 from __future__ import annotations
 
+from nemo_dcr import errors
+from nemo_dcr.errors import ValidationError
 
-class DeltaValidationError(ValueError):
+
+class DeltaValidationError(ValidationError):
     """A delta batch does not fit the runtime's canonical tensors (unknown name, dtype or
     shape differing from the spec, a position out of range or named by two records)."""
 
 
-class PlacementError(RuntimeError):
+class PlacementError(errors.PlacementError):
     """The runtime's loader does not behave as in-place apply needs (never copies a
     tensor, rebinds a parameter, writes one destination twice, changed placement since
     prewarm, transforms a tensor no canonical mirror can be seeded for)."""

@@ -36,9 +36,10 @@ from nemo_dcr.protocol.manifest import (
     manifest_key,
 )
 from nemo_dcr.transport.store import ObjectStore, open_store
+from nemo_dcr.errors import ProtocolError
 
 
-class RefitRefused(RuntimeError):
+class RefitRefused(ProtocolError):
     """A version this receiver will not apply; the message names the chunk and reason."""
 
 

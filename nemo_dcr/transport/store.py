@@ -16,10 +16,12 @@ import re
 import tempfile
 from typing import Protocol, runtime_checkable
 
+from nemo_dcr.errors import TransportError
+
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
 
-class StoreError(RuntimeError):
+class StoreError(TransportError):
     pass
 
 
