@@ -68,6 +68,8 @@ class RefitAttachment:
             raise RefitSetupError(f"the refit cannot map this model: {e}") from None
         if s.export_initial:
             self.hook.export_initial()
+        else:
+            self.hook.resume(s.resume_run_id)
         return self.hook
 
     def after_step(self, step: int) -> None:

@@ -15,6 +15,8 @@ from safetensors.torch import save as save_safetensors
 from nemo_dcr.layout.families import ModelFamily, hf_config_fields
 from nemo_dcr.layout.mapping import ModelDims
 from nemo_dcr.protocol.manifest import INIT_PREFIX
+from nemo_dcr.protocol.run import write_init_record
+from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectStore
 
 CONFIG_KEY = f"{INIT_PREFIX}/config.json"
@@ -35,12 +37,16 @@ def hf_config(family: ModelFamily, dims: ModelDims) -> dict:
     return d
 
 
-def write_checkpoint(store: ObjectStore, config: dict, state: dict[str, torch.Tensor]) -> int:
-    """Write ``init/config.json``, then ``init/model.safetensors`` (whose presence readers
-    take as "version 0 is complete"); returns the weight bytes."""
-    store.put(CONFIG_KEY, json.dumps(config, indent=1, sort_keys=True).encode())
+def write_checkpoint(store: ObjectStore, config: dict, state: dict[str, torch.Tensor], *, sealer: Sealer,
+                     run_id: str) -> int:
+    """Write ``init/config.json``, ``init/model.safetensors``, then ``init/INIT.json`` with
+    their digests (whose presence readers take as "version 0 is complete"); returns the
+    weight bytes."""
+    cfg = json.dumps(config, indent=1, sort_keys=True).encode()
     blob = save_safetensors({k: v.contiguous() for k, v in sorted(state.items())})
+    store.put(CONFIG_KEY, cfg)
     store.put(WEIGHTS_KEY, blob)
+    write_init_record(store, sealer, run_id, {"config.json": cfg, "model.safetensors": blob})
     return len(blob)
 
 

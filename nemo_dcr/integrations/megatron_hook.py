@@ -153,11 +153,26 @@ class MegatronRefitHook:
         """Collective: the full canonical state on rank 0 (None elsewhere)."""
         return gather_canonical_state(self.params, self.views, self.projector)
 
-    def export_initial(self) -> None:
-        """Collective: write version 0 (the initial HF checkpoint) to the store."""
+    @property
+    def run_id(self) -> str | None:
+        return self.sender.run_id
+
+    def export_initial(self) -> str:
+        """Collective: start a new run on the store (refusing a prefix another run owns)
+        and write its version 0 (the initial HF checkpoint + its signed digests); returns
+        the run id."""
+        run_id = self.sender.claim()
         state = self.dense_state()
         if _rank() == 0:
-            write_checkpoint(self.store, self.hf_config(), state)
+            write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
+        if dist.is_initialized():
+            dist.barrier()
+        return run_id
+
+    def resume(self, run_id: str) -> None:
+        """Collective: continue run ``run_id`` whose version 0 is already on the store
+        (the trainer's baseline must be that run's committed version)."""
+        self.sender.claim(resume_run_id=run_id)
 
     def __call__(self, trainer=None, step: int | None = None) -> None:
         """Publish a version (collective): ``step`` (the optimizer step just taken) if

@@ -15,6 +15,7 @@ acknowledged the version.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,29 +27,20 @@ import torch.distributed as dist
 from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec import chunk_digest, encode_chunk
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
+from nemo_dcr.errors import ProtocolError
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
-from nemo_dcr.protocol.manifest import (
-    COMMITTED_KEY,
-    Ack,
-    ChunkRef,
-    Committed,
-    Manifest,
-    ack_key,
-    chunk_key,
-    manifest_key,
-)
+from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
+from nemo_dcr.protocol.manifest import ChunkRef, Manifest, chunk_key
+from nemo_dcr.protocol.run import claim_store
+from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.transport.store import ObjectStore
-from nemo_dcr.errors import ProtocolError
-
-
-class CommitTimeout(ProtocolError):
-    pass
 
 
 class ReceiverRefused(ProtocolError):
-    pass
+    """Training must stop: versions were aborted (refused, unacknowledged, or failed on a
+    trainer rank) more often in a row than ``SenderConfig.on_refusal`` allows."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -70,12 +62,21 @@ class SenderConfig:
     """Code records in the codec's context mode (conditioned on the committed base bits,
     which receivers hold) wherever this rank holds the base of the record's whole canonical
     range; row-parallel shards (strided coverage) stay context-free."""
+    key_file: str = ""
+    """File with the run's shared signing key (hex); '' = ``$NEMO_DCR_KEY_FILE``, and with
+    neither nothing is authenticated (``protocol/signing.py``)."""
+    on_refusal: str = "retry"
+    """A version not every receiver acknowledged is aborted; ``retry``: keep training and
+    publish the next version against the same base; ``fail``: stop training."""
+    max_consecutive_failures: int = 3
+    """With ``retry``: stop training after this many aborted versions in a row."""
 
     def __post_init__(self) -> None:
         if not self.receivers:
             raise ValueError("at least one receiver is needed for a joint commit")
         if self.chunk_bytes <= 0 or self.upload_workers <= 0 or self.ack_timeout_s <= 0:
             raise ValueError("chunk_bytes, upload_workers and ack_timeout_s must be positive")
+        FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
 
 
 @dataclass
@@ -96,6 +97,8 @@ class PublishStats:
     reference_s: float = 0.0
     """Verification only: time to gather the dense reference (not part of a refit)."""
     committed: bool = False
+    reason: str = ""
+    """Why the version was aborted ('' when committed)."""
     acks: list[dict] = field(default_factory=list)
 
 
@@ -115,6 +118,19 @@ def _split(delta: TensorDelta, chunk_bytes: int):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _broadcast(obj):
+    """Collective: rank 0's ``obj`` on every rank."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _world() -> int:
@@ -140,6 +156,9 @@ class RefitSender:
         self.store = store
         self.cfg = cfg
         self.baseline = Baseline(params, version=committed_version)
+        self.sealer = Sealer(load_key(cfg.key_file or None, log=_log if _rank() == 0 else None))
+        self.run_id: str | None = None
+        self._failures = FailureBudget(cfg.on_refusal, cfg.max_consecutive_failures)
         # canonical inventory (union over ranks): what a dense refit would send
         mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
                 for c in projector.canonical_specs(v.spec)}
@@ -164,6 +183,27 @@ class RefitSender:
                                 self._runs[(pname, cname)] = runs
         self.canonical_numel = sum(shape_numel(c.shape) for c in self.canonical.values())
         self.dense_bytes = sum(shape_numel(c.shape) * BITS_DTYPE[c.dtype].itemsize for c in self.canonical.values())
+
+    # ------------------------------------------------------------------ run
+    def claim(self, *, resume_run_id: str | None = None) -> str:
+        """Collective: rank 0 claims the store for a new run (or checks it is the run
+        being resumed) and every rank learns the run id; a refusal (another run's prefix,
+        unreachable store) raises the same error on every rank."""
+        result: tuple[str | None, str | None] = (None, None)
+        if _rank() == 0:
+            try:
+                result = (claim_store(self.store, self.sealer, self.cfg.model_id,
+                                      resume_run_id=resume_run_id).run_id, None)
+            except Exception as e:  # noqa: BLE001 - every rank must learn the outcome
+                result = (None, f"{type(e).__name__}: {e}")
+        run_id, error = _broadcast(result)
+        if error is not None:
+            raise ProtocolError(f"cannot start the run: {error}")
+        self.run_id = run_id
+        if _rank() == 0:
+            self.coordinator = CommitCoordinator(self.store, self.sealer, run_id, self.cfg.receivers,
+                                                 ack_timeout_s=self.cfg.ack_timeout_s, poll_s=self.cfg.ack_poll_s)
+        return run_id
 
     # ------------------------------------------------------------------ publish
     def _deltas_for_param(self, name: str, positions: np.ndarray, xor: np.ndarray, stats: PublishStats):
@@ -229,8 +269,10 @@ class RefitSender:
         if version <= base:
             raise ValueError(f"version {version} must be newer than the committed {base}")
         stats = PublishStats(version=version, base_version=base)
-        meta = {"model_id": self.cfg.model_id, "version": str(version), "base_version": str(base),
-                "rank": str(_rank())}
+        if self.run_id is None:
+            raise ProtocolError("publish before claim(): the sender has no run id")
+        meta = {"run_id": self.run_id, "model_id": self.cfg.model_id, "version": str(version),
+                "base_version": str(base), "rank": str(_rank())}
         t_start = time.perf_counter()
         futures: list[Future] = []
         pending: list[tuple[TensorDelta, str]] = []  # (record, parameter it came from)
@@ -272,73 +314,78 @@ class RefitSender:
         return refs, stats
 
     # ------------------------------------------------------------------ commit
-    def _wait_for_acks(self, version: int) -> list[Ack]:
-        deadline = time.monotonic() + self.cfg.ack_timeout_s
-        acks: dict[str, Ack] = {}
-        while True:
-            for rid in self.cfg.receivers:
-                if rid not in acks and self.store.exists(ack_key(rid, version)):
-                    acks[rid] = Ack.from_json(self.store.get(ack_key(rid, version)))
-            if len(acks) == len(self.cfg.receivers):
-                return [acks[r] for r in self.cfg.receivers]
-            if time.monotonic() > deadline:
-                missing = sorted(set(self.cfg.receivers) - set(acks))
-                raise CommitTimeout(f"version {version}: no acknowledgement from {missing} "
-                                    f"within {self.cfg.ack_timeout_s}s")
-            time.sleep(self.cfg.ack_poll_s)
-
     def refit(self, version: int, *, before_manifest=None) -> PublishStats:
-        """Collective: publish ``version`` and run the joint commit.
+        """Collective: publish ``version`` and run the joint commit (``protocol/commit.py``).
 
         ``before_manifest(manifest)`` runs on rank 0 just before the manifest is written,
         i.e. before any receiver can see the version (the demo writes its dense reference
-        there).
-        On a refusal or timeout every rank discards the staged masks (the baseline stays
-        at the committed version, so the next delta still applies) and raises
-        ``ReceiverRefused``.  The returned stats are totals on rank 0, local elsewhere.
+        there).  Every rank ends with the same decision: on commit the baselines advance;
+        otherwise they stay at the committed version (the next delta still applies) and
+        ``stats.committed`` is False -- unless the refusal policy says to stop, in which
+        case every rank raises ``ReceiverRefused``.  A failure on any rank (a store error
+        while uploading, a crash in encoding) aborts the version on every rank instead of
+        leaving peers in a collective.  The returned stats are totals on rank 0.
         """
-        refs, stats = self.publish(version)
-        gathered = [(refs, stats)]
+        try:
+            refs, stats = self.publish(version)
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, decided for all ranks
+            refs, error = [], f"rank {_rank()}: {type(e).__name__}: {e}"
+            stats = PublishStats(version=version, base_version=self.baseline.version)
+        gathered = [(refs, stats, error)]
         if _world() > 1:
             gathered = [None] * _world() if _rank() == 0 else None
-            dist.gather_object((refs, stats), gathered, dst=0)
-        error: str | None = None
+            dist.gather_object((refs, stats, error), gathered, dst=0)
+        decision = None
         if _rank() == 0:
-            all_refs = tuple(r for rank_refs, _ in gathered for r in rank_refs)
-            # totals over ranks; per-stage times are the slowest rank's (ranks run in parallel)
-            others = [st for _, st in gathered[1:]]
-            for st in others:
-                stats.changed += st.changed
-                stats.numel += st.numel
-                for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s"):
-                    setattr(stats, t, max(getattr(stats, t), getattr(st, t)))
-            stats.chunks = len(all_refs)
-            stats.wire_bytes = sum(r.nbytes for r in all_refs)
-            stats.dense_bytes = self.dense_bytes
-            manifest = Manifest(model_id=self.cfg.model_id, version=version, base_version=stats.base_version,
-                                chunks=all_refs, stats={"changed": float(stats.changed)})
-            if before_manifest is not None:
-                before_manifest(manifest)
-            self.store.put(manifest_key(version), manifest.to_json())
-            t0 = time.perf_counter()
-            try:
-                acks = self._wait_for_acks(version)
-                bad = [a for a in acks if not a.ok]
-                if bad:
-                    error = "; ".join(f"{a.receiver}: {a.error}" for a in bad)
-                stats.acks = [json.loads(a.to_json()) for a in acks]
-            except CommitTimeout as e:
-                error = str(e)
-            stats.commit_wait_s = time.perf_counter() - t0
-        decision = [error]
-        if _world() > 1:
-            dist.broadcast_object_list(decision, src=0)
-        if decision[0] is None:
+            decision = self._decide(version, stats, gathered, before_manifest)
+        commit, reason, stop = _broadcast(decision)
+        if commit:
             self.baseline.commit(version)
-            stats.committed = True
-            if _rank() == 0:
-                self.store.put(COMMITTED_KEY, Committed(version, self.cfg.receivers).to_json())
         else:
             self.baseline.discard()
-            raise ReceiverRefused(f"version {version} not committed: {decision[0]}")
+        stats.committed, stats.reason = commit, reason
+        if stop:
+            raise ReceiverRefused(f"version {version} not committed ({self._failures.consecutive} in a row, "
+                                  f"on_refusal={self.cfg.on_refusal}): {reason}")
+        if not commit and _rank() == 0:
+            _log(f"nemo_dcr: version {version} aborted, training continues and the next version is diffed "
+                 f"against version {self.baseline.version}: {reason}")
         return stats
+
+    def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool]:
+        """Rank 0: totals, manifest, acks, decision record.  Never raises: any failure is
+        an abort with its reason (the policy decides whether training stops)."""
+        errors = [e for _, _, e in gathered if e is not None]
+        all_refs = tuple(r for rank_refs, _, _ in gathered for r in rank_refs)
+        # totals over ranks; per-stage times are the slowest rank's (ranks run in parallel)
+        for _, st, _ in gathered[1:]:
+            stats.changed += st.changed
+            stats.numel += st.numel
+            for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s"):
+                setattr(stats, t, max(getattr(stats, t), getattr(st, t)))
+        stats.chunks = len(all_refs)
+        stats.wire_bytes = sum(r.nbytes for r in all_refs)
+        stats.dense_bytes = self.dense_bytes
+        reason = "; ".join(errors)
+        commit = False
+        t0 = time.perf_counter()
+        try:
+            if not errors:
+                manifest = Manifest(run_id=self.run_id, model_id=self.cfg.model_id, version=version,
+                                    base_version=stats.base_version, chunks=all_refs,
+                                    stats={"changed": float(stats.changed)})
+                if before_manifest is not None:
+                    before_manifest(manifest)
+                digest = self.coordinator.publish(manifest)
+                t0 = time.perf_counter()
+                outcome = self.coordinator.collect_acks(version, digest)
+                stats.acks = outcome.acks
+                for line in outcome.ignored:
+                    _log(f"nemo_dcr: version {version}: ignored ack {line}")
+                commit, reason = outcome.ok, outcome.reason
+            self.coordinator.decide(version, stats.base_version, commit, reason)
+        except Exception as e:  # noqa: BLE001 - e.g. the store failed: abort, never half-commit
+            commit, reason = False, (reason + "; " if reason else "") + f"rank 0: {type(e).__name__}: {e}"
+        stats.commit_wait_s = time.perf_counter() - t0
+        return commit, reason, self._failures.record(commit)

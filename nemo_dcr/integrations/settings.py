@@ -44,6 +44,17 @@ class RefitSettings:
     """Write version 0 (the initial HF checkpoint) when the refit attaches."""
     every_n_steps: int = 1
     """Publish a version after every n-th optimizer step."""
+    key_file: str = ""
+    """File holding the run's shared signing key (hex, from ``nemo-dcr keygen``); '' =
+    ``$NEMO_DCR_KEY_FILE``; with neither, nothing is authenticated (docs/protocol.md)."""
+    on_refusal: str = "retry"
+    """A version some receiver did not acknowledge is aborted: ``retry`` keeps training
+    (the next version is diffed against the same base), ``fail`` stops training."""
+    max_consecutive_failures: int = 3
+    """With ``on_refusal=retry``: stop after this many aborted versions in a row."""
+    resume_run_id: str = ""
+    """With ``export_initial=false``: the run (``RUN.json`` on the store) this training
+    continues; its committed version must be what the trainer's weights hold."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "receivers", tuple(self.receivers))
@@ -63,13 +74,16 @@ class RefitSettings:
             self.sender_config()
         except ValueError as e:
             raise RefitSetupError(f"refit: {e}") from None
+        if not self.export_initial and not self.resume_run_id:
+            raise RefitSetupError("refit.export_initial=false needs refit.resume_run_id (the run to continue)")
         if self.vocab_size < 0:
             raise RefitSetupError(f"refit.vocab_size must be >= 0, got {self.vocab_size}")
 
     def sender_config(self) -> SenderConfig:
         return SenderConfig(model_id=self.model_id, receivers=self.receivers, chunk_bytes=self.chunk_bytes,
                             upload_workers=self.upload_workers, ack_timeout_s=self.ack_timeout_s,
-                            context=self.context)
+                            context=self.context, key_file=self.key_file, on_refusal=self.on_refusal,
+                            max_consecutive_failures=self.max_consecutive_failures)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,33 +1,44 @@
-"""Per-version manifests, receiver acknowledgements and the commit record.
+"""The protocol's documents: run record, version-0 record, manifests, acks, decisions.
 
 Store layout (all keys relative to the store URI)::
 
+    RUN.json                                   the run that owns this prefix (written first)
     init/config.json, init/model.safetensors   version 0: the initial canonical checkpoint
+    init/INIT.json                             version 0's file digests (written after them)
     v/00000003/chunks/r001-00000.dcr           chunk payloads of version 3 (rank 1, seq 0)
-    v/00000003/MANIFEST.json                   written LAST, by trainer rank 0: publishes v3
+    v/00000003/MANIFEST.json                   written after every chunk: publishes v3
     v/00000003/dense.safetensors               optional dense reference (verification only)
+    HEAD.json                                  the latest published version (after its manifest)
     acks/<receiver>/00000003.json              a receiver's ack (or refusal) of v3
-    COMMITTED.json                             the trainer's committed version (joint commit)
+    v/00000003/DECISION.json                   the trainer's decision on v3: commit or abort
+    COMMITTED.json                             the latest committed version
 
 A manifest says: applying these chunks to base version ``base_version`` gives version
 ``version``.  Every chunk is listed with its size and sha256; a receiver downloads and
-checks all of them before it writes anything.  All JSON here is parsed by ``_strict``
-helpers: wrong types, unknown fields and oversize documents are errors.
+checks all of them before it writes anything.  Every document carries the run id and is
+sealed (``protocol/signing.py``: HMAC-SHA256 with the run's key, ``"none"`` without one);
+``from_json`` opens it with a ``Sealer`` and parses strictly: wrong types, unknown fields
+and oversize documents are ``ManifestError``, bad signatures ``SignatureError``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nemo_dcr.errors import FormatError
+from nemo_dcr.protocol.signing import Sealer
 
 FORMAT = "nemo-dcr-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: run identity and signatures (version 1 had neither; refused)."""
 MAX_JSON_BYTES = 64 << 20
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_UNSIGNED = Sealer(None)
 
 
 class ManifestError(FormatError):
@@ -54,8 +65,15 @@ def ack_key(receiver: str, version: int) -> str:
     return f"acks/{check_receiver_id(receiver)}/{version:08d}.json"
 
 
+def decision_key(version: int) -> str:
+    return f"{version_prefix(version)}/DECISION.json"
+
+
 COMMITTED_KEY = "COMMITTED.json"
+HEAD_KEY = "HEAD.json"
+RUN_KEY = "RUN.json"
 INIT_PREFIX = "init"
+INIT_RECORD_KEY = f"{INIT_PREFIX}/INIT.json"
 
 
 def check_receiver_id(rid: str) -> str:
@@ -64,16 +82,23 @@ def check_receiver_id(rid: str) -> str:
     return rid
 
 
-def _load(data: bytes, what: str) -> dict:
-    if len(data) > MAX_JSON_BYTES:
-        raise ManifestError(f"{what}: {len(data)} bytes exceeds {MAX_JSON_BYTES}")
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise ManifestError(f"invalid run id {run_id!r} (32 lowercase hex digits)")
+    return run_id
+
+
+def doc_digest(data: bytes) -> str:
+    """``sha256:<hex>`` of a document's bytes as stored (an ack names the manifest it applied)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _load(data: bytes, what: str, kind: str, sealer: Sealer | None) -> dict:
+    """Open a sealed document (signature checked when ``sealer`` has a key)."""
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{what}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ManifestError(f"{what}: top level must be an object")
-    return obj
+        return (sealer or _UNSIGNED).open(kind, data, what)
+    except FormatError as e:
+        raise ManifestError(str(e)) from None
 
 
 def _take(obj: dict, spec: dict[str, type | tuple[type, ...]], what: str, optional: frozenset = frozenset()) -> dict:
@@ -113,6 +138,7 @@ class ChunkRef:
 
 @dataclass(frozen=True)
 class Manifest:
+    run_id: str
     model_id: str
     version: int
     base_version: int
@@ -120,6 +146,7 @@ class Manifest:
     stats: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_run_id(self.run_id)
         if not 0 <= self.base_version < self.version:
             raise ManifestError(f"manifest: base_version {self.base_version} must be in [0, {self.version})")
         prefix = version_prefix(self.version) + "/chunks/"
@@ -134,18 +161,19 @@ class Manifest:
     def wire_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
-    def to_json(self) -> bytes:
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
         d = {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
         d["chunks"] = [asdict(c) for c in self.chunks]
-        return json.dumps(d, indent=1, sort_keys=True).encode()
+        return (sealer or _UNSIGNED).seal("manifest", d)
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
-        obj = _load(data, "manifest")
-        top = _take(obj, {"format": str, "format_version": int, "model_id": str, "version": int,
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Manifest":
+        obj = _load(data, "manifest", "manifest", sealer)
+        top = _take(obj, {"format": str, "format_version": int, "run_id": str, "model_id": str, "version": int,
                           "base_version": int, "chunks": list, "stats": dict}, "manifest")
         if top["format"] != FORMAT or top["format_version"] != FORMAT_VERSION:
-            raise ManifestError(f"manifest: format {top['format']!r} v{top['format_version']} not supported")
+            raise ManifestError(f"manifest: format {top['format']!r} v{top['format_version']} not supported "
+                                f"(this nemo_dcr reads v{FORMAT_VERSION})")
         chunks = []
         for i, c in enumerate(top["chunks"]):
             if not isinstance(c, dict):
@@ -157,40 +185,155 @@ class Manifest:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ManifestError(f"manifest: stat {k!r} is not a number")
             stats[k] = v
-        return cls(model_id=top["model_id"], version=top["version"], base_version=top["base_version"],
-                   chunks=tuple(chunks), stats=stats)
+        return cls(run_id=top["run_id"], model_id=top["model_id"], version=top["version"],
+                   base_version=top["base_version"], chunks=tuple(chunks), stats=stats)
 
 
 @dataclass(frozen=True)
 class Ack:
-    """A receiver's answer for one version: ``ok`` (it now holds ``version``) or a refusal."""
+    """A receiver's answer for one version.  ``ok``: the receiver applied ``version`` (the
+    manifest whose bytes hash to ``manifest_digest``) and, when it verifies against a dense
+    reference, found it bit-exact; it now holds it tentatively until the trainer's decision.
+    Otherwise a refusal whose ``error`` says why; ``held_version`` is what it holds."""
 
+    run_id: str
     receiver: str
     version: int
     ok: bool
     held_version: int
+    manifest_digest: str = ""
     error: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        check_receiver_id(self.receiver)
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("ack", asdict(self))
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Ack":
-        obj = _take(_load(data, "ack"), {"receiver": str, "version": int, "ok": bool, "held_version": int,
-                                         "error": str, "stats": dict}, "ack")
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Ack":
+        obj = _take(_load(data, "ack", "ack", sealer),
+                    {"run_id": str, "receiver": str, "version": int, "ok": bool, "held_version": int,
+                     "manifest_digest": str, "error": str, "stats": dict}, "ack")
+        try:
+            return cls(**obj)
+        except ValueError as e:
+            raise ManifestError(f"ack: {e}") from None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The trainer's decision on ``version`` (delta from ``base_version``): ``commit`` (every
+    receiver acknowledged it; the trainer's baseline advanced) or abort (``reason``).  A
+    receiver that applied an aborted version rolls it back to ``base_version``."""
+
+    run_id: str
+    version: int
+    base_version: int
+    commit: bool
+    receivers: tuple[str, ...]
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if not 0 <= self.base_version < self.version:
+            raise ManifestError(f"decision: base_version {self.base_version} must be in [0, {self.version})")
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("decision", {**asdict(self), "receivers": list(self.receivers)})
+
+    @classmethod
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Decision":
+        obj = _take(_load(data, "decision", "decision", sealer),
+                    {"run_id": str, "version": int, "base_version": int, "commit": bool, "receivers": list,
+                     "reason": str}, "decision")
+        if not all(isinstance(r, str) for r in obj["receivers"]):
+            raise ManifestError("decision: receivers must be strings")
+        return cls(**{**obj, "receivers": tuple(obj["receivers"])})
+
+
+@dataclass(frozen=True)
+class Head:
+    """Pointer to the latest published version (``HEAD.json``, rewritten per version):
+    how a receiver finds the next manifest without listing the store (versions are step
+    numbers, not necessarily consecutive)."""
+
+    run_id: str
+    version: int
+    base_version: int
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("head", asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Head":
+        obj = _take(_load(data, "head", "head", sealer), {"run_id": str, "version": int, "base_version": int},
+                    "head")
+        check_run_id(obj["run_id"])
         return cls(**obj)
 
 
 @dataclass(frozen=True)
 class Committed:
+    """``COMMITTED.json``: the latest committed version (its ``DECISION.json`` chain leads
+    back to version 0 through each decision's ``base_version``)."""
+
+    run_id: str
     version: int
     receivers: tuple[str, ...]
 
-    def to_json(self) -> bytes:
-        return json.dumps({"version": self.version, "receivers": list(self.receivers)}).encode()
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("committed", {"run_id": self.run_id, "version": self.version,
+                                                        "receivers": list(self.receivers)})
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Committed":
-        obj = _take(_load(data, "commit record"), {"version": int, "receivers": list}, "commit record")
-        return cls(version=obj["version"], receivers=tuple(str(r) for r in obj["receivers"]))
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Committed":
+        obj = _take(_load(data, "commit record", "committed", sealer),
+                    {"run_id": str, "version": int, "receivers": list}, "commit record")
+        check_run_id(obj["run_id"])
+        return cls(run_id=obj["run_id"], version=obj["version"], receivers=tuple(str(r) for r in obj["receivers"]))
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """``RUN.json``: the run that owns this store prefix.  Written first, before version 0;
+    a trainer finding another run's record (or objects without one) refuses the prefix."""
+
+    run_id: str
+    model_id: str
+    created_unix: float
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("run", {"format": "nemo-dcr-run", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "RunRecord":
+        obj = _take(_load(data, "run record", "run", sealer),
+                    {"format": str, "run_id": str, "model_id": str, "created_unix": (int, float)}, "run record")
+        if obj.pop("format") != "nemo-dcr-run":
+            raise ManifestError("run record: wrong format tag")
+        check_run_id(obj["run_id"])
+        return cls(**obj)
+
+
+@dataclass(frozen=True)
+class InitRecord:
+    """``init/INIT.json``: sha256 of each version-0 file, so a receiver proves the
+    checkpoint it loaded (from the store or a local copy) is this run's version 0."""
+
+    run_id: str
+    files: dict[str, str]
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("init", asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "InitRecord":
+        obj = _take(_load(data, "init record", "init", sealer), {"run_id": str, "files": dict}, "init record")
+        check_run_id(obj["run_id"])
+        for name, d in obj["files"].items():
+            if not (isinstance(d, str) and _DIGEST.match(d)) or "/" in name:
+                raise ManifestError(f"init record: bad entry {name!r}")
+        return cls(**obj)

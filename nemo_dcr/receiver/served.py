@@ -29,6 +29,10 @@ class ServedModel(Protocol):
         """The canonical bits held now (the context-mode decode base)."""
         ...
 
+    def validate(self, deltas: Sequence[TensorDelta]) -> None:
+        """Every check ``apply`` runs before its first write, without writing."""
+        ...
+
     def apply(self, deltas: Sequence[TensorDelta]) -> object:
         """Apply one version's records in place.  Everything is validated before the
         first write; a refusal raises ``ValueError`` (or a subclass) and writes nothing."""
@@ -57,6 +61,9 @@ class InProcessModel:
 
     def canonical_bits(self, name: str) -> np.ndarray:
         return self.applier.canonical_bits(name)
+
+    def validate(self, deltas: Sequence[TensorDelta]) -> None:
+        self.applier.validate(deltas)
 
     def apply(self, deltas: Sequence[TensorDelta]) -> object:
         return self.applier.apply(deltas)

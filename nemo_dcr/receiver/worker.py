@@ -1,22 +1,26 @@
-"""Receiver loop: wait for the next manifest, check it, apply it in place, acknowledge.
+"""Receiver: check a version, apply it in place, journal it, roll it back on abort.
 
-Order of checks for version ``v`` (nothing is written until all of them passed):
+Which version to apply, acks and decisions are the protocol's (``protocol/follower.py``);
+this module does one version.  Order of checks for version ``v`` (nothing is written
+until all of them passed):
 
-1. the manifest parses strictly and names this model;
+1. the manifest (sealed, opened by the follower) names this model;
 2. its ``base_version`` is the version this receiver holds (else: refusal, no download);
 3. every chunk downloads with the listed size and sha256 digest;
-4. every chunk decodes (strict decoder) and its own header agrees with the manifest;
+4. every chunk decodes (strict decoder) and its own header agrees with the manifest
+   (run id, model, version, base);
 5. the apply engine validates every delta against the runtime's tensor specs.
 
-Then the deltas are applied through the runtime's loader, the version advances and an
-ack is written.  A failure at steps 1-5 writes a refusal ack naming the chunk and the
-reason; the weights are untouched and the receiver keeps waiting for a version whose base
-it holds.
+Then the journal records old and new bits of every changed element, the deltas are
+applied through the runtime's loader and the version is held tentatively.  A failure at
+steps 1-5 is a refusal with the weights untouched; a failure during the writes is
+repaired from the journal (overwrite with the old bits) before the refusal.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -26,17 +30,13 @@ import numpy as np
 
 from nemo_dcr.codec import ChunkFormatError, chunk_digest, decode_chunk, read_chunk_index
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.protocol.manifest import (
-    Ack,
-    Manifest,
-    ManifestError,
-    ack_key,
-    check_receiver_id,
-    dense_key,
-    manifest_key,
-)
+from nemo_dcr.errors import DcrError, ProtocolError
+from nemo_dcr.protocol.follower import Follower, wait_for_run
+from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
+from nemo_dcr.protocol.run import verify_init_dir
+from nemo_dcr.protocol.signing import Sealer, load_key
+from nemo_dcr.receiver.journal import ApplyJournal
 from nemo_dcr.transport.store import ObjectStore, open_store
-from nemo_dcr.errors import ProtocolError
 
 
 class RefitRefused(ProtocolError):
@@ -91,7 +91,7 @@ class ReceiverConfig:
 
 class Receiver:
     def __init__(self, applier, store: ObjectStore, cfg: ReceiverConfig, *, held_version: int = 0,
-                 reference=None):
+                 reference=None, journal_dir: str | None = None):
         """``applier``: a ``ServedModel`` (``receiver/served.py``), or a prewarmed
         ``DeltaApplier`` with ``reference``, a second runtime adapter used by
         ``verify_dense`` (they are wrapped in an ``InProcessModel``)."""
@@ -107,11 +107,16 @@ class Receiver:
         self.store = store
         self.cfg = cfg
         self.held_version = held_version
+        self.journal = ApplyJournal(journal_dir)
         self.on_applied = None  # optional fn(version), called after each applied version
 
     # --------------------------------------------------------------- one version
     def fetch(self, manifest: Manifest) -> tuple[list[TensorDelta], dict]:
         """Steps 2-4: download, verify and decode every chunk; raises RefitRefused."""
+        deltas, _, stats = self._fetch(manifest)
+        return deltas, stats
+
+    def _fetch(self, manifest: Manifest) -> tuple[list[TensorDelta], _HeldBits, dict]:
         if manifest.model_id != self.cfg.model_id:
             raise RefitRefused(f"manifest v{manifest.version} is for model {manifest.model_id!r}, "
                                f"this receiver serves {self.cfg.model_id!r}")
@@ -133,7 +138,7 @@ class Receiver:
         t1 = time.perf_counter()
         deltas: list[TensorDelta] = []
         held = _HeldBits(self.served)
-        want = {"model_id": manifest.model_id, "version": str(manifest.version),
+        want = {"run_id": manifest.run_id, "model_id": manifest.model_id, "version": str(manifest.version),
                 "base_version": str(manifest.base_version)}
         for ref, blob in blobs:
             try:
@@ -146,28 +151,81 @@ class Receiver:
                 raise RefitRefused(f"chunk {ref.key}: {e}") from None
             deltas.extend(chunk.deltas)
         t2 = time.perf_counter()
-        return deltas, {"download_s": t1 - t0, "decode_s": t2 - t1,
-                        "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas)}
+        return deltas, held, {"download_s": t1 - t0, "decode_s": t2 - t1,
+                              "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas)}
 
-    def apply_manifest(self, manifest: Manifest) -> Ack:
+    def apply_version(self, manifest: Manifest) -> dict:
+        """Fetch, journal and apply ``manifest`` in place.  A refusal before the first write
+        leaves the weights untouched; a failure during the writes is repaired from the
+        journal (undo by overwrite), so either way the runtime ends exactly at the base and
+        ``RefitRefused`` says what happened.  On success the version is held tentatively
+        until :meth:`settle` (committed) or :meth:`rollback` (aborted)."""
+        deltas, held, stats = self._fetch(manifest)
+        t0 = time.perf_counter()
         try:
-            deltas, stats = self.fetch(manifest)
-            t0 = time.perf_counter()
-            self.served.apply(deltas)  # validates everything before the first write
-            stats["apply_s"] = time.perf_counter() - t0
-        except (RefitRefused, ValueError) as e:
-            return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=False,
-                       held_version=self.held_version, error=str(e))
+            self.served.validate(deltas)
+        except ValueError as e:  # DeltaValidationError and friends: nothing written
+            raise RefitRefused(str(e)) from None
+        self.journal.begin(manifest.version, manifest.base_version, deltas, held)
+        try:
+            self.served.apply(deltas)
+        except Exception as e:  # noqa: BLE001 - any failure mid-write is repaired, then reported
+            self._undo()
+            raise RefitRefused(f"apply of v{manifest.version} failed ({type(e).__name__}: {e}); "
+                               f"repaired from the journal, holding v{manifest.base_version}") from None
+        self.journal.mark("applied")
         self.held_version = manifest.version
+        stats["apply_s"] = time.perf_counter() - t0
         if self.on_applied is not None:
             self.on_applied(manifest.version)
+        return stats
+
+    def _undo(self) -> None:
+        records = self.journal.undo_records()
+        base = self.journal.base_version
+        self.served.apply(records)
+        self.journal.clear()
+        self.held_version = base
+
+    def apply_tentative(self, manifest: Manifest, manifest_digest: str, *, run_id: str) -> Ack:
+        """Apply ``manifest`` and answer it: ``ok`` only if applied and, when verifying,
+        bit-exact (a version that is not is rolled back at once and refused)."""
+        def refusal(error: str) -> Ack:
+            return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=False,
+                       held_version=self.held_version, error=error)
+
+        try:
+            stats = self.apply_version(manifest)
+        except RefitRefused as e:
+            return refusal(str(e))
         if self.cfg.verify_dense:
             stats.update(self.verify_against_dense(manifest.version))
+            if not stats.get("bit_exact"):
+                self.rollback()
+                return refusal(f"not bit-exact against the dense reference of v{manifest.version} "
+                               f"(mismatches: {stats.get('mismatches')}); rolled back")
         sample = self.served.sample()
         if sample is not None:
             stats["sample"] = sample
-        return Ack(receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
-                   held_version=self.held_version, stats=stats)
+        return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
+                   held_version=self.held_version, manifest_digest=manifest_digest, stats=stats)
+
+    def apply_committed(self, manifest: Manifest) -> dict:
+        """Catch-up: apply a version the trainer already committed (no ack is needed)."""
+        stats = self.apply_version(manifest)
+        self.settle()
+        return stats
+
+    def settle(self) -> None:
+        """The tentative version was committed: drop its journal."""
+        self.journal.clear()
+
+    def rollback(self) -> None:
+        """The tentative version was aborted: overwrite every element it changed with its
+        base bits, in place, through the same apply path."""
+        if not self.journal.active:
+            raise RuntimeError("rollback without a tentative version")
+        self._undo()
 
     def verify_against_dense(self, version: int) -> dict:
         from safetensors.torch import load as load_safetensors
@@ -177,33 +235,25 @@ class Receiver:
         report = self.served.verify_dense(dense)
         return {**report, "verify_s": time.perf_counter() - t0}
 
-    # --------------------------------------------------------------- loop
-    def run(self, *, until_version: int | None = None, timeout_s: float | None = None,
-            log=print) -> int:
-        """Serve versions ``held+1, held+2, ...`` until ``until_version`` is handled.
-        ``timeout_s`` bounds the wait for each next manifest.  Returns the version held."""
-        nxt = self.held_version + 1
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while until_version is None or nxt <= until_version:
-            key = manifest_key(nxt)
-            if not self.store.exists(key):
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"receiver {self.cfg.receiver_id}: no manifest v{nxt} in {timeout_s}s")
-                time.sleep(self.cfg.poll_s)
-                continue
-            try:
-                manifest = Manifest.from_json(self.store.get(key))
-            except ManifestError as e:
-                ack = Ack(receiver=self.cfg.receiver_id, version=nxt, ok=False,
-                          held_version=self.held_version, error=f"{key}: {e}")
-            else:
-                ack = self.apply_manifest(manifest)
-            self.store.put(ack_key(self.cfg.receiver_id, nxt), ack.to_json())
-            log(json.dumps({"receiver": self.cfg.receiver_id, "version": nxt, "ok": ack.ok,
-                            "held": ack.held_version, "error": ack.error, **ack.stats}), flush=True)
-            nxt += 1
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return self.held_version
+
+
+def _init_dir(store: ObjectStore, sealer: Sealer, run_id: str, init_dir: str | None, state_dir: str,
+              timeout_s: float | None) -> str:
+    """The version-0 checkpoint to load: ``init_dir`` if given, else a download of the
+    store's ``init/`` into ``state_dir``; either way checked against the run's signed
+    ``init/INIT.json`` (waiting for it to be published)."""
+    from nemo_dcr.integrations.hf_export import download_checkpoint
+    from nemo_dcr.protocol.manifest import INIT_RECORD_KEY
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not store.exists(INIT_RECORD_KEY):
+        if deadline is not None and time.monotonic() > deadline:
+            raise ProtocolError(f"store {store.uri}: version 0 ({INIT_RECORD_KEY}) not published within {timeout_s}s")
+        time.sleep(0.1)
+    if init_dir is None:
+        init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
+    verify_init_dir(store, sealer, run_id, init_dir)
+    return init_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,11 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
     ap.add_argument("--receiver-id", required=True)
     ap.add_argument("--model-id", required=True)
-    ap.add_argument("--until-version", type=int, default=None)
+    ap.add_argument("--key-file", default=None,
+                    help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE; none = unauthenticated)")
+    ap.add_argument("--run-id", default=None, help="follow only this run (default: the store's RUN.json)")
+    ap.add_argument("--state-dir", default=None,
+                    help="local directory for the apply journal and a downloaded version 0 "
+                         "(default: a fresh temporary directory)")
+    ap.add_argument("--until-version", type=int, default=None,
+                    help="exit once the trainer decided on this version (committed or aborted)")
     ap.add_argument("--timeout-s", type=float, default=None,
-                    help="give up when no next manifest appears for this long (default: wait forever)")
+                    help="give up when nothing new appears for this long (default: wait forever)")
     ap.add_argument("--verify-dense", action="store_true")
-    ap.add_argument("--init-dir", required=True, help="local directory with the initial HF checkpoint")
+    ap.add_argument("--init-dir", default=None,
+                    help="local copy of the initial HF checkpoint (checked against the run's init/INIT.json; "
+                         "default: download it from the store)")
     ap.add_argument("--runtime", choices=("hf", "vllm"), default="hf",
                     help="serving runtime kept current: a transformers model in this process, or a vllm.LLM engine")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM only: TP workers of the engine")
@@ -228,32 +287,50 @@ def main(argv: list[str] | None = None) -> int:
                     help="testing aid: after each applied version write every parameter and buffer "
                          "to DIR/v<version>.safetensors")
     args = ap.parse_args(argv)
+    try:
+        return _serve(args)
+    except (DcrError, TimeoutError) as e:
+        print(f"nemo-dcr receive: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(args) -> int:
+    import tempfile
 
     store = open_store(args.store)
     cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense)
+    sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    state_dir = args.state_dir or tempfile.mkdtemp(prefix=f"dcr-{args.receiver_id}-")
+    run_id = wait_for_run(store, sealer, run_id=args.run_id, timeout_s=args.timeout_s)
+    init_dir = _init_dir(store, sealer, run_id, args.init_dir, state_dir, args.timeout_s)
+    journal_dir = os.path.join(state_dir, "journal")
     if args.runtime == "vllm":
         from nemo_dcr.runtimes.vllm.served import VLLMServedModel
 
-        served = VLLMServedModel.start(args.init_dir, tensor_parallel_size=args.tensor_parallel_size,
+        served = VLLMServedModel.start(init_dir, tensor_parallel_size=args.tensor_parallel_size,
                                        max_model_len=args.max_model_len, reference=args.verify_dense,
                                        sample_tokens=args.sample_tokens)
-        rx = Receiver(served, store, cfg)
+        rx = Receiver(served, store, cfg, journal_dir=journal_dir)
         if args.dump_dir:
             rx.on_applied = lambda version: served.dump(args.dump_dir, version)
     else:
         from nemo_dcr.receiver.apply import DeltaApplier
         from nemo_dcr.runtimes.hf import HFTransformersAdapter
 
-        adapter = HFTransformersAdapter.from_pretrained(args.init_dir)
+        adapter = HFTransformersAdapter.from_pretrained(init_dir)
         applier = DeltaApplier(adapter)
         applier.prewarm()
-        reference = HFTransformersAdapter.from_pretrained(args.init_dir) if args.verify_dense else None
-        rx = Receiver(applier, store, cfg, reference=reference)
+        reference = HFTransformersAdapter.from_pretrained(init_dir) if args.verify_dense else None
+        rx = Receiver(applier, store, cfg, reference=reference, journal_dir=journal_dir)
         if args.dump_dir:
             rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
-    print(json.dumps({"receiver": args.receiver_id, "ready": True}), flush=True)
+    # this process loaded version 0: a journal left by an earlier process refers to weights
+    # that died with it (an in-process runtime), so it is dropped and the follower catches up
+    rx.journal.clear_stale()
+    print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": run_id}), flush=True)
+    follower = Follower(rx, store, sealer, run_id, receiver_id=args.receiver_id)
     try:
-        rx.run(until_version=args.until_version, timeout_s=args.timeout_s)
+        follower.run(until_version=args.until_version, timeout_s=args.timeout_s, poll_s=cfg.poll_s)
     finally:
         if args.runtime == "vllm":
             served.close()

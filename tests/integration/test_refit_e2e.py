@@ -101,9 +101,13 @@ def _manifest(store, v):
     return Manifest.from_json(store.get(manifest_key(v)))
 
 
+def _apply(rx, manifest):
+    return rx.apply_tentative(manifest, "", run_id=manifest.run_id)
+
+
 def _refused(rx, adapter, manifest, *needles):
     before = state_digest(adapter.module)
-    ack = rx.apply_manifest(manifest)
+    ack = _apply(rx, manifest)
     assert not ack.ok and rx.held_version == 0
     for n in needles:
         assert n in ack.error, ack.error
@@ -115,7 +119,7 @@ def test_clean_replay_applies(fresh):
     """Control for the tests below: the untouched store applies and changes the weights."""
     store, rx, adapter = fresh
     before = state_digest(adapter.module)
-    ack = rx.apply_manifest(_manifest(store, 1))
+    ack = _apply(rx, _manifest(store, 1))
     assert ack.ok, ack.error
     assert rx.held_version == 1 and state_digest(adapter.module) != before
 
@@ -179,7 +183,7 @@ def test_truncated_chunk_with_matching_digest_is_refused_by_the_decoder(fresh):
     store.put(ref.key, short)
     forged = ChunkRef(key=ref.key, nbytes=len(short), digest=chunk_digest(short), rank=ref.rank,
                       tensors=ref.tensors, changed=ref.changed)
-    m2 = Manifest(model_id=m.model_id, version=m.version, base_version=m.base_version,
+    m2 = Manifest(run_id=m.run_id, model_id=m.model_id, version=m.version, base_version=m.base_version,
                   chunks=m.chunks[:-1] + (forged,), stats=m.stats)
     _refused(rx, adapter, m2, ref.key)
 
@@ -195,7 +199,7 @@ def test_chunk_of_another_version_is_refused(fresh):
 
     moved = ChunkRef(key=chunk_key(1, 7, 0), nbytes=stray.nbytes, digest=stray.digest, rank=7,
                      tensors=stray.tensors, changed=stray.changed)
-    bad = Manifest(model_id=m1.model_id, version=1, base_version=0, chunks=m1.chunks + (moved,), stats={})
+    bad = Manifest(run_id=m1.run_id, model_id=m1.model_id, version=1, base_version=0, chunks=m1.chunks + (moved,), stats={})
     _refused(rx, adapter, bad, chunk_key(1, 7, 0), "disagrees")
 
 

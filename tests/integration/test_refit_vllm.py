@@ -94,7 +94,8 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
             return served.runtime.weight_digest(), served.runtime.generate(prompts, max_tokens=8, logprobs=2)
 
         before = state()
-        ack = rx.apply_manifest(Manifest.from_json(store.get(manifest_key(2))))
+        m2 = Manifest.from_json(store.get(manifest_key(2)))
+        ack = rx.apply_tentative(m2, "", run_id=m2.run_id)
         assert not ack.ok and "base version 1" in ack.error and "holds version 0" in ack.error
         m1 = Manifest.from_json(store.get(manifest_key(1)))
         key = m1.chunks[0].key
@@ -102,11 +103,11 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
         bad = bytearray(good)
         bad[len(bad) // 2] ^= 0x10
         store.put(key, bytes(bad))
-        ack = rx.apply_manifest(m1)
+        ack = rx.apply_tentative(m1, "", run_id=m1.run_id)
         assert not ack.ok and key in ack.error and "digest" in ack.error
         assert state() == before and rx.held_version == 0
         store.put(key, good)
-        ack = rx.apply_manifest(m1)
+        ack = rx.apply_tentative(m1, "", run_id=m1.run_id)
         assert ack.ok and rx.held_version == 1
         assert state()[0] != before[0]  # the control applied and changed weights
     finally:

@@ -1,10 +1,13 @@
-"""Joint commit, in one process: a trainer-side RefitSender (no process group) and a
-Receiver on a thread, through a real directory store.
+"""The protocol in one process: a trainer-side RefitSender (no process group) and receivers
+(Receiver + Follower) on threads, through a real directory store, signed with a key.
 
-The receiver's runtime is a stand-in here (canonical numpy arrays updated with the codec's
-``apply_delta_``): this test is about versions and commits, not placement -- the real
-runtime path is covered by tests/receiver and tests/integration.
+The receivers' runtime is a stand-in (canonical numpy arrays updated with the codec's
+``apply_delta_``): these tests are about runs, signatures, acks, decisions, rollback and
+catch-up, not placement -- the real runtimes are covered by tests/receiver and
+tests/integration.  Every end state is checked with integer views against the trainer's
+bits, and each attack has a control that succeeds.
 """
+import json
 import threading
 
 import numpy as np
@@ -12,10 +15,25 @@ import pytest
 import torch
 
 from nemo_dcr.codec import apply_delta_, read_chunk_index
+from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.sender import ReceiverRefused, RefitSender, SenderConfig
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
-from nemo_dcr.protocol.manifest import COMMITTED_KEY, Ack, Committed, Manifest, ack_key, manifest_key
+from nemo_dcr.protocol.follower import Follower
+from nemo_dcr.protocol.manifest import (
+    COMMITTED_KEY,
+    HEAD_KEY,
+    Ack,
+    Committed,
+    Decision,
+    Head,
+    Manifest,
+    ack_key,
+    decision_key,
+    manifest_key,
+)
+from nemo_dcr.protocol.run import ForeignRunError
+from nemo_dcr.protocol.signing import Sealer, SignatureError, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
 from nemo_dcr.transport.store import LocalDirStore
@@ -24,15 +42,22 @@ DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_g
                  ffn_hidden_size=8, vocab_size=8)
 
 
-class ArrayRuntime:
-    """Canonical tensors as numpy bit arrays; refuses the versions listed in ``refuse``.
-    A ``ServedModel`` (receiver/served.py): ``apply``, ``tensor_specs`` and, for
-    context-mode decoding, ``canonical_bits``; no dense verification, no sample."""
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
 
-    def __init__(self, tensors: dict[str, torch.Tensor], refuse=()):
-        self.bits = {k: v.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for k, v in tensors.items()}
+
+class ArrayRuntime:
+    """Canonical tensors as numpy bit arrays (a ``ServedModel``).  ``refuse``: numbers of
+    apply attempts (1, 2, ...) refused before any write; ``fail_after``: {attempt: k} applies
+    the first k records of that attempt, then raises (a partial write).  Repairs (undo
+    batches) are not attempts."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], refuse=(), fail_after=None):
+        self.bits = {k: bits_of(v) for k, v in tensors.items()}
         self.refuse = set(refuse)
+        self.fail_after = dict(fail_after or {})
         self.calls = 0
+
     def tensor_specs(self):
         return dict.fromkeys(self.bits)
 
@@ -45,21 +70,68 @@ class ArrayRuntime:
     def canonical_bits(self, name):
         return self.bits[name]
 
-    def apply(self, deltas):
+    def validate(self, deltas):
         self.calls += 1
+        self._armed = True
         if self.calls in self.refuse:
             raise DeltaValidationError(f"refusing apply call {self.calls} (test)")
-        for d in deltas:
+
+    def apply(self, deltas):
+        armed, self._armed = getattr(self, "_armed", False), False
+        for i, d in enumerate(deltas):
+            if armed and self.fail_after.get(self.calls) == i:
+                raise RuntimeError(f"injected failure at record {i}")
             apply_delta_(self.bits[d.name], d)
 
 
-def _sender(tmp_path, params, **kw):
+@pytest.fixture
+def key(tmp_path):
+    return new_key_file(str(tmp_path / "key"))
+
+
+def _sender(tmp_path, params, key, receivers=("r0",), store=None, **kw):
     spec = ShardSpec(key="w", local_shape=tuple(params["w"].shape), global_shape=tuple(params["w"].shape),
                      global_offset=(0, 0), prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
     proj = CanonicalProjector((Rule("w", {"": "canon.w"}),), DIMS)
-    store = LocalDirStore(str(tmp_path / "store"))
-    cfg = SenderConfig(model_id="m", receivers=("r0",), ack_timeout_s=20, **kw)
-    return RefitSender(params, {"w": [ParamView("w", 0, spec)]}, proj, store, cfg), store
+    store = store or LocalDirStore(str(tmp_path / "store"))
+    kw.setdefault("ack_timeout_s", 20)
+    cfg = SenderConfig(model_id="m", receivers=receivers, key_file=key, ack_poll_s=0.01, **kw)
+    sender = RefitSender(params, {"w": [ParamView("w", 0, spec)]}, proj, store, cfg)
+    sender.claim()
+    return sender, store
+
+
+class Rx:
+    """A receiver on a thread: Receiver + Follower over an ArrayRuntime."""
+
+    def __init__(self, rid, store, key, run_id, w0, **runtime_kw):
+        self.runtime = ArrayRuntime({"canon.w": w0.clone()}, **runtime_kw)
+        self.rx = Receiver(self.runtime, store, ReceiverConfig(receiver_id=rid, model_id="m", poll_s=0.01))
+        self.events = []
+        sealer = Sealer(load_key(key))
+        self.follower = Follower(self.rx, store, sealer, run_id, receiver_id=rid, log=self.events.append)
+        self.thread = None
+        self.error = None
+
+    def start(self, until):
+        def go():
+            try:
+                self.follower.run(until_version=until, timeout_s=20, poll_s=0.01)
+            except BaseException as e:  # surfaced by join()
+                self.error = e
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
+        return self
+
+    def join(self):
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+        if self.error:
+            raise self.error
+
+    @property
+    def w(self):
+        return self.runtime.bits["canon.w"]
 
 
 def _step(w: torch.Tensor, rng, frac=0.05):
@@ -68,46 +140,228 @@ def _step(w: torch.Tensor, rng, frac=0.05):
     bits[idx] ^= torch.from_numpy(rng.integers(1, 1 << 15, idx.numel()).astype(np.int16))
 
 
-def test_baseline_advances_only_on_commit_and_a_refused_version_is_skipped(tmp_path):
+def test_commit_then_refusal_then_retry_against_the_same_base(tmp_path, key):
     rng = np.random.default_rng(0)
     w = torch.randn(64, 32).to(torch.bfloat16)
-    params = {"w": w}
-    sender, store = _sender(tmp_path, params, chunk_bytes=512)
-    runtime = ArrayRuntime({"canon.w": w.clone()}, refuse={2})
-    rx = Receiver(runtime, store, ReceiverConfig(receiver_id="r0", model_id="m", poll_s=0.01))
-    t = threading.Thread(target=rx.run, kwargs={"until_version": 3, "timeout_s": 20})
-    t.start()
-    try:
-        _step(w, rng)
-        stats = sender.refit(1)
-        assert stats.committed and stats.chunks > 1  # several chunks: streaming flushes
-        m1 = Manifest.from_json(store.get(manifest_key(1)))
-        infos = [i for c in m1.chunks for i in read_chunk_index(store.get(c.key)).records]
-        assert infos and all(i.context for i in infos)  # coded against the committed base
-        assert Committed.from_json(store.get(COMMITTED_KEY)).version == 1
-        _step(w, rng)
-        with pytest.raises(ReceiverRefused, match="refusing apply call 2"):
-            sender.refit(2)
-        assert sender.baseline.version == 1  # not advanced
-        assert not Ack.from_json(store.get(ack_key("r0", 2))).ok
-        _step(w, rng)
-        stats = sender.refit(3)  # diffed against version 1, which the receiver still holds
-        assert stats.base_version == 1 and stats.committed
-    finally:
-        t.join(timeout=30)
-    assert rx.held_version == 3
-    assert all(a["ok"] for a in stats.acks)
-    want = w.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    np.testing.assert_array_equal(runtime.bits["canon.w"], want)
-    # the committed baseline holds exactly the trainer's current bits
-    np.testing.assert_array_equal(sender.baseline.bits("w"), want)
+    sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=512)
+    r = Rx("r0", store, key, sender.run_id, w, refuse={2}).start(until=3)
+    _step(w, rng)
+    stats = sender.refit(1)
+    assert stats.committed and stats.chunks > 1  # several chunks: streaming flushes
+    m1 = Manifest.from_json(store.get(manifest_key(1)), Sealer(load_key(key)))
+    infos = [i for c in m1.chunks for i in read_chunk_index(store.get(c.key)).records]
+    assert infos and all(i.context for i in infos)  # coded against the committed base
+    assert Committed.from_json(store.get(COMMITTED_KEY)).version == 1
+    v1 = bits_of(w)
+    _step(w, rng)
+    stats = sender.refit(2)  # default policy: retry -> training goes on
+    assert not stats.committed and "refusing apply call 2" in stats.reason
+    assert sender.baseline.version == 1  # not advanced
+    assert not Decision.from_json(store.get(decision_key(2))).commit
+    _step(w, rng)
+    stats = sender.refit(3)  # diffed against version 1, which the receiver still holds
+    assert stats.base_version == 1 and stats.committed
+    r.join()
+    np.testing.assert_array_equal(r.w, bits_of(w))
+    np.testing.assert_array_equal(sender.baseline.bits("w"), bits_of(w))
+    assert not np.array_equal(v1, bits_of(w))  # control: the versions differ
 
 
-def test_unacknowledged_version_times_out_and_is_not_committed(tmp_path):
+def test_two_receivers_one_refuses_the_other_rolls_back_then_both_apply_next(tmp_path, key):
+    """The livelock of the old protocol: r1 applied v2, r0 refused it.  Now v2 is aborted,
+    r1 rolls it back in place (bit-exact at v1), and v3 (base v1) applies on both."""
+    rng = np.random.default_rng(1)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"))
+    r0 = Rx("r0", store, key, sender.run_id, w, refuse={2}).start(until=3)
+    seen_v1 = {}
+    r1 = Rx("r1", store, key, sender.run_id, w)
+    r1.rx.on_applied = lambda v: seen_v1.setdefault(v, r1.w.copy())
+    r1.start(until=3)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    v1 = bits_of(w)
+    _step(w, rng)
+    v2 = bits_of(w)
+    assert not sender.refit(2).committed
+    _step(w, rng)
+    assert sender.refit(3).committed
+    r0.join()
+    r1.join()
+    np.testing.assert_array_equal(seen_v1[2], v2)  # r1 did apply v2 tentatively ...
+    rolled = [e for e in r1.events if e.get("version") == 2 and "rolled back" in e.get("event", "")]
+    assert rolled, r1.events  # ... and rolled it back when v2 was aborted
+    for r in (r0, r1):
+        np.testing.assert_array_equal(r.w, bits_of(w))
+    assert not np.array_equal(v1, v2)
+
+
+def test_failure_mid_apply_is_repaired_from_the_journal(tmp_path, key):
+    rng = np.random.default_rng(2)
+    w = torch.randn(128, 64).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=256)
+    r = Rx("r0", store, key, sender.run_id, w, fail_after={2: 3}).start(until=3)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    v1 = bits_of(w)
+    _step(w, rng)
+    stats = sender.refit(2)
+    assert not stats.committed and "injected failure at record 3" in stats.reason
+    _step(w, rng)
+    assert sender.refit(3).committed
+    r.join()
+    event = next(e for e in r.events if e.get("version") == 2 and "ok" in e)
+    assert "repaired from the journal" in event["error"]
+    np.testing.assert_array_equal(r.w, bits_of(w))
+    assert not np.array_equal(v1, bits_of(w))
+
+
+def test_late_receiver_catches_up_through_committed_versions_only(tmp_path, key):
+    rng = np.random.default_rng(3)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, ack_timeout_s=5)
+    early = Rx("r0", store, key, sender.run_id, w0, refuse={2}).start(until=3)
+    for v in (1, 2, 3):
+        _step(w, rng)
+        sender.refit(v)
+    assert [Decision.from_json(store.get(decision_key(v))).commit for v in (1, 2, 3)] == [True, False, True]
+    early.join()
+    # r0 restarts from scratch (version 0) while v4 is being published
+    late = Rx("r0", store, key, sender.run_id, w0)
+    applied = []
+    late.rx.on_applied = applied.append
+    _step(w, rng)
+    late.start(until=4)
+    assert sender.refit(4).committed
+    late.join()
+    assert applied == [1, 3, 4], late.events  # v2 was aborted: never replayed
+    assert [e["version"] for e in late.events if e.get("event") == "caught up"][0] == 1
+    np.testing.assert_array_equal(late.w, bits_of(w))
+
+
+def test_policy_fail_and_consecutive_failures(tmp_path, key):
     w = torch.randn(16, 16).to(torch.bfloat16)
-    sender, store = _sender(tmp_path, {"w": w})
-    sender.cfg = SenderConfig(model_id="m", receivers=("r0",), ack_timeout_s=0.3)
-    _step(w, np.random.default_rng(1))
-    with pytest.raises(ReceiverRefused, match="no acknowledgement"):
-        sender.refit(1)
+    rng = np.random.default_rng(4)
+    sender, store = _sender(tmp_path, {"w": w}, key, ack_timeout_s=0.2, max_consecutive_failures=2)
+    _step(w, rng)
+    s1 = sender.refit(1)  # nobody acknowledges
+    assert not s1.committed and "r0: no acknowledgement" in s1.reason
+    _step(w, rng)
+    with pytest.raises(ReceiverRefused, match="2 in a row"):
+        sender.refit(2)
     assert sender.baseline.version == 0 and not store.exists(COMMITTED_KEY)
+    sender2, _ = _sender(tmp_path / "b", {"w": w}, key, ack_timeout_s=0.2, on_refusal="fail")
+    _step(w, rng)
+    with pytest.raises(ReceiverRefused, match="on_refusal=fail"):
+        sender2.refit(1)
+
+
+def test_forged_acks_are_ignored_and_reported_never_a_crash(tmp_path, key):
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    rng = np.random.default_rng(5)
+    sender, store = _sender(tmp_path, {"w": w}, key, ack_timeout_s=0.5, max_consecutive_failures=10)
+    run_id = sender.run_id
+    other = Sealer(bytes(32))  # someone with store access but another key
+    ok = dict(receiver="r0", ok=True, held_version=1)
+    forged = {
+        1: (b"{not json", "not valid JSON"),
+        2: (Ack(run_id=run_id, version=2, **ok).to_json(), "unsigned"),
+        3: (Ack(run_id=run_id, version=3, **ok).to_json(other), "bad signature"),
+        4: (Ack(run_id="f" * 32, version=4, **ok).to_json(Sealer(load_key(key))), "of run fff"),
+        5: (Ack(run_id=run_id, version=4, **ok).to_json(Sealer(load_key(key))), "version 4"),  # replayed
+    }
+    for v, (data, why) in forged.items():
+        store.put(ack_key("r0", v), data)
+        _step(w, rng)
+        stats = sender.refit(v)
+        assert not stats.committed and "ack rejected" in stats.reason and why in stats.reason, stats.reason
+    assert sender.baseline.version == 0
+    # control: a genuine ack (right key, run, receiver, version and manifest) commits
+    good = Rx("r0", store, key, run_id, torch.zeros_like(w))
+    good.runtime.bits["canon.w"] = sender.baseline.bits("w").copy()
+    good.follower.state.handled = good.follower.state.decided = 5
+    good.start(until=6)
+    _step(w, rng)
+    assert sender.refit(6).committed
+    good.join()
+    np.testing.assert_array_equal(good.w, bits_of(w))
+
+
+def test_receiver_ignores_forged_head_manifest_and_decision(tmp_path, key):
+    """A store writer without the key plants a HEAD, a manifest and an abort decision:
+    the receiver applies none of it, writes nothing, and then follows the real run."""
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    rng = np.random.default_rng(6)
+    sender, store = _sender(tmp_path, {"w": w}, key)
+    run_id = sender.run_id
+    other = Sealer(bytes(32))
+    r = Rx("r0", store, key, run_id, w)
+    before = r.w.copy()
+    real = Manifest(run_id=run_id, model_id="m", version=5, base_version=0, chunks=())
+    store.put(manifest_key(5), real.to_json(other))
+    store.put(HEAD_KEY, Head(run_id, 5, 0).to_json(other))
+    for _ in range(5):
+        assert not r.follower.step()
+    assert not store.exists(ack_key("r0", 5))
+    np.testing.assert_array_equal(r.w, before)
+    assert any(e.get("ignored") == HEAD_KEY and "bad signature" in e["error"] for e in r.events)
+    # control: the real run goes through, and a forged abort of a committed version is ignored
+    r.start(until=1)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    r.join()
+    np.testing.assert_array_equal(r.w, bits_of(w))
+
+
+def test_a_second_run_on_the_same_prefix_is_refused(tmp_path, key):
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key)
+    with pytest.raises(ProtocolError, match=f"belongs to run {sender.run_id}"):
+        _sender(tmp_path, {"w": w}, key)
+    # another key cannot even read the run record: refused, not adopted
+    other = tmp_path / "other.key"
+    new_key_file(str(other))
+    with pytest.raises(ProtocolError, match="bad signature"):
+        _sender(tmp_path, {"w": w}, str(other))
+    # resuming the same run is allowed explicitly
+    again = RefitSender({"w": w}, sender.views, sender.projector, store, sender.cfg)
+    assert again.claim(resume_run_id=sender.run_id) == sender.run_id
+    # control: a fresh prefix starts a new run
+    fresh, _ = _sender(tmp_path / "fresh", {"w": w}, key)
+    assert fresh.run_id != sender.run_id
+
+
+def test_objects_without_a_run_record_are_refused(tmp_path, key):
+    store = LocalDirStore(str(tmp_path / "store"))
+    store.put("v/00000001/MANIFEST.json", b"{}")
+    with pytest.raises(ForeignRunError, match="no run record"):
+        from nemo_dcr.protocol.run import claim_store
+        claim_store(store, Sealer(None), "m")
+
+
+def test_receiver_refuses_a_manifest_of_another_run_before_downloading(tmp_path, key):
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key)
+    sealer = Sealer(load_key(key))
+    r = Rx("r0", store, key, sender.run_id, w)
+    foreign = Manifest(run_id="0" * 32, model_id="m", version=1, base_version=0, chunks=())
+    store.put(manifest_key(1), foreign.to_json(sealer))
+    store.put(HEAD_KEY, Head(sender.run_id, 1, 0).to_json(sealer))
+    assert not r.follower.step()
+    assert any("of run 000" in e.get("error", "") for e in r.events)
+    assert not store.exists(ack_key("r0", 1))
+
+
+def test_signature_covers_every_field(key):
+    sealer = Sealer(load_key(key))
+    a = Ack(run_id="a" * 32, receiver="r0", version=3, ok=False, held_version=2, error="x")
+    data = a.to_json(sealer)
+    assert Ack.from_json(data, sealer) == a
+    doc = json.loads(data)
+    doc["ok"] = True
+    with pytest.raises(SignatureError, match="bad signature"):
+        Ack.from_json(json.dumps(doc).encode(), sealer)
+    # domain separation: a signed ack never opens as another kind of document
+    with pytest.raises(SignatureError):
+        sealer.open("manifest", data, "x")

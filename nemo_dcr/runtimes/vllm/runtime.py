@@ -109,6 +109,10 @@ class VLLMRuntime:
         assert out.dtype == BITS_DTYPE[self._specs[name].dtype]
         return out
 
+    def validate(self, deltas: Sequence[TensorDelta]) -> None:
+        """Every worker's pre-write checks, without writing."""
+        _checked(self._llm.collective_rpc("dcr_validate", args=(list(deltas),)))
+
     def apply(self, deltas: Sequence[TensorDelta]) -> dict:
         """Validate ``deltas`` in every worker, then apply them in every worker."""
         deltas = list(deltas)

@@ -74,6 +74,9 @@ class VLLMServedModel:
     def canonical_bits(self, name: str) -> np.ndarray:
         return self.runtime.canonical_bits(name)
 
+    def validate(self, deltas: Sequence[TensorDelta]) -> None:
+        self.runtime.validate(deltas)
+
     def apply(self, deltas: Sequence[TensorDelta]) -> object:
         return self.runtime.apply(deltas)
 

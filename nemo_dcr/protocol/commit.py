@@ -1,0 +1,144 @@
+"""Trainer side of the joint commit (rank 0): publish, collect acks, decide.
+
+For version ``v`` (delta from the committed base ``b``)::
+
+    MANIFEST.json (sealed)  ->  HEAD.json  ->  wait for every receiver's ack
+      all ok   -> DECISION.json {commit}  -> COMMITTED.json -> baselines advance to v
+      otherwise -> DECISION.json {abort, reason} -> baselines stay at b; receivers that
+                   applied v roll it back; v+1 is diffed against b again
+
+An ack counts only when it opens with the run's key and names this run, this receiver,
+this version and the digest of the manifest we published.  Anything else under the ack's
+key (unsigned, forged, malformed, another run's or version's) is ignored while waiting --
+the receiver's own ack may still overwrite it -- and, if nothing valid arrives before the
+deadline, reported as that receiver's refusal with the reason.  Never a crash.
+
+What a failed version does to training is ``RefusalPolicy``: ``retry`` (default) keeps
+training and publishes the next version against the same base, failing loudly only after
+``max_consecutive_failures`` aborted versions in a row; ``fail`` raises at the first.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from nemo_dcr.errors import DcrError
+from nemo_dcr.protocol.manifest import (
+    COMMITTED_KEY,
+    HEAD_KEY,
+    Ack,
+    Committed,
+    Decision,
+    Head,
+    Manifest,
+    ack_key,
+    decision_key,
+    doc_digest,
+    manifest_key,
+)
+from nemo_dcr.protocol.signing import Sealer
+from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
+
+REFUSAL_POLICIES = ("retry", "fail")
+
+
+@dataclass
+class AckOutcome:
+    ok: bool
+    reason: str
+    acks: list[dict] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    """One line per ack object that was read and not accepted (forged, foreign, ...)."""
+
+
+class CommitCoordinator:
+    def __init__(self, store: ObjectStore, sealer: Sealer, run_id: str, receivers: tuple[str, ...], *,
+                 ack_timeout_s: float, poll_s: float = 0.05):
+        self.store = store
+        self.sealer = sealer
+        self.run_id = run_id
+        self.receivers = receivers
+        self.ack_timeout_s = ack_timeout_s
+        self.poll_s = poll_s
+
+    def publish(self, manifest: Manifest) -> str:
+        """Write the sealed manifest, then point ``HEAD.json`` at it; returns its digest."""
+        data = manifest.to_json(self.sealer)
+        self.store.put(manifest_key(manifest.version), data)
+        self.store.put(HEAD_KEY, Head(self.run_id, manifest.version, manifest.base_version).to_json(self.sealer))
+        return doc_digest(data)
+
+    def _check(self, rid: str, version: int, digest: str, data: bytes) -> Ack:
+        ack = Ack.from_json(data, self.sealer)
+        if ack.run_id != self.run_id:
+            raise ValueError(f"ack of run {ack.run_id}, not this run")
+        if ack.receiver != rid or ack.version != version:
+            raise ValueError(f"ack names receiver {ack.receiver!r} version {ack.version}")
+        if ack.ok and ack.manifest_digest != digest:
+            raise ValueError("ack is for a different manifest than the one published")
+        return ack
+
+    def collect_acks(self, version: int, manifest_digest: str) -> AckOutcome:
+        deadline = time.monotonic() + self.ack_timeout_s
+        valid: dict[str, Ack] = {}
+        rejected: dict[str, str] = {}
+        seen: dict[str, bytes] = {}
+        ignored: list[str] = []
+        while True:
+            for rid in self.receivers:
+                if rid in valid:
+                    continue
+                try:
+                    data = self.store.get(ack_key(rid, version))
+                except ObjectNotFound:
+                    continue
+                if seen.get(rid) == data:
+                    continue
+                seen[rid] = data
+                try:
+                    valid[rid] = self._check(rid, version, manifest_digest, data)
+                except (DcrError, ValueError) as e:
+                    rejected[rid] = f"ack rejected: {e}"
+                    ignored.append(f"{rid}: {e}")
+            if len(valid) == len(self.receivers) or time.monotonic() > deadline:
+                break
+            time.sleep(self.poll_s)
+        reasons = [f"{a.receiver}: {a.error or 'not ok'}" for a in valid.values() if not a.ok]
+        for rid in self.receivers:
+            if rid not in valid:
+                reasons.append(f"{rid}: {rejected.get(rid, 'no acknowledgement')} within {self.ack_timeout_s}s")
+        return AckOutcome(ok=not reasons, reason="; ".join(reasons),
+                          acks=[asdict(valid[r]) for r in self.receivers if r in valid],
+                          ignored=ignored)
+
+    def decide(self, version: int, base_version: int, commit: bool, reason: str) -> Decision:
+        """Write the decision record (and, on commit, ``COMMITTED.json``)."""
+        d = Decision(run_id=self.run_id, version=version, base_version=base_version, commit=commit,
+                     receivers=self.receivers, reason=reason)
+        self.store.put(decision_key(version), d.to_json(self.sealer))
+        if commit:
+            self.store.put(COMMITTED_KEY, Committed(self.run_id, version, self.receivers).to_json(self.sealer))
+        return d
+
+
+@dataclass
+class FailureBudget:
+    """``RefusalPolicy`` state: consecutive aborted versions."""
+
+    policy: str = "retry"
+    max_consecutive: int = 3
+    consecutive: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in REFUSAL_POLICIES:
+            raise ValueError(f"on_refusal must be one of {REFUSAL_POLICIES}, got {self.policy!r}")
+        if self.max_consecutive < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1, got {self.max_consecutive}")
+
+    def record(self, committed: bool) -> bool:
+        """Returns True when training must stop (policy ``fail``, or too many in a row)."""
+        if committed:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        return self.policy == "fail" or self.consecutive >= self.max_consecutive
