@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
 from nemo_dcr.layout.families import UnsupportedModelError
@@ -66,10 +67,13 @@ class RefitAttachment:
                 vocab_size=s.vocab_size or None)
         except UnsupportedModelError as e:
             raise RefitSetupError(f"the refit cannot map this model: {e}") from None
-        if s.export_initial:
-            self.hook.export_initial()
-        else:
-            self.hook.resume(s.resume_run_id)
+        try:
+            if s.export_initial:
+                self.hook.export_initial()
+            else:
+                self.hook.resume(s.resume_run_id)
+        except ProtocolError as e:  # raised on every rank alike (the sender broadcasts it)
+            raise RefitSetupError(str(e)) from None
         return self.hook
 
     def after_step(self, step: int) -> None:
