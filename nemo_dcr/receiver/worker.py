@@ -30,7 +30,7 @@ import numpy as np
 
 from nemo_dcr.codec import ChunkFormatError, chunk_digest, decode_chunk, read_chunk_index
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.errors import DcrError, ProtocolError
+from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.protocol.run import verify_init_dir
@@ -91,10 +91,13 @@ class ReceiverConfig:
 
 class Receiver:
     def __init__(self, applier, store: ObjectStore, cfg: ReceiverConfig, *, held_version: int = 0,
-                 reference=None, journal_dir: str | None = None):
+                 reference=None, journal_dir: str | None = None, committed_file: str | None = None):
         """``applier``: a ``ServedModel`` (``receiver/served.py``), or a prewarmed
         ``DeltaApplier`` with ``reference``, a second runtime adapter used by
-        ``verify_dense`` (they are wrapped in an ``InProcessModel``)."""
+        ``verify_dense`` (they are wrapped in an ``InProcessModel``).
+        ``journal_dir`` / ``committed_file``: for a runtime whose weights outlive this
+        process (``runtimes/persistent.py``): the journal is written there before the
+        first write of a version, and the committed version after each commit."""
         from nemo_dcr.receiver.apply import DeltaApplier
         from nemo_dcr.receiver.served import InProcessModel
 
@@ -108,6 +111,7 @@ class Receiver:
         self.cfg = cfg
         self.held_version = held_version
         self.journal = ApplyJournal(journal_dir)
+        self.committed_file = committed_file
         self.on_applied = None  # optional fn(version), called after each applied version
 
     # --------------------------------------------------------------- one version
@@ -217,8 +221,33 @@ class Receiver:
         return stats
 
     def settle(self) -> None:
-        """The tentative version was committed: drop its journal."""
+        """The tentative version was committed: record it (before the journal goes, so a
+        crash in between leaves a journal older than the record, which :meth:`recover`
+        drops), then drop its journal."""
+        if self.committed_file:
+            write_committed(self.committed_file, self.held_version)
         self.journal.clear()
+
+    def recover(self, committed: int) -> dict | None:
+        """After a restart over persistent weights holding ``committed`` plus possibly a
+        half-applied version: undo it from the journal the previous process left (an
+        overwrite with the old bits, correct whichever writes had landed).  Returns what
+        was done, or None."""
+        journal = ApplyJournal.load(self.journal.directory) if self.journal.directory else self.journal
+        self.held_version = committed
+        if not journal.active:
+            return None
+        if journal.version <= committed:  # committed, then killed before the journal was dropped
+            journal.clear()
+            return {"event": "dropped stale journal", "version": journal.version}
+        if journal.base_version != committed:
+            raise ProtocolError(f"journal of v{journal.version} has base v{journal.base_version}, "
+                                f"the committed version is v{committed}")
+        t0 = time.perf_counter()
+        event = {"event": "repaired", "version": journal.version, "phase": journal.phase}
+        self.journal = journal
+        self._undo()
+        return {**event, "repair_s": round(time.perf_counter() - t0, 4)}
 
     def rollback(self) -> None:
         """The tentative version was aborted: overwrite every element it changed with its
@@ -256,6 +285,28 @@ def _init_dir(store: ObjectStore, sealer: Sealer, run_id: str, init_dir: str | N
     return init_dir
 
 
+def write_committed(path: str, version: int) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"committed": version}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_committed(path: str) -> int:
+    try:
+        with open(path) as f:
+            v = json.load(f)["committed"]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"{path}: unreadable committed-version record ({e})") from None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ProtocolError(f"{path}: committed version must be a non-negative int, got {v!r}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     """``nemo-dcr receive`` / ``python -m nemo_dcr.receiver.worker``: a receiver keeping a
     transformers model or a vLLM engine at the versions a store publishes."""
@@ -267,8 +318,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE; none = unauthenticated)")
     ap.add_argument("--run-id", default=None, help="follow only this run (default: the store's RUN.json)")
     ap.add_argument("--state-dir", default=None,
-                    help="local directory for the apply journal and a downloaded version 0 "
-                         "(default: a fresh temporary directory)")
+                    help="local directory for a downloaded version 0 and, with --persistent-weights, the "
+                         "weights file, the apply journal and the committed version (default: a fresh "
+                         "temporary directory)")
+    ap.add_argument("--persistent-weights", action="store_true",
+                    help="hf runtime: keep the parameters in a shared file mapping under --state-dir, so a "
+                         "receiver killed mid-apply restarts over its own weights and repairs them from the "
+                         "journal instead of reloading version 0 and catching up")
     ap.add_argument("--until-version", type=int, default=None,
                     help="exit once the trainer decided on this version (committed or aborted)")
     ap.add_argument("--timeout-s", type=float, default=None,
@@ -300,35 +356,52 @@ def _serve(args) -> int:
     store = open_store(args.store)
     cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense)
     sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    if args.persistent_weights and (args.runtime != "hf" or not args.state_dir):
+        raise ValidationError("--persistent-weights needs --runtime hf and a --state-dir")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix=f"dcr-{args.receiver_id}-")
     run_id = wait_for_run(store, sealer, run_id=args.run_id, timeout_s=args.timeout_s)
     init_dir = _init_dir(store, sealer, run_id, args.init_dir, state_dir, args.timeout_s)
-    journal_dir = os.path.join(state_dir, "journal")
+    committed, recovered = 0, None
     if args.runtime == "vllm":
         from nemo_dcr.runtimes.vllm.served import VLLMServedModel
 
         served = VLLMServedModel.start(init_dir, tensor_parallel_size=args.tensor_parallel_size,
                                        max_model_len=args.max_model_len, reference=args.verify_dense,
                                        sample_tokens=args.sample_tokens)
-        rx = Receiver(served, store, cfg, journal_dir=journal_dir)
+        rx = Receiver(served, store, cfg)
         if args.dump_dir:
             rx.on_applied = lambda version: served.dump(args.dump_dir, version)
     else:
         from nemo_dcr.receiver.apply import DeltaApplier
-        from nemo_dcr.runtimes.hf import HFTransformersAdapter
+        from nemo_dcr.runtimes.hf import HFTransformersAdapter, checkpoint_specs
 
-        adapter = HFTransformersAdapter.from_pretrained(init_dir)
+        journal_dir = committed_file = None
+        if args.persistent_weights:
+            from nemo_dcr.runtimes.persistent import bind_persistent, model_skeleton
+
+            wdir = os.path.join(state_dir, "weights")
+            journal_dir, committed_file = os.path.join(state_dir, "journal"), os.path.join(state_dir, "committed.json")
+            if os.path.exists(os.path.join(wdir, "weights.json")):  # restart: map our own weights
+                adapter = HFTransformersAdapter(model_skeleton(init_dir), specs=checkpoint_specs(init_dir),
+                                                checkpoint_dir=init_dir)
+                committed = read_committed(committed_file)
+            else:
+                adapter = HFTransformersAdapter.from_pretrained(init_dir)
+            bind_persistent(adapter.module, wdir, run_id)
+        else:
+            adapter = HFTransformersAdapter.from_pretrained(init_dir)
         applier = DeltaApplier(adapter)
         applier.prewarm()
         reference = HFTransformersAdapter.from_pretrained(init_dir) if args.verify_dense else None
-        rx = Receiver(applier, store, cfg, reference=reference, journal_dir=journal_dir)
+        rx = Receiver(applier, store, cfg, reference=reference, journal_dir=journal_dir,
+                      committed_file=committed_file)
+        recovered = rx.recover(committed)
         if args.dump_dir:
             rx.on_applied = lambda version: dump_state(adapter.module, args.dump_dir, version)
-    # this process loaded version 0: a journal left by an earlier process refers to weights
-    # that died with it (an in-process runtime), so it is dropped and the follower catches up
-    rx.journal.clear_stale()
-    print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": run_id}), flush=True)
-    follower = Follower(rx, store, sealer, run_id, receiver_id=args.receiver_id)
+    if recovered is not None:
+        print(json.dumps({"receiver": args.receiver_id, **recovered, "held": committed}), flush=True)
+    print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": run_id, "held": committed}), flush=True)
+    follower = Follower(rx, store, sealer, run_id, receiver_id=args.receiver_id, committed=committed)
     try:
         follower.run(until_version=args.until_version, timeout_s=args.timeout_s, poll_s=cfg.poll_s)
     finally:
