@@ -79,11 +79,14 @@ class Follower:
     rolled-back or replayed version."""
 
     def __init__(self, receiver, store: ObjectStore, sealer: Sealer, run_id: str, *, receiver_id: str,
-                 committed: int = 0, log=None):
+                 committed: int = 0, compose_after: int = 4, log=None):
+        """``compose_after``: catching up through more committed versions than this applies
+        them as one composed delta (``receiver/catchup.py``) instead of one by one."""
         self.rx = receiver
         self.store = store
         self.sealer = sealer
         self.receiver_id = receiver_id
+        self.compose_after = compose_after
         self.state = FollowerState(run_id=run_id, committed=committed, handled=committed, decided=committed)
         self._log = log or (lambda event: print(json.dumps(event), flush=True))
         self._ignored: set[tuple[str, bytes]] = set()
@@ -172,16 +175,30 @@ class Follower:
         chain = self._chain(target)
         if chain is None:
             return False
+        manifests = []
         for v in chain:
             got = self._manifest(v)
             if got is None:
                 return False
-            t0 = time.perf_counter()
-            self.rx.apply_committed(got[0])
-            self.state.committed = self.state.handled = v
-            self.state.decided = max(self.state.decided, v)
-            self._log({"receiver": self.receiver_id, "version": v, "event": "caught up",
-                       "apply_s": round(time.perf_counter() - t0, 4)})
+            manifests.append(got[0])
+        t0 = time.perf_counter()
+        try:
+            if len(manifests) > self.compose_after:
+                stats = self.rx.apply_chain(manifests)
+                mode = "composed"
+            else:
+                for m in manifests:
+                    self.rx.apply_committed(m)
+                stats, mode = {}, "replayed"
+        except DcrError as e:
+            raise ProtocolError(f"receiver {self.receiver_id}: cannot catch up from v{self.state.committed} to "
+                                f"v{target} ({type(e).__name__}: {e}); reload from a newer checkpoint") from None
+        st = self.state
+        st.committed = st.handled = target
+        st.decided = max(st.decided, target)
+        self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode, "versions": chain,
+                   "seconds": round(time.perf_counter() - t0, 4),
+                   **{k: v for k, v in stats.items() if k in ("composed_changed", "changed", "wire_bytes")}})
         return True
 
     def _answer(self, head: Head) -> bool:

@@ -120,13 +120,17 @@ class Receiver:
         deltas, _, stats = self._fetch(manifest)
         return deltas, stats
 
-    def _fetch(self, manifest: Manifest) -> tuple[list[TensorDelta], _HeldBits, dict]:
+    def _fetch(self, manifest: Manifest, *, base: Mapping | None = None, base_version: int | None = None
+               ) -> tuple[list[TensorDelta], Mapping, dict]:
+        """``base``: the canonical bits the records apply to (default: what the runtime
+        holds) at ``base_version`` (default: ``held_version``)."""
+        expect = self.held_version if base_version is None else base_version
         if manifest.model_id != self.cfg.model_id:
             raise RefitRefused(f"manifest v{manifest.version} is for model {manifest.model_id!r}, "
                                f"this receiver serves {self.cfg.model_id!r}")
-        if manifest.base_version != self.held_version:
+        if manifest.base_version != expect:
             raise RefitRefused(f"manifest v{manifest.version} has base version {manifest.base_version}, "
-                               f"this receiver holds version {self.held_version}")
+                               f"this receiver holds version {expect}")
         t0 = time.perf_counter()
         blobs = []
         for ref in manifest.chunks:
@@ -141,7 +145,7 @@ class Receiver:
             blobs.append((ref, blob))
         t1 = time.perf_counter()
         deltas: list[TensorDelta] = []
-        held = _HeldBits(self.served)
+        held = _HeldBits(self.served) if base is None else base
         want = {"run_id": manifest.run_id, "model_id": manifest.model_id, "version": str(manifest.version),
                 "base_version": str(manifest.base_version)}
         for ref, blob in blobs:
@@ -165,24 +169,29 @@ class Receiver:
         ``RefitRefused`` says what happened.  On success the version is held tentatively
         until :meth:`settle` (committed) or :meth:`rollback` (aborted)."""
         deltas, held, stats = self._fetch(manifest)
+        stats["apply_s"] = self.apply_records(manifest.version, manifest.base_version, deltas, held)
+        return stats
+
+    def apply_records(self, version: int, base_version: int, deltas: list[TensorDelta], held: Mapping) -> float:
+        """Validate, journal and apply decoded ``deltas`` taking ``base_version`` (held now,
+        whose bits ``held`` maps) to ``version``; returns the seconds spent."""
         t0 = time.perf_counter()
         try:
             self.served.validate(deltas)
         except ValueError as e:  # DeltaValidationError and friends: nothing written
             raise RefitRefused(str(e)) from None
-        self.journal.begin(manifest.version, manifest.base_version, deltas, held)
+        self.journal.begin(version, base_version, deltas, held)
         try:
             self.served.apply(deltas)
         except Exception as e:  # noqa: BLE001 - any failure mid-write is repaired, then reported
             self._undo()
-            raise RefitRefused(f"apply of v{manifest.version} failed ({type(e).__name__}: {e}); "
-                               f"repaired from the journal, holding v{manifest.base_version}") from None
+            raise RefitRefused(f"apply of v{version} failed ({type(e).__name__}: {e}); "
+                               f"repaired from the journal, holding v{base_version}") from None
         self.journal.mark("applied")
-        self.held_version = manifest.version
-        stats["apply_s"] = time.perf_counter() - t0
+        self.held_version = version
         if self.on_applied is not None:
-            self.on_applied(manifest.version)
-        return stats
+            self.on_applied(version)
+        return time.perf_counter() - t0
 
     def _undo(self) -> None:
         records = self.journal.undo_records()
@@ -217,6 +226,20 @@ class Receiver:
     def apply_committed(self, manifest: Manifest) -> dict:
         """Catch-up: apply a version the trainer already committed (no ack is needed)."""
         stats = self.apply_version(manifest)
+        self.settle()
+        return stats
+
+    def apply_chain(self, manifests: list[Manifest]) -> dict:
+        """Catch-up: apply committed versions (a chain starting at the held version) as one
+        composed write (``receiver/catchup.py``); no ack is needed."""
+        from nemo_dcr.receiver.catchup import compose
+
+        try:
+            deltas, stats = compose(self, manifests)
+        except ValueError as e:  # validation of a record against the runtime: nothing written
+            raise RefitRefused(str(e)) from None
+        stats["apply_s"] = self.apply_records(manifests[-1].version, self.held_version, deltas,
+                                              _HeldBits(self.served))
         self.settle()
         return stats
 

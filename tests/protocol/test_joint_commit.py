@@ -104,12 +104,13 @@ def _sender(tmp_path, params, key, receivers=("r0",), store=None, **kw):
 class Rx:
     """A receiver on a thread: Receiver + Follower over an ArrayRuntime."""
 
-    def __init__(self, rid, store, key, run_id, w0, **runtime_kw):
+    def __init__(self, rid, store, key, run_id, w0, compose_after=4, **runtime_kw):
         self.runtime = ArrayRuntime({"canon.w": w0.clone()}, **runtime_kw)
         self.rx = Receiver(self.runtime, store, ReceiverConfig(receiver_id=rid, model_id="m", poll_s=0.01))
         self.events = []
         sealer = Sealer(load_key(key))
-        self.follower = Follower(self.rx, store, sealer, run_id, receiver_id=rid, log=self.events.append)
+        self.follower = Follower(self.rx, store, sealer, run_id, receiver_id=rid, log=self.events.append,
+                                 compose_after=compose_after)
         self.thread = None
         self.error = None
 
@@ -236,7 +237,43 @@ def test_late_receiver_catches_up_through_committed_versions_only(tmp_path, key)
     assert sender.refit(4).committed
     late.join()
     assert applied == [1, 3, 4], late.events  # v2 was aborted: never replayed
-    assert [e["version"] for e in late.events if e.get("event") == "caught up"][0] == 1
+    assert [e["versions"] for e in late.events if e.get("event") == "caught up"][0][0] == 1
+    np.testing.assert_array_equal(late.w, bits_of(w))
+
+
+@pytest.mark.parametrize("compose_after", [0, 100])
+def test_catch_up_composed_equals_replayed(tmp_path, key, compose_after):
+    """Five committed versions and an aborted one, then a receiver from version 0: with
+    ``compose_after=0`` it writes the runtime once for all five (one composed delta), with
+    100 it replays them one by one; both end bit-exact with the trainer."""
+    rng = np.random.default_rng(7)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, ack_timeout_s=5)
+    early = Rx("r0", store, key, sender.run_id, w0, refuse={3}).start(until=6)
+    for v in range(1, 7):
+        _step(w, rng)
+        sender.refit(v)
+    early.join()
+    assert [Decision.from_json(store.get(decision_key(v))).commit for v in range(1, 7)] == [True] * 2 + [False] + [True] * 3
+    _step(w, rng)
+    t = threading.Thread(target=lambda: sender.refit(7))
+    t.start()
+    while Head.from_json(store.get(HEAD_KEY)).version != 7:
+        pass
+    late = Rx("r0", store, key, sender.run_id, w0, compose_after=compose_after)
+    applied = []
+    late.rx.on_applied = applied.append
+    late.start(until=7)
+    t.join()
+    late.join()
+    caught = next(e for e in late.events if e.get("event") == "caught up")
+    assert caught["versions"] == [1, 2, 4, 5, 6]  # v3 was aborted
+    if compose_after == 0:
+        assert caught["mode"] == "composed" and applied == [6, 7]  # one write for five versions
+    else:
+        assert caught["mode"] == "replayed" and applied == [1, 2, 4, 5, 6, 7]
+    assert Decision.from_json(store.get(decision_key(7))).commit
     np.testing.assert_array_equal(late.w, bits_of(w))
 
 
