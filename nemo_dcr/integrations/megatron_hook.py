@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as save_safetensors
 
+from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
 from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
@@ -163,10 +164,13 @@ class MegatronRefitHook:
         the run id."""
         run_id = self.sender.claim()
         state = self.dense_state()
+        error = None
         if _rank() == 0:
-            write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
+            except Exception as e:  # noqa: BLE001 - every rank must learn it (no rank left in a collective)
+                error = f"writing version 0 to {self.store.uri} failed: {type(e).__name__}: {e}"
+        agree_or_raise(error, ProtocolError)
         return run_id
 
     def resume(self, run_id: str) -> None:
