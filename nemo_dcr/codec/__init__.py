@@ -1,16 +1,19 @@
 """Delta codec: v1 chunks of per-tensor records (wire format in ``docs/wire-format.md``).
 
 Encode: ``encode_chunk(deltas, meta=..., base=...) -> bytes``.  Decode:
-``decode_chunk(data, base=..., limits=...) -> DecodedChunk`` (returns arrays, writes
-nothing).  Apply: ``apply_delta_(bits, delta)``.  A manifest names a chunk by
-``chunk_digest(data)``.
+``decode_chunk(data, base=..., limits=..., expect=..., budget=...) -> DecodedChunk``
+(returns arrays, writes nothing; ``expect`` and a per-version ``DecodeBudget`` admit an
+untrusted chunk before any payload is decoded).  Apply: ``apply_delta_(bits, delta)``.
+A manifest names a chunk by ``chunk_digest(data)``.
 """
+from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.chunk import DecodedChunk, RecordInfo, chunk_digest, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.format import (
     BaseMismatchError,
     ChunkFormatError,
     ChunkLimits,
+    ChunkValidationError,
     Coding,
     ContentMismatchError,
     MissingBaseError,
@@ -22,8 +25,10 @@ __all__ = [
     "BaseMismatchError",
     "ChunkFormatError",
     "ChunkLimits",
+    "ChunkValidationError",
     "Coding",
     "ContentMismatchError",
+    "DecodeBudget",
     "DecodedChunk",
     "DeltaOp",
     "MissingBaseError",

@@ -3,9 +3,13 @@
 The decoder validates in this order and allocates nothing a chunk declares before the
 declaration has passed both the limits and the remaining-buffer check:
 header (magic, version, CRC, section lengths) -> whole-chunk CRC -> metadata (CRC, limits)
--> directory (CRC, bounded inflate, every entry against the limits and the decoded-size
-budget) -> payload section (CRC, lengths) -> each record (decode, content CRC).  It only returns arrays; applying them
-is ``apply_delta_``'s job, so a chunk that fails anywhere has written nothing.
+-> directory (CRC, bounded inflate, every entry against the limits and the chunk's decoded-size
+limit) -> the caller's ``expect`` (names, dtypes, shapes) -> each record's payload length
+against what it declares -> context bases present -> the version's
+``DecodeBudget`` -> payload section (CRC, lengths) -> each record (decode, content CRC).
+Up to the budget, memory is proportional to the header (``nemo_dcr.codec.admit``).  It only
+returns arrays; applying them is ``apply_delta_``'s job, so a chunk that fails anywhere has
+written nothing.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
+from nemo_dcr.codec.admit import DecodeBudget, check_expected
 from nemo_dcr.codec.format import (
     DTYPE_CODES,
     DTYPE_NAMES,
@@ -42,7 +47,7 @@ from nemo_dcr.codec.format import (
 )
 from nemo_dcr.codec.model import ModelStates
 from nemo_dcr.codec.model import available as model_available
-from nemo_dcr.codec.payload import RecordSpec, decode_payload, encode_payload
+from nemo_dcr.codec.payload import RecordSpec, check_payload_size, decode_payload, encode_payload
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 
 
@@ -261,6 +266,12 @@ class _Entry:
     content_crc: int
     param: int
 
+    @property
+    def spec(self) -> RecordSpec:
+        lo, hi = self.info.element_range
+        return RecordSpec(dtype=self.info.dtype, shape=self.info.shape, op=self.info.op, lo=lo, hi=hi,
+                          nnz=self.info.nnz, param=self.param)
+
 
 def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
     if raw_len == 0:
@@ -278,7 +289,7 @@ def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
     return memoryview(raw)
 
 
-def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
+def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
     (name_len, dcode, opcode, ndim, coding, flags, param, lo, hi, nnz, plen, ccrc) = ENTRY_FIXED.unpack(
         r.take(ENTRY_FIXED.size, "directory entry"))
     if name_len > limits.max_name_bytes:
@@ -308,17 +319,21 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, budget: list[int]) -> _Entry:
         numel *= s  # Python ints: no overflow
     if numel > limits.max_numel:
         raise ChunkFormatError(f"{name}: {numel} elements exceed the limit {limits.max_numel}")
-    if not (lo <= hi <= numel) or nnz > hi - lo:
-        raise ChunkFormatError(f"{name}: range [{lo}, {hi}) / {nnz} entries inconsistent with {numel} elements")
+    if not lo <= hi <= numel:
+        raise ChunkFormatError(f"record {name!r}: range [{lo}, {hi}) is not inside its {numel} elements")
+    if nnz > hi - lo:
+        raise ChunkFormatError(f"record {name!r}: nnz {nnz} exceeds its range [{lo}, {hi}) of {hi - lo} elements")
     dtype = DTYPE_NAMES[dcode]
     need = nnz * (8 + BITS_DTYPE[dtype].itemsize)
-    if need > budget[0]:
-        raise ChunkFormatError(f"{name}: decoded size exceeds the chunk limit {limits.max_decoded_bytes}")
-    budget[0] -= need
+    if need > left[0]:
+        raise ChunkFormatError(f"record {name!r}: nnz {nnz} brings the decoded size over the chunk limit of "
+                               f"{limits.max_decoded_bytes} bytes")
+    left[0] -= need
     if coding_e is Coding.MODEL:
-        if hi - lo > budget[1]:
-            raise ChunkFormatError(f"{name}: MODEL ranges exceed the chunk limit of {limits.max_scan_elements} elements")
-        budget[1] -= hi - lo
+        if hi - lo > left[1]:
+            raise ChunkFormatError(f"record {name!r}: MODEL ranges exceed the chunk limit of "
+                                   f"{limits.max_scan_elements} elements")
+        left[1] -= hi - lo
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
                       nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
     return _Entry(info, ccrc, param)
@@ -329,9 +344,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
     info = e.info
     name = info.name
     b = None
-    if info.context:
-        if base is None or name not in base:
-            raise MissingBaseError(f"{name}: context-mode record; decoding needs its base bits")
+    if info.context:  # _admit checked that base holds it
         numel = 1
         for s in info.shape:
             numel *= s
@@ -340,8 +353,10 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
             raise BaseMismatchError(f"{name}: record is for {info.dtype}{list(info.shape)}, the base given "
                                     f"for it is {b.dtype}[{b.size}]")
     lo, hi = info.element_range
-    spec = RecordSpec(dtype=info.dtype, shape=info.shape, op=info.op, lo=lo, hi=hi, nnz=info.nnz, param=e.param)
-    pos, val = decode_payload(spec, info.coding, payload, b, states)
+    try:
+        pos, val = decode_payload(e.spec, info.coding, payload, b, states)
+    except ChunkFormatError as err:
+        raise type(err)(f"record {name!r}: {err}") from None
     if pos.size != info.nnz or val.size != info.nnz:
         raise ChunkFormatError(f"{name}: payload decoded to {pos.size} entries, directory says {info.nnz}")
     if content_crc(pos, val) != e.content_crc:
@@ -356,19 +371,40 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
         raise ChunkFormatError(str(err)) from None
 
 
+def _admit(entries: list[_Entry], base: Mapping[str, np.ndarray] | None, expect: Mapping | None,
+           budget: DecodeBudget | None, *, decode: bool) -> None:
+    """Everything checkable from the directory, before any payload is decoded."""
+    infos = [e.info for e in entries]
+    if expect is not None:
+        check_expected(infos, expect)
+    for e in entries:
+        try:
+            check_payload_size(e.spec, e.info.coding, e.info.payload_bytes)
+        except ChunkFormatError as err:
+            raise ChunkFormatError(f"record {e.info.name!r}: {err}") from None
+    if decode:
+        for i in infos:
+            if i.context and (base is None or i.name not in base):
+                raise MissingBaseError(f"{i.name}: context-mode record; decoding needs its base bits")
+    if budget is not None:
+        budget.charge(infos)
+
+
 def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] | None,
-          limits: ChunkLimits, *, decode: bool) -> DecodedChunk:
+          limits: ChunkLimits, *, decode: bool, expect: Mapping | None = None,
+          budget: DecodeBudget | None = None) -> DecodedChunk:
     buf = memoryview(data).cast("B")
     h = _parse_header(buf, limits)
     r = _Reader(buf, HEADER.size, len(buf) - TRAILER.size)
     meta = _decode_meta(r.section(h.meta_len, "metadata"), limits)
     dr = _Reader(_inflate_directory(r.section(h.dir_len, "directory"), h.dir_raw_len), 0, h.dir_raw_len)
-    budget = [limits.max_decoded_bytes, limits.max_scan_elements]
-    entries = [_parse_entry(dr, limits, budget) for _ in range(h.n_records)]
+    left = [limits.max_decoded_bytes, limits.max_scan_elements]  # what this chunk may still declare
+    entries = [_parse_entry(dr, limits, left) for _ in range(h.n_records)]
     if dr.pos != dr.end:
         raise ChunkFormatError(f"{dr.end - dr.pos} trailing bytes in the directory")
     if sum(e.info.payload_bytes for e in entries) != h.payloads_len:
         raise ChunkFormatError("directory payload lengths do not add up to the payload section")
+    _admit(entries, base, expect, budget, decode=decode)
     payloads = r.section(h.payloads_len, "payloads")
     assert r.pos == r.end
     deltas = []
@@ -383,16 +419,26 @@ def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] |
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, *, base: Mapping[str, np.ndarray] | None = None,
-                 limits: ChunkLimits = ChunkLimits()) -> DecodedChunk:
+                 limits: ChunkLimits = ChunkLimits(), expect: Mapping | None = None,
+                 budget: DecodeBudget | None = None) -> DecodedChunk:
     """Parse and decode a whole chunk; raises ``ChunkFormatError`` on any malformed input.
 
     ``base`` is needed only for context-mode records (``MissingBaseError`` otherwise).
+
+    Untrusted chunks: pass ``expect`` (tensor name -> ``(dtype, shape)`` or an object with
+    ``dtype`` and ``shape``, e.g. a runtime's ``TensorSpec``: what the receiver holds) and
+    the version's ``budget`` (one ``DecodeBudget`` shared by all chunks of the version).
+    Then every record's name, dtype, shape and declared counts are checked and charged
+    before any payload is decoded, and a chunk that does not fit raises
+    ``ChunkValidationError`` (a ``ValidationError``) having allocated memory proportional
+    to its header only.  Without them, a record may allocate up to ``limits`` allows.
     """
-    return _walk(data, base, limits, decode=True)
+    return _walk(data, base, limits, decode=True, expect=expect, budget=budget)
 
 
-def read_chunk_index(data: bytes | bytearray | memoryview, *,
-                     limits: ChunkLimits = ChunkLimits()) -> DecodedChunk:
+def read_chunk_index(data: bytes | bytearray | memoryview, *, limits: ChunkLimits = ChunkLimits(),
+                     expect: Mapping | None = None) -> DecodedChunk:
     """Validate a chunk's structure and checksums and list its records without decoding
-    payloads (``deltas`` is empty); needs no base."""
-    return _walk(data, None, limits, decode=False)
+    payloads (``deltas`` is empty); needs no base.  With ``expect`` (as for
+    ``decode_chunk``), records that do not fit raise ``ChunkValidationError``."""
+    return _walk(data, None, limits, decode=False, expect=expect)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
-from nemo_dcr.errors import FormatError
+from nemo_dcr.errors import FormatError, ValidationError
 
 MAGIC = b"NEMODCR\x00"
 END_MAGIC = b"DCR\x00"
@@ -101,6 +101,12 @@ class MissingBaseError(ChunkFormatError):
     """A context-mode record was decoded without base bits for its tensor: either the caller
     did not pass them or the chunk names a tensor the caller does not hold.  A subclass of
     ChunkFormatError so that every way a chunk can fail to decode is one exception type."""
+
+
+class ChunkValidationError(ValidationError):
+    """A well-formed chunk that does not fit what decoding it was allowed: a record whose
+    name, dtype or shape is not a tensor the caller expects, or a version's chunks declaring
+    more than its ``DecodeBudget``.  Raised before any payload is decoded."""
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 ``encode_payload`` tries every coding that applies and keeps the smallest, so a record
 never costs more than its dense bytes (``DENSE_RAW``), except an overwrite that leaves some
 elements of its range alone, which cannot be dense without the base and then costs at most
-``SPARSE_RAW``.  ``decode_payload`` checks every declared size against the payload length
-and the limits before it allocates.
+``SPARSE_RAW``.  ``check_payload_size`` bounds what a record declares by its payload length,
+from the directory alone; ``decode_payload`` runs it again before it allocates.
 """
 from __future__ import annotations
 
@@ -18,6 +18,24 @@ from nemo_dcr.codec.format import ChunkFormatError, Coding
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
 ZSTD_LEVEL = 3
+
+#: Most bytes a zstd frame inflates to per byte of frame.  A block outputs at most 128 KiB
+#: (the format's Block_Maximum_Size) and costs at least 4 bytes (3-byte block header + the
+#: one byte of an RLE block), so no frame exceeds 2**17 / 4 = 32768x (64 MiB of zeros
+#: compresses to 32546x at level 19).
+ZSTD_MAX_RATIO = 1 << 15
+
+#: Bytes the MODEL decoder reads as zeros past the end of a stream before it rejects it
+#: (``MAX_STRIP`` in ``csrc/ans.c``).
+MODEL_MAX_STRIP = 4
+
+#: Upper bound on the binary decisions one byte of MODEL stream can code, as a fraction
+#: ``_MODEL_DECISIONS_NUM / _MODEL_DECISIONS_DEN``.  Every decision shrinks the coder's range
+#: by a factor of at most ``1 - 2**-24`` (probabilities are clamped to ``[2**-23, 1 - 2**-23]``
+#: and the range is at least ``2**24``), i.e. costs at least ``2**-24 / ln 2`` bits, so one
+#: byte buys at most ``8 * 2**24 * ln 2`` decisions; ``45427 / 65536 > ln 2``.
+_MODEL_DECISIONS_NUM = 8 * (1 << 24) * 45427
+_MODEL_DECISIONS_DEN = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,53 @@ class RecordSpec:
     @property
     def range_len(self) -> int:
         return self.hi - self.lo
+
+
+def model_max_entries(dtype: str, payload_len: int) -> int:
+    """Most entries a MODEL payload of ``payload_len`` bytes can decode to (sound, loose).
+
+    The decoder consumes at most ``payload_len + MODEL_MAX_STRIP`` bytes (4 of them at start)
+    before an element boundary, and codes every entry's magnitude with a ``bitlen(W)``-level
+    bit tree, so an entry costs at least ``bitlen(W)`` decisions.  An adaptive coder can
+    make repeated symbols nearly free, so this allows ~1.9e7 bf16 entries per byte: it stops
+    absurd claims, while the receiver's shapes and the version budget bound the rest.
+    """
+    hbits = (8 * BITS_DTYPE[dtype].itemsize).bit_length()
+    decisions = (payload_len + MODEL_MAX_STRIP - 3) * _MODEL_DECISIONS_NUM // _MODEL_DECISIONS_DEN
+    return decisions // hbits + 1
+
+
+def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> None:
+    """Refuse a record whose declared entries its payload cannot hold: exact for the raw
+    codings, a sound expansion bound for zstd (``ZSTD_MAX_RATIO``) and MODEL
+    (``model_max_entries``).  Needs only the directory; raises ChunkFormatError."""
+    w = spec.width
+    if spec.param and coding is not Coding.MODEL:
+        raise ChunkFormatError(f"coding {coding.name} takes no parameter, got {spec.param}")
+    if coding is Coding.DENSE_RAW:
+        if payload_len != spec.range_len * w:
+            raise ChunkFormatError(f"dense payload_len is {payload_len} bytes, range needs {spec.range_len * w}")
+        if spec.op is DeltaOp.OVERWRITE and spec.nnz != spec.range_len:
+            raise ChunkFormatError(f"dense overwrite must cover its whole range: nnz {spec.nnz}, "
+                                   f"range {spec.range_len}")
+    elif coding is Coding.SPARSE_RAW:
+        if payload_len != spec.nnz * (8 + w):
+            raise ChunkFormatError(f"sparse payload_len is {payload_len} bytes, nnz {spec.nnz} needs "
+                                   f"{spec.nnz * (8 + w)}")
+    elif coding is Coding.SPARSE_ZSTD:
+        want = spec.nnz * (_gap_dtype(spec).itemsize + w)
+        if want == 0:
+            raise ChunkFormatError("zstd coding of an empty record")
+        if want > ZSTD_MAX_RATIO * payload_len:
+            raise ChunkFormatError(f"nnz {spec.nnz} needs {want} inflated bytes, more than a zstd payload_len of "
+                                   f"{payload_len} can hold (at most {ZSTD_MAX_RATIO}x)")
+    elif coding is Coding.MODEL:
+        cap = model_max_entries(spec.dtype, payload_len)
+        if spec.nnz > cap:
+            raise ChunkFormatError(f"nnz {spec.nnz} is more than a MODEL payload_len of {payload_len} can code "
+                                   f"(at most {cap})")
+    else:
+        raise ChunkFormatError(f"unknown coding {coding!r}")
 
 
 def _le(dtype: np.dtype) -> np.dtype:
@@ -101,24 +166,16 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
     """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError."""
     bits = BITS_DTYPE[spec.dtype]
     w = spec.width
-    n = len(payload)
-    if spec.param and coding is not Coding.MODEL:
-        raise ChunkFormatError(f"coding {coding.name} takes no parameter, got {spec.param}")
+    check_payload_size(spec, coding, len(payload))
     if coding is Coding.DENSE_RAW:
-        if n != spec.range_len * w:
-            raise ChunkFormatError(f"dense payload is {n} bytes, range needs {spec.range_len * w}")
         dense = np.frombuffer(payload, dtype=_le(bits)).astype(bits)
         if spec.op is DeltaOp.OVERWRITE:
-            if spec.nnz != spec.range_len:
-                raise ChunkFormatError("dense overwrite must cover its whole range")
             return np.arange(spec.lo, spec.hi, dtype=np.int64), dense
         rel = np.flatnonzero(dense)
         if rel.size != spec.nnz:
             raise ChunkFormatError(f"dense XOR has {rel.size} changed elements, header says {spec.nnz}")
         return rel.astype(np.int64) + spec.lo, dense[rel]
     if coding is Coding.SPARSE_RAW:
-        if n != spec.nnz * (8 + w):
-            raise ChunkFormatError(f"sparse payload is {n} bytes, {spec.nnz} entries need {spec.nnz * (8 + w)}")
         pos = np.frombuffer(payload, dtype="<i8", count=spec.nnz).astype(np.int64)
         val = np.frombuffer(payload, dtype=_le(bits), offset=8 * spec.nnz).astype(bits)
         _check_positions(spec, pos)
@@ -132,8 +189,6 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
             raise ChunkFormatError(f"bad zstd frame: {e}") from None
         if params.content_size not in (want, zstandard.CONTENTSIZE_UNKNOWN):
             raise ChunkFormatError(f"zstd frame declares {params.content_size} bytes, record needs {want}")
-        if want == 0:
-            raise ChunkFormatError("zstd coding of an empty record")
         try:
             # max_output_size bounds the allocation when the frame omits its content size.
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=want)

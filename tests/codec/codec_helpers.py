@@ -1,11 +1,14 @@
 """Shared helpers for the codec tests: build deltas from (base, target) bit arrays."""
 from __future__ import annotations
 
-import numpy as np
+import struct
 
+import numpy as np
 import pytest
+import zstandard
 
 from nemo_dcr.codec import BITS_DTYPE, DeltaOp, TensorDelta, model
+from nemo_dcr.codec.format import ENTRY_FIXED, HEADER, TRAILER, U32, crc32
 
 #: Tests of the MODEL coding (and so of context mode) need the native coder built
 #: (`make setup`); without it the codec falls back to zstd and those tests are skipped.
@@ -41,3 +44,28 @@ def overwrite_delta(name: str, dtype: str, shape: tuple[int, ...], positions: np
     positions = np.asarray(positions, dtype=np.int64)
     return TensorDelta(name=name, dtype=dtype, shape=shape, op=DeltaOp.OVERWRITE,
                        positions=positions, values=target[positions].copy(), element_range=element_range)
+
+
+def forge_chunk(records: list[tuple[tuple, bytes, tuple[int, ...], bytes]], meta: bytes | None = None,
+                n_records: int | None = None, dir_raw_len: int | None = None) -> bytes:
+    """A chunk whose every checksum is right, with arbitrary directory fields: each record
+    is (``entry_fields(...)``, name bytes, shape, payload bytes)."""
+    meta_body = meta if meta is not None else U32.pack(0)
+    dir_raw, payloads = b"", b""
+    for fields, name, shape, payload in records:
+        dir_raw += ENTRY_FIXED.pack(*fields) + name + struct.pack(f"<{len(shape)}Q", *shape)
+        payloads += payload
+    directory = zstandard.ZstdCompressor().compress(dir_raw) if dir_raw else b""
+    body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
+            + payloads + U32.pack(crc32(payloads)))
+    total = HEADER.size + len(body) + TRAILER.size
+    h = HEADER.pack(b"NEMODCR\x00", 1, 0, len(records) if n_records is None else n_records, len(meta_body),
+                    len(directory), len(dir_raw) if dir_raw_len is None else dir_raw_len, len(payloads), total, 0)
+    h = h[:-4] + U32.pack(crc32(h[:-4]))
+    pre = h + body
+    return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
+
+
+def entry_fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, param=0, lo=0, hi=4, nnz=1, plen=10, ccrc=0):
+    """A directory entry's fixed fields (defaults: a 1-entry SPARSE_RAW bf16 XOR record)."""
+    return (name_len, dtype, op, ndim, coding, flags, param, lo, hi, nnz, plen, ccrc)

@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
-from nemo_dcr.codec.format import DIR_ZSTD_LEVEL, ENTRY_FIXED, HEADER, TRAILER, U32, crc32
+from nemo_dcr.codec.format import DIR_ZSTD_LEVEL, HEADER, TRAILER, U32, crc32
 
+from codec_helpers import entry_fields as _fields
+from codec_helpers import forge_chunk as _forge
 from codec_helpers import needs_native, random_bits, xor_delta
 
 
@@ -91,29 +93,6 @@ def test_every_single_byte_truncation():
 
 
 # ---------------------------------------------------------------- forged chunks (valid CRCs)
-
-def _forge(records: list[tuple[tuple, bytes, tuple[int, ...], bytes]], meta: bytes | None = None,
-           n_records: int | None = None, dir_raw_len: int | None = None) -> bytes:
-    """A chunk whose every checksum is right, with arbitrary directory fields."""
-    meta_body = meta if meta is not None else U32.pack(0)
-    dir_raw, payloads = b"", b""
-    for fields, name, shape, payload in records:
-        dir_raw += ENTRY_FIXED.pack(*fields) + name + struct.pack(f"<{len(shape)}Q", *shape)
-        payloads += payload
-    directory = zstandard.ZstdCompressor().compress(dir_raw) if dir_raw else b""
-    body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
-            + payloads + U32.pack(crc32(payloads)))
-    total = HEADER.size + len(body) + TRAILER.size
-    h = HEADER.pack(b"NEMODCR\x00", 1, 0, len(records) if n_records is None else n_records, len(meta_body),
-                    len(directory), len(dir_raw) if dir_raw_len is None else dir_raw_len, len(payloads), total, 0)
-    h = h[:-4] + U32.pack(crc32(h[:-4]))
-    pre = h + body
-    return pre + TRAILER.pack(crc32(pre), b"DCR\x00")
-
-
-def _fields(name_len=1, dtype=1, op=0, ndim=1, coding=1, flags=0, param=0, lo=0, hi=4, nnz=1, plen=10, ccrc=0):
-    return (name_len, dtype, op, ndim, coding, flags, param, lo, hi, nnz, plen, ccrc)
-
 
 HOSTILE = {
     "huge nnz raw": [(_fields(nnz=2**40, hi=2**41, plen=0), b"w", (2**41,), b"")],
