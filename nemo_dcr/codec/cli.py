@@ -7,6 +7,10 @@
 A delta file is one v1 chunk.  Its metadata records the digest of the base it was made
 against and of the target it produces; ``apply`` refuses a different base and verifies the
 result before writing, and writes nothing on any error (the output appears atomically).
+A delta file is untrusted input: ``apply`` (and ``inspect --base``) admit its records
+against the base's tensors before decoding any payload, and ``inspect`` without a base
+decodes only up to ``--max-decode`` declared entries.  ``--out`` may not name an input.
+Errors are one line on stderr: exit 2 for a usage error, 1 for anything else.
 """
 from __future__ import annotations
 
@@ -21,18 +25,27 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from nemo_dcr.codec.admit import DecodeBudget
+from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.bound import iid_bound_bytes
 from nemo_dcr.codec.chunk import decode_chunk, encode_chunk, read_chunk_index
-from nemo_dcr.codec.format import ChunkFormatError, MissingBaseError
+from nemo_dcr.codec.format import ChunkValidationError
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
-from nemo_dcr.codec.apply import apply_delta_
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.errors import DcrError, ValidationError
 
 META_FORMAT = "nemo-dcr delta file v1"
+
+#: ``inspect --max-decode`` default: declared entries decoded for the i.i.d. bound when no
+#: base bounds them (2**27 entries: ~1.3 GiB of bf16 positions and values).
+INSPECT_MAX_DECODE = 1 << 27
 
 
 class DeltaCliError(ValidationError):
     """A user-facing refusal (wrong base, mismatched files): printed without a traceback."""
+
+
+class DeltaUsageError(DeltaCliError):
+    """Arguments that cannot be run as given (exit status 2)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,9 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("delta")
     ins.add_argument("--base", help="base .safetensors, needed to decode context-mode records for the bound")
     ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ins.add_argument("--max-decode", type=int, default=INSPECT_MAX_DECODE, metavar="N",
+                     help="without --base, decode (for the bound) only if the records declare at most N "
+                          f"changed elements in all (default {INSPECT_MAX_DECODE})")
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run one sub-command; every error is one line on stderr (no traceback)."""
     try:
         if args.delta_cmd == "encode":
             return _encode(args)
@@ -61,8 +78,14 @@ def main(args: argparse.Namespace) -> int:
             return _apply(args)
         if args.delta_cmd == "inspect":
             return _inspect(args)
-    except (DeltaCliError, ChunkFormatError, MissingBaseError) as e:
+    except DeltaUsageError as e:
         print(f"nemo-dcr delta {args.delta_cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except (DcrError, ValueError, OSError) as e:
+        # DcrError: refusals and malformed chunks; ValueError: inputs the encoder cannot carry;
+        # OSError: files that cannot be read or written.
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"nemo-dcr delta {args.delta_cmd}: error: {msg}", file=sys.stderr)
         return 1
     raise AssertionError(args.delta_cmd)
 
@@ -102,6 +125,22 @@ def state_digest(tensors) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _check_out(out: str, **inputs: str) -> None:
+    """``--out`` must not name an input: the atomic rename would replace it."""
+    o = os.path.realpath(out)
+    for flag, path in inputs.items():
+        same = os.path.realpath(path) == o
+        if not same and os.path.exists(out) and os.path.exists(path):
+            same = os.path.samefile(out, path)  # hard links, other mounts of the same file
+        if same:
+            raise DeltaUsageError(f"--out {out} is the same file as --{flag} {path}; refusing to overwrite an input")
+
+
+def _expect(tensors) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What a delta for ``tensors`` may name: ``decode_chunk``'s ``expect``."""
+    return {k: (_dtype_name(t), tuple(t.shape)) for k, t in tensors.items()}
+
+
 def _write_atomic(path: str, write) -> None:
     """``write(tmp_path)``, then rename over ``path``: readers see the old file or the new one."""
     d = os.path.dirname(os.path.abspath(path))
@@ -121,6 +160,7 @@ def _write_atomic(path: str, write) -> None:
 def _encode(args) -> int:
     from nemo_dcr.kernels import xor_diff
 
+    _check_out(args.out, base=args.base, target=args.target)
     base, target = _load(args.base), _load(args.target)
     if set(base) != set(target):
         raise DeltaCliError(f"base and target hold different tensors: {sorted(set(base) ^ set(target))[:5]}")
@@ -150,6 +190,7 @@ def _encode(args) -> int:
 def _apply(args) -> int:
     from safetensors.torch import save_file
 
+    _check_out(args.out, base=args.base, delta=args.delta)
     data = pathlib.Path(args.delta).read_bytes()
     meta = read_chunk_index(data).meta
     if meta.get("format") != META_FORMAT or "base_digest" not in meta:
@@ -159,15 +200,12 @@ def _apply(args) -> int:
     if have != meta["base_digest"]:
         raise DeltaCliError(f"{args.base} is not this delta's base: the delta was made against "
                             f"{meta['base_digest']}, this file is {have}; refusing to apply")
+    # Admit every record against the base's tensors before decoding any payload.
+    expect = _expect(base)
+    decoded = decode_chunk(data, base=_bits(base), expect=expect, budget=DecodeBudget.for_tensors(expect))
     out = {k: v.clone() for k, v in base.items()}
     bits = _bits(out)
-    decoded = decode_chunk(data, base=_bits(base))
     for d in decoded.deltas:
-        if d.name not in out:
-            raise DeltaCliError(f"delta names {d.name!r}, which the base does not hold")
-        if _dtype_name(out[d.name]) != d.dtype or tuple(out[d.name].shape) != d.shape:
-            raise DeltaCliError(f"{d.name}: delta is for {d.dtype}{d.shape}, base holds "
-                                f"{out[d.name].dtype}{tuple(out[d.name].shape)}")
         apply_delta_(bits[d.name], d)
     got = state_digest(out)
     if got != meta.get("target_digest"):
@@ -177,11 +215,27 @@ def _apply(args) -> int:
     return 0
 
 
-def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None) -> dict:
-    """Per-record and total sizes and bounds of a chunk (the ``inspect`` report)."""
-    index = read_chunk_index(data)
-    decodable = base_bits is not None or not any(r.context for r in index.records)
-    deltas = decode_chunk(data, base=base_bits).deltas if decodable else [None] * len(index.records)
+def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None, *, expect: Mapping | None = None,
+                 max_decode: int = INSPECT_MAX_DECODE) -> dict:
+    """Per-record and total sizes and bounds of a chunk (the ``inspect`` report).
+
+    Payloads are decoded (for the bound) only after the records are admitted: against
+    ``expect`` and its budget when given (a misfit raises), else against ``max_decode``
+    declared entries in all (over it, the bounds are n/a and ``total["not_decoded"]`` says
+    why), so memory is bounded by the header, not by what the records claim."""
+    index = read_chunk_index(data, expect=expect)
+    not_decoded = None
+    if base_bits is None and any(r.context for r in index.records):
+        not_decoded = "context-mode records need the base (--base)"
+    deltas = [None] * len(index.records)
+    if not_decoded is None:
+        budget = DecodeBudget.for_tensors(expect) if expect is not None else DecodeBudget(max_decode)
+        try:
+            deltas = decode_chunk(data, base=base_bits, expect=expect, budget=budget).deltas
+        except ChunkValidationError as e:
+            if expect is not None:
+                raise
+            not_decoded = f"not decoded: {e} (--max-decode)"
     rows = []
     for info, d in zip(index.records, deltas):
         lo, hi = info.element_range
@@ -201,14 +255,18 @@ def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None) -> dic
     total = {"records": len(rows), "chunk_bytes": len(data), "changed": nnz,
              "changed_pct": 100 * nnz / numel if numel else 0.0,
              "bytes_per_changed": len(data) / nnz if nnz else None,
-             "bound_bytes": bound, "ratio_to_bound": len(data) / bound if bound else None}
+             "bound_bytes": bound, "ratio_to_bound": len(data) / bound if bound else None,
+             "not_decoded": not_decoded}
     return {"meta": index.meta, "records": rows, "total": total}
 
 
 def _inspect(args) -> int:
+    if args.max_decode < 0:
+        raise DeltaUsageError(f"--max-decode must be >= 0, got {args.max_decode}")
     data = pathlib.Path(args.delta).read_bytes()
-    base_bits = _bits(_load(args.base)) if args.base else None
-    report = inspect_rows(data, base_bits)
+    base = _load(args.base) if args.base else None
+    report = inspect_rows(data, _bits(base) if base is not None else None,
+                          expect=_expect(base) if base is not None else None, max_decode=args.max_decode)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -225,7 +283,7 @@ def _inspect(args) -> int:
     print(f"total: {t['records']} records, {t['changed']} changed ({t['changed_pct']:.3f}%), "
           f"{t['chunk_bytes']} bytes, {f(t['bytes_per_changed'], '.3f')} bytes per changed element, "
           + (f"{t['ratio_to_bound']:.3f}x the i.i.d. bound" if t["ratio_to_bound"] is not None
-             else "i.i.d. bound n/a (context records: pass --base)"))
+             else "i.i.d. bound n/a" + (f": {t['not_decoded']}" if t["not_decoded"] else "")))
     return 0
 
 
