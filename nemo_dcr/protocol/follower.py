@@ -27,7 +27,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from nemo_dcr.errors import DcrError, ProtocolError
+from nemo_dcr.errors import DcrError, ProtocolError, TransportError
 from nemo_dcr.protocol.manifest import (
     HEAD_KEY,
     Ack,
@@ -98,6 +98,9 @@ class Follower:
         try:
             data = self.store.get(key)
         except ObjectNotFound:
+            return None
+        except TransportError as e:  # a failing or stalled store: look again at the next poll
+            self._log({"receiver": self.receiver_id, "store_error": key, "error": str(e)})
             return None
         try:
             doc = cls.from_json(data, self.sealer)
@@ -190,6 +193,15 @@ class Follower:
                 for m in manifests:
                     self.rx.apply_committed(m)
                 stats, mode = {}, "replayed"
+        except TransportError as e:
+            # chunks are fetched before a version's writes: keep what was replayed, retry the rest
+            held = getattr(self.rx, "held_version", None)
+            if held in chain:
+                self.state.committed = self.state.handled = held
+                self.state.decided = max(self.state.decided, held)
+            self._log({"receiver": self.receiver_id, "event": "catch-up interrupted", "held": self.state.committed,
+                       "store_error": str(e)})
+            return False
         except DcrError as e:
             raise ProtocolError(f"receiver {self.receiver_id}: cannot catch up from v{self.state.committed} to "
                                 f"v{target} ({type(e).__name__}: {e}); reload from a newer checkpoint") from None
@@ -213,10 +225,21 @@ class Follower:
                       error=f"manifest v{manifest.version} has base version {manifest.base_version}, "
                             f"this receiver holds version {st.committed}")
         else:
-            ack = self.rx.apply_tentative(manifest, digest, run_id=st.run_id)
+            try:
+                ack = self.rx.apply_tentative(manifest, digest, run_id=st.run_id)
+            except TransportError as e:  # the store failed while fetching: a refusal, not a crash
+                if getattr(self.rx, "held_version", st.committed) == manifest.version:
+                    self.rx.rollback()  # failed after the writes (e.g. fetching the dense reference)
+                ack = Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
+                          held_version=st.committed, error=f"store error: {e}")
             if ack.ok:
                 st.tentative = manifest.version
-        self.store.put(ack_key(self.receiver_id, manifest.version), ack.to_json(self.sealer))
+        try:
+            self.store.put(ack_key(self.receiver_id, manifest.version), ack.to_json(self.sealer))
+        except TransportError as e:
+            # the trainer misses this ack and aborts at its timeout; the decision settles us
+            self._log({"receiver": self.receiver_id, "version": manifest.version, "store_error": "ack put",
+                       "error": str(e)})
         st.handled = manifest.version
         st.awaiting = manifest.version
         self._log({"receiver": self.receiver_id, "version": manifest.version, "ok": ack.ok,
