@@ -1,0 +1,653 @@
+"""Fault campaign: randomized faults against the real refit pipeline, checked bit for bit.
+
+    .venv/bin/python scripts/fault_campaign.py --trials 500 --seed 0 \\
+        --results benchmarks/results/fault_campaign.jsonl --out benchmarks/results/fault_campaign.json
+
+Setup (one "epoch"; a new one only after a trainer rank was killed or something broke):
+a moto S3 server on 127.0.0.1, a fresh bucket, one shared signing key, the trainer
+(``nemo_dcr.testbed.campaign_trainer``: megatron-core, 1 layer, hidden 64, TP=2 under
+torchrun/gloo, the product's ``MegatronRefitHook``, ack timeout 3 s, ``on_refusal=retry``)
+and two receivers (``nemo_dcr.testbed.faults``: the product's ``Receiver`` + ``Follower``
+on the transformers runtime).  Every process wraps its store (and a receiver its served
+model) in the injectors of ``nemo_dcr/testbed/faults.py``.
+
+One trial = one trainer step = one version ``v``: the driver draws a fault from
+``(seed, trial)``, writes the plan of ``v``, lets the trainer step (``go/<v>``), waits for
+the trainer's decision, restarts any receiver that died (from scratch: it loads version 0
+and catches up by replaying committed versions), then asks each receiver to settle and dump
+every parameter and buffer it serves.  Checks, with integer views against the trainer's
+own canonical state of each version (``dense/v<k>.safetensors``):
+
+* every receiver's committed version is the trainer's committed version (``v`` after a
+  commit, its base after an abort), no tentative version is held after the decision, and
+  the served bits equal the dense state of that version (nothing uncommitted is served,
+  no committed version lost);
+* after a trainer rank is killed: a receiver holds the last committed version, or the
+  version it was told (tentative, no decision written), and serves exactly its bits.
+
+A violation is a silent corruption (must stay 0).  A hang (a receiver that never settles,
+a trainer that never decides) is recorded as such and the epoch is restarted.
+
+Resumable: one JSON line per trial in ``--results``; trials already there are skipped (a
+resumed campaign starts a fresh epoch).  ``--report-only`` rebuilds the summary + plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+
+CLASSES = ("none", "apply_exception", "receiver_kill", "trainer_kill", "store_stall", "store_error",
+           "chunk_tamper", "manifest_tamper", "decision_tamper", "ack_tamper", "one_refuses")
+# relative frequency in a random campaign (trainer kills restart everything: rare)
+WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill": 0.5, "store_stall": 4,
+           "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
+           "ack_tamper": 10, "one_refuses": 6}
+FOREVER = 1_000_000
+RECEIVERS = ("r0", "r1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- plans
+def make_plan(seed: int, trial: int, cls: str) -> dict:
+    """The faults of one trial: a pure function of (seed, trial, class)."""
+    rng = random.Random(f"{seed}:{trial}:{cls}")
+    r = rng.choice(RECEIVERS)
+    f: list[dict] = []
+    if cls == "apply_exception":
+        f = [{"kind": "apply_exception", "target": r, "after_records": rng.randint(0, 8)}]
+    elif cls == "receiver_kill":
+        point = rng.choice(["manifest_get", "chunk_get", "mid_apply", "ack_put_before", "ack_put_after",
+                            "decision_get"])
+        f = [{"kind": "kill", "target": r, "point": point, "after_records": rng.randint(0, 8)}]
+    elif cls == "trainer_kill":
+        target = rng.choice(["rank0", "rank1"])
+        point = rng.choice(["chunk_put_before", "chunk_put_after"] if target == "rank1" else
+                           ["manifest_put_before", "manifest_put_after", "ack_get", "decision_put_before",
+                            "decision_put_after"])
+        f = [{"kind": "kill", "target": target, "point": point}]
+    elif cls == "store_stall":
+        f = [{"kind": "stall", "target": "driver", "delay_s": round(rng.uniform(0.0, 1.0), 2),
+              "stall_s": round(rng.uniform(1.0, 4.0), 2)}]
+    elif cls == "store_error":
+        f = [rng.choice([
+            {"kind": "store_error", "target": r, "op": "get", "key_kind": "chunk", "times": rng.randint(1, 3)},
+            {"kind": "store_error", "target": r, "op": "get", "key_kind": "manifest", "times": rng.randint(1, 3)},
+            {"kind": "store_error", "target": r, "op": "put", "key_kind": "ack", "times": 1},
+            {"kind": "store_error", "target": "rank1", "op": "put", "key_kind": "chunk", "times": 1},
+            {"kind": "store_error", "target": "rank0", "op": "put", "key_kind": "manifest", "times": 1},
+            {"kind": "store_error", "target": "rank0", "op": "get", "key_kind": "ack", "times": rng.randint(1, 3)},
+            {"kind": "store_error", "target": "rank0", "op": "put", "key_kind": "decision", "times": 1,
+             "after_write": rng.random() < 0.5},
+        ])]
+    elif cls == "chunk_tamper":
+        f = [{"kind": "tamper", "target": r, "obj": "chunk", "reads": FOREVER,
+              "mode": rng.choice(["corrupt", "truncate", "duplicate", "reorder", "foreign", "missing"])}]
+    elif cls == "manifest_tamper":
+        f = [{"kind": "tamper", "target": r, "obj": "manifest", "reads": FOREVER,
+              "mode": rng.choice(["corrupt", "truncate", "unsigned", "forged", "foreign_signed", "replay_prev",
+                                  "reorder_signed", "dup_entry_signed"])}]
+    elif cls == "decision_tamper":
+        f = [{"kind": "tamper", "target": r, "obj": "decision", "reads": rng.randint(1, 4),
+              "mode": rng.choice(["corrupt", "truncate", "unsigned", "forged", "foreign_signed", "replay_prev"])}]
+    elif cls == "ack_tamper":
+        mode = rng.choice(["corrupt", "truncate", "unsigned", "forged", "foreign_signed", "replay_prev",
+                           "wrong_receiver", "forged_ok_of_refusal"])
+        reads = rng.choice([1, 2, FOREVER])
+        if mode == "forged_ok_of_refusal":  # the receiver refuses; the trainer reads a forged ok
+            f = [{"kind": "refuse", "target": r},
+                 {"kind": "tamper", "target": "rank0", "obj": "ack", "receiver": r, "mode": "forged",
+                  "reads": FOREVER}]
+        else:
+            f = [{"kind": "tamper", "target": "rank0", "obj": "ack", "receiver": r, "mode": mode, "reads": reads}]
+    elif cls == "one_refuses":
+        f = [{"kind": "refuse", "target": r}]
+    elif cls != "none":
+        raise ValueError(cls)
+    return {"trial": trial, "cls": cls, "faults": f}
+
+
+def choose_class(seed: int, trial: int, schedule: str, classes: tuple[str, ...]) -> str:
+    if schedule == "roundrobin":
+        return classes[trial % len(classes)]
+    if schedule == "list":  # --classes is the schedule itself (repeated when shorter)
+        return classes[trial % len(classes)]
+    rng = random.Random(f"{seed}:{trial}:class")
+    return rng.choices(classes, weights=[WEIGHTS[c] for c in classes])[0]
+
+
+# ----------------------------------------------------------------------------- checks
+def int_view(t) -> np.ndarray:
+    import torch
+
+    t = t.detach().contiguous().reshape(-1)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+
+
+def compare_state(served: dict, dense: dict) -> list[str]:
+    """Names of the dense (canonical) tensors that ``served`` does not hold bit for bit."""
+    bad = []
+    for name, ref in dense.items():
+        got = served.get(name)
+        if got is None or got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape) \
+                or not np.array_equal(int_view(got), int_view(ref)):
+            bad.append(name)
+    return bad
+
+
+# ----------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    def __init__(self, log_path: str):
+        self.port = free_port()
+        exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.log = open(log_path, "a")
+        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.1)
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def stall(self, seconds: float) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+class ReceiverProc:
+    def __init__(self, epoch: Epoch, rid: str):
+        self.epoch = epoch
+        self.rid = rid
+        self.dir = os.path.join(epoch.dir, "rx", rid)
+        os.makedirs(self.dir, exist_ok=True)
+        self.incarnation = 0
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.incarnation += 1
+        state_dir = os.path.join(self.dir, f"state-{self.incarnation}")  # from scratch
+        log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
+        cmd = [sys.executable, "-m", "nemo_dcr.testbed.faults", "--store", self.epoch.uri,
+               "--receiver-id", self.rid, "--model-id", "fault-campaign", "--init-dir", self.epoch.init_dir,
+               "--plan-dir", self.epoch.plan_dir, "--dir", self.dir, "--state-dir", state_dir]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.epoch.env,
+                                     cwd=ROOT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self, req: str, timeout: float) -> tuple[dict | None, int]:
+        """Ask for a settled dump; restarts the process when it died.  (status, restarts)."""
+        with open(os.path.join(self.dir, "req.tmp"), "w") as f:
+            f.write(req)
+        os.replace(os.path.join(self.dir, "req.tmp"), os.path.join(self.dir, "req"))
+        restarts = 0
+        deadline = time.monotonic() + timeout
+        path = os.path.join(self.dir, "status.json")
+        while time.monotonic() < deadline:
+            if not self.alive():
+                if restarts >= 3:
+                    return None, restarts
+                restarts += 1
+                self.start()
+            try:
+                with open(path) as f:
+                    st = json.load(f)
+                if st["req"] == req:
+                    return st, restarts
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+            time.sleep(0.05)
+        return None, restarts
+
+    def log_count(self, needle: str) -> int:
+        n = 0
+        for name in os.listdir(self.dir):
+            if name.startswith("log-"):
+                with open(os.path.join(self.dir, name), errors="replace") as f:
+                    n += f.read().count(needle)
+        return n
+
+    def close(self) -> None:
+        open(os.path.join(self.dir, "stop"), "w").close()
+        _kill(self.proc)
+
+
+class Epoch:
+    """One trainer run on a fresh bucket, with its receivers."""
+
+    def __init__(self, work: str, index: int, moto: Moto, key_file: str, ack_timeout_s: float, seed: int):
+        import s3fs
+
+        self.index = index
+        self.dir = os.path.join(work, f"epoch-{index}")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.plan_dir = os.path.join(self.dir, "plan")
+        for d in ("plan", "go", "dense"):
+            os.makedirs(os.path.join(self.dir, d))
+        bucket = f"dcr-{uuid.uuid4().hex[:12]}"
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": moto.env["AWS_ENDPOINT_URL"]})
+        fs.mkdir(bucket)
+        self.uri = f"s3://{bucket}/run"
+        self.env = dict(os.environ, **moto.env, NEMO_DCR_KEY_FILE=key_file, OMP_NUM_THREADS="1",
+                        PYTHONUNBUFFERED="1")
+        self.trainer_log = os.path.join(self.dir, "trainer.log")
+        t0 = time.monotonic()
+        self.trainer = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "-m", "nemo_dcr.testbed.campaign_trainer", "--dir", self.dir, "--store", self.uri,
+             "--ack-timeout-s", str(ack_timeout_s), "--seed", str(seed + index)],
+            stdout=open(self.trainer_log, "w"), stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+            start_new_session=True)
+        self.receivers: dict[str, ReceiverProc] = {}
+        ready = os.path.join(self.dir, "ready.json")
+        while not os.path.exists(ready):
+            if self.trainer.poll() is not None or time.monotonic() - t0 > 300:
+                raise RuntimeError(f"campaign trainer did not start:\n{_tail(self.trainer_log)}")
+            time.sleep(0.1)
+        from nemo_dcr.integrations.hf_export import download_checkpoint
+        from nemo_dcr.transport.store import open_store
+
+        os.environ.update(moto.env)
+        self.store = open_store(self.uri)
+        self.init_dir = download_checkpoint(self.store, os.path.join(self.dir, "init"))
+        self.receivers = {rid: ReceiverProc(self, rid) for rid in RECEIVERS}
+        for rx in self.receivers.values():  # the first version must not race their start
+            while rx.log_count('"ready": true') < 1:
+                if not rx.alive() or time.monotonic() - t0 > 300:
+                    raise RuntimeError(f"receiver {rx.rid} did not start:\n"
+                                       f"{_tail(os.path.join(rx.dir, 'log-1.txt'))}")
+                time.sleep(0.1)
+        self.version = 0
+        self.committed = 0
+        self.rows_seen = 0
+        self.setup_s = time.monotonic() - t0
+
+    def rows(self) -> list[dict]:
+        try:
+            with open(os.path.join(self.dir, "steps.jsonl")) as f:
+                return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+        except FileNotFoundError:
+            return []
+
+    def dense(self, version: int) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(self.dir, "dense", f"v{version}.safetensors"))
+
+    def close(self) -> None:
+        open(os.path.join(self.dir, "stop"), "w").close()
+        for rx in self.receivers.values():
+            rx.close()
+        try:
+            self.trainer.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill(self.trainer)
+
+
+def _tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ----------------------------------------------------------------------------- one trial
+def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
+    """Returns (record, epoch_must_end)."""
+    from nemo_dcr.protocol.manifest import Decision, decision_key
+    from nemo_dcr.protocol.signing import Sealer, load_key
+
+    v = ep.version + 1
+    ep.version = v
+    base = ep.committed
+    ignored_before = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
+    refused_before = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
+    with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as f:
+        json.dump(plan, f)
+    rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
+           "epoch": ep.index, "version": v, "base_version": base, "violations": [], "hang": False,
+           "unplanned_restarts": 0, "planned_restarts": 0}
+    t_go = time.time()
+    open(os.path.join(ep.dir, "go", str(v)), "w").close()
+    stall = next((f for f in plan["faults"] if f["kind"] == "stall"), None)
+    staller = None
+    if stall:
+        def do_stall():
+            time.sleep(stall["delay_s"])
+            moto.stall(stall["stall_s"])
+        staller = threading.Thread(target=do_stall)
+        staller.start()
+    trainer_kill = plan["cls"] == "trainer_kill"
+    row = None
+    deadline = time.monotonic() + 180
+    while row is None:
+        rows = ep.rows()
+        if len(rows) >= v:
+            row = rows[v - 1]
+            break
+        if ep.trainer.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if staller:
+        staller.join()
+    rec["t_go"] = t_go
+    end_epoch = False
+    if row is None:
+        if ep.trainer.poll() is None:  # hung: the trainer neither decided nor died
+            rec["hang"] = True
+            rec["violations"].append("trainer did not decide within 180s")
+            return rec, True
+        end_epoch = True
+        if not trainer_kill:
+            rec["violations"].append(f"trainer exited ({ep.trainer.returncode}) without a fault planned: "
+                                     + _tail(ep.trainer_log, 5))
+        # what was decided about v, if anything, is on the store
+        sealer = Sealer(load_key(os.environ.get("NEMO_DCR_KEY_FILE")))
+        try:
+            d = Decision.from_json(ep.store.get(decision_key(v)), sealer)
+        except KeyError:
+            d = None
+        rec["t_decided"] = time.time()
+        rec["committed"] = bool(d and d.commit)
+        rec["decision_written"] = d is not None
+        rec["reason"] = "trainer rank killed"
+        expect_committed = v if (d and d.commit) else base
+        allowed_tentative = {None} if d is not None else {None, v}
+    else:
+        rec["t_decided"] = row["t_decided"]
+        rec["committed"] = row["committed"]
+        rec["reason"] = row["reason"][:300]
+        rec["changed"], rec["chunks"] = row["changed"], row["chunks"]
+        if row["base_version"] != base:
+            rec["violations"].append(f"trainer base {row['base_version']}, driver expected {base}")
+        expect_committed = v if row["committed"] else base
+        allowed_tentative = {None}
+    if rec["committed"]:
+        ep.committed = v
+    # ---- every receiver settles, then its served bits are compared
+    rec["receivers"] = {}
+    dense_cache: dict[int, dict] = {}
+    planned_kill = {f["target"] for f in plan["faults"] if f["kind"] == "kill"}
+    from safetensors.torch import load_file
+
+    for rid, rx in ep.receivers.items():
+        was_dead = not rx.alive()
+        st, restarts = rx.status(f"{v}-{uuid.uuid4().hex[:6]}", timeout=120)
+        dead_restarts = restarts + 0
+        if rid in planned_kill:
+            rec["planned_restarts"] += min(dead_restarts, 1)
+            dead_restarts -= min(dead_restarts, 1)
+        rec["unplanned_restarts"] += dead_restarts
+        if dead_restarts:
+            rec.setdefault("crashes", []).append(f"{rid}: {_tail(os.path.join(rx.dir, f'log-{rx.incarnation - 1}.txt'), 3)}")
+        if st is None:
+            rec["hang"] = True
+            rec["violations"].append(f"{rid}: no settled state within 120s (was_dead={was_dead})")
+            end_epoch = True
+            continue
+        info = {k: st[k] for k in ("committed", "tentative", "awaiting", "handled", "held_version")}
+        rec["receivers"][rid] = info
+        if st["committed"] != expect_committed:
+            rec["violations"].append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
+        if st["tentative"] not in allowed_tentative:
+            rec["violations"].append(f"{rid}: serves tentative v{st['tentative']} after the decision")
+        held = st["tentative"] if st["tentative"] is not None else st["committed"]
+        if held not in dense_cache:
+            dense_cache[held] = ep.dense(held)
+        served = load_file(st["dump"])
+        os.unlink(st["dump"])
+        bad = compare_state(served, dense_cache[held])
+        if bad:
+            rec["violations"].append(f"{rid}: {len(bad)} tensors differ from the dense state of v{held}: {bad[:3]}")
+        if st["committed"] != expect_committed or bad:
+            # which version's bits does it hold?  (diagnosis only)
+            for k in range(max(0, v - 3), v + 1):
+                if os.path.exists(os.path.join(ep.dir, "dense", f"v{k}.safetensors")) \
+                        and not compare_state(served, ep.dense(k)):
+                    info["bits_of"] = k
+    ignored_after = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
+    refused_after = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
+    rec["receiver_ignored"] = ignored_after - ignored_before
+    rec["receiver_refused"] = refused_after - refused_before
+    rec["detected"] = bool(not rec["committed"] or rec["receiver_ignored"] or rec["receiver_refused"]
+                           or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch)
+    rec["duration_s"] = round(time.time() - t_go, 3)
+    rec["silent"] = bool(rec["violations"]) and not rec["hang"]
+    return rec, end_epoch
+
+
+# ----------------------------------------------------------------------------- report
+def summarize(records: list[dict]) -> dict:
+    records = sorted(records, key=lambda r: r["trial"])
+    # recovery: fault -> the next committed version of the same epoch (this one included)
+    for i, r in enumerate(records):
+        r["recovery_s"] = None
+        for later in records[i:]:
+            if later["epoch"] != r["epoch"] or (later is not r and later.get("epoch_start")):
+                break
+            if later.get("committed") and not later["violations"]:
+                r["recovery_s"] = round(later["t_decided"] - r["t_go"], 3)
+                break
+    by_class = {}
+    for cls in CLASSES:
+        rs = [r for r in records if r["cls"] == cls]
+        if not rs:
+            continue
+        rec_s = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
+        by_class[cls] = {
+            "trials": len(rs),
+            "committed": sum(1 for r in rs if r.get("committed")),
+            "aborted": sum(1 for r in rs if not r.get("committed")),
+            "detected": sum(1 for r in rs if r["detected"]),
+            "recovered": len(rec_s),
+            "silent": sum(1 for r in rs if r["silent"]),
+            "hangs": sum(1 for r in rs if r["hang"]),
+            "unplanned_receiver_restarts": sum(r["unplanned_restarts"] for r in rs),
+            "mean_recovery_s": round(float(np.mean(rec_s)), 3) if rec_s else None,
+            "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
+            "modes": _modes(rs),
+        }
+    return {
+        "trials": len(records),
+        "silent_corruptions": sum(1 for r in records if r["silent"]),
+        "hangs": sum(1 for r in records if r["hang"]),
+        "violations": [f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
+        "epochs": len({r["epoch"] for r in records}),
+        "wall_s": round(sum(r["duration_s"] for r in records), 1),
+        "by_class": by_class,
+    }
+
+
+def _modes(rs: list[dict]) -> dict:
+    out: dict[str, int] = {}
+    for r in rs:
+        for f in r["faults"]:
+            m = f.get("mode") or f.get("point") or f.get("key_kind") or f["kind"]
+            name = f"{f['kind']}:{f.get('obj', '') + ':' if 'obj' in f else ''}{m}@{f['target']}"
+            out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def plot(summary: dict, records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = list(summary["by_class"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    x = np.arange(len(classes))
+    w = 0.2
+    for i, (k, lab) in enumerate([("trials", "trials"), ("detected", "detected"), ("recovered", "recovered"),
+                                  ("silent", "silent corruptions")]):
+        a.bar(x + (i - 1.5) * w, [summary["by_class"][c][k] for c in classes], w, label=lab)
+    a.set_xticks(x, classes, rotation=40, ha="right")
+    a.set_title(f"fault campaign: {summary['trials']} trials, {summary['silent_corruptions']} silent corruptions")
+    a.legend()
+    data = [[r["recovery_s"] for r in records if r["cls"] == c and r["recovery_s"] is not None] or [0.0]
+            for c in classes]
+    b.boxplot(data)
+    b.set_xticks(np.arange(1, len(classes) + 1), classes, rotation=40, ha="right")
+    b.set_ylabel("fault -> next commit (s)")
+    b.set_title("recovery time per fault class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def load_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by an interrupted run
+                    pass
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=500, help="total trials (already recorded ones are skipped)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks/results/fault_campaign.jsonl"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/fault_campaign.json"))
+    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--schedule", choices=("random", "roundrobin", "list"), default="random",
+                    help="random: classes drawn from (seed, trial) with WEIGHTS; roundrobin / list: "
+                         "--classes in order (list: the order given, repeats allowed)")
+    ap.add_argument("--classes", default=",".join(CLASSES))
+    ap.add_argument("--ack-timeout-s", type=float, default=3.0)
+    ap.add_argument("--max-wall-s", type=float, default=None, help="stop starting trials after this long")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args(argv)
+    classes = tuple(c for c in args.classes.split(",") if c)
+    if args.schedule == "random":
+        classes = tuple(dict.fromkeys(classes))
+    for c in classes:
+        if c not in CLASSES:
+            ap.error(f"unknown class {c!r}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    records = load_records(args.results)
+    if not args.report_only:
+        records = campaign(args, classes, records)
+    summary = summarize(records)
+    summary.update({"seed": args.seed, "schedule": args.schedule, "ack_timeout_s": args.ack_timeout_s,
+                    "command": "scripts/fault_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])})
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    plot(summary, records, args.plot or os.path.splitext(args.out)[0] + ".png")
+    print(json.dumps({k: summary[k] for k in ("trials", "silent_corruptions", "hangs", "epochs", "wall_s")}))
+    for cls, c in summary["by_class"].items():
+        print(f"  {cls:16s} trials {c['trials']:4d}  aborted {c['aborted']:4d}  detected {c['detected']:4d}  "
+              f"recovered {c['recovered']:4d}  silent {c['silent']}  hangs {c['hangs']}  "
+              f"mean/max recovery {c['mean_recovery_s']}/{c['max_recovery_s']} s")
+    for v in summary["violations"][:20]:
+        print("  VIOLATION", v)
+    return 0 if summary["silent_corruptions"] == 0 and summary["hangs"] == 0 else 1
+
+
+def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
+    import tempfile
+
+    from nemo_dcr.protocol.signing import new_key_file
+
+    done = {r["trial"] for r in records}
+    todo = [t for t in range(args.trials) if t not in done]
+    if not todo:
+        return records
+    work = args.work or tempfile.mkdtemp(prefix="dcr-campaign-")
+    os.makedirs(work, exist_ok=True)
+    key_file = os.path.join(work, f"key-{uuid.uuid4().hex[:6]}")
+    new_key_file(key_file)
+    os.environ["NEMO_DCR_KEY_FILE"] = key_file
+    moto = Moto(os.path.join(work, "moto.log"))
+    os.environ.update(moto.env)
+    epoch_index = max((r["epoch"] for r in records), default=-1) + 1
+    ep = None
+    t_start = time.monotonic()
+    try:
+        with open(args.results, "a") as out:
+            for t in todo:
+                if args.max_wall_s and time.monotonic() - t_start > args.max_wall_s:
+                    print(f"stopping after {time.monotonic() - t_start:.0f}s (--max-wall-s); resume to continue",
+                          file=sys.stderr)
+                    break
+                new_epoch = ep is None
+                if ep is None:
+                    ep = Epoch(work, epoch_index, moto, key_file, args.ack_timeout_s, args.seed)
+                    print(f"epoch {epoch_index}: trainer + receivers up in {ep.setup_s:.1f}s", file=sys.stderr)
+                    epoch_index += 1
+                cls = choose_class(args.seed, t, args.schedule, classes)
+                rec, end = run_trial(ep, moto, make_plan(args.seed, t, cls), args.seed)
+                rec["epoch_start"] = new_epoch
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                records.append(rec)
+                print(f"trial {t:4d} {cls:16s} v{rec['version']:<4d} {'commit' if rec['committed'] else 'abort '} "
+                      f"{rec['duration_s']:6.2f}s detected={int(rec['detected'])} "
+                      f"{'VIOLATION ' + '; '.join(rec['violations']) if rec['violations'] else ''}",
+                      file=sys.stderr, flush=True)
+                if end:
+                    ep.close()
+                    ep = None
+    finally:
+        if ep is not None:
+            ep.close()
+        moto.close()
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+if __name__ == "__main__":
+    sys.exit(main())
