@@ -19,6 +19,7 @@ training and publishes the next version against the same base, failing loudly on
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -115,10 +116,32 @@ class CommitCoordinator:
         """Write the decision record (and, on commit, ``COMMITTED.json``)."""
         d = Decision(run_id=self.run_id, version=version, base_version=base_version, commit=commit,
                      receivers=self.receivers, reason=reason)
-        self.store.put(decision_key(version), d.to_json(self.sealer))
+        # A put that raised may still have landed (a lost response): receivers would then act
+        # on a record the trainer believes unwritten.  So the put is retried (same bytes,
+        # idempotent) until it succeeds or the record reads back; only then is it decided.
+        self._put_confirmed(decision_key(version), d.to_json(self.sealer))
         if commit:
-            self.store.put(COMMITTED_KEY, Committed(self.run_id, version, self.receivers).to_json(self.sealer))
+            try:  # a pointer for people and tools; the decision record above is authoritative
+                self._put_confirmed(COMMITTED_KEY, Committed(self.run_id, version, self.receivers).to_json(self.sealer))
+            except DcrError as e:
+                print(f"nemo_dcr: version {version} committed, but {COMMITTED_KEY} was not updated: {e}",
+                      file=sys.stderr, flush=True)
         return d
+
+    def _put_confirmed(self, key: str, data: bytes, attempts: int = 4) -> None:
+        for i in range(attempts):
+            try:
+                self.store.put(key, data)
+                return
+            except DcrError as e:
+                error = e
+            try:
+                if self.store.get(key) == data:
+                    return
+            except DcrError:
+                pass
+            time.sleep(min(0.1 * 2 ** i, 1.0))
+        raise error
 
 
 @dataclass
