@@ -8,31 +8,276 @@ treat "the manifest exists" as "the version is published".
 ``open_store(uri)``: a plain path or ``file://`` URI is the embedded default
 (``LocalDirStore``); any other scheme (``s3://``, ``memory://``, ...) goes through fsspec.
 URIs stay strings: ``pathlib.Path`` would mangle ``s3://bucket``.
+
+Bounded calls
+-------------
+Every call (put / get / exists / list / delete) is bounded by the store's
+:class:`StorePolicy`: each attempt has a timeout, transient failures (connection
+errors, timeouts, HTTP 5xx and throttling) are retried a bounded number of times with
+exponential backoff and jitter, and anything else (not found, permission, validation)
+is not retried.  A call that still fails raises :class:`StoreError` with ONE line that
+names the store, the operation and the key::
+
+    s3://b/run: get 'v/00000003/MANIFEST.json' failed after 5 attempts in 157.6 s:
+    ReadTimeoutError: Read timeout on endpoint URL: "http://..."
+
+What bounds an attempt, per back end (each was checked against a stopped server):
+
+- S3 (s3fs): botocore's ``connect_timeout`` / ``read_timeout`` (= ``timeout_s``) bound
+  every wait for a response, per socket read, so a download that keeps moving is never
+  cut.  They do NOT bound an upload: aiohttp waits for ``100 Continue`` (and a blocked
+  send) without a timeout, so a put also runs under a watchdog (fsspec's ``sync``
+  timeout, which cancels the request) of ``timeout_s + len(data) / min_bytes_per_s``.
+  botocore's and s3fs's own retries are switched off so that this policy is the only one.
+- Local directories, and fsspec back ends without a loop: the attempt runs in a worker
+  thread under the same watchdog (``timeout_s``, plus ``min_bytes_per_s`` for the bytes
+  it moves once their size is known).  An abandoned local put never renames its
+  temporary file into place.
+- Other async fsspec back ends: the watchdog bounds the whole attempt at ``timeout_s``
+  (plus the put allowance); set ``timeout_s`` above the longest download there.
+
+A timed-out request may still complete on the server later; keys are written once per
+version, so a late duplicate of a put carries the same bytes.
+
+The local store follows no symbolic link below its root: a key whose path crosses one
+is refused (:class:`SymlinkRefused`), so nothing planted in the directory can make a
+put, get, exists or list reach outside it.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import random
 import re
-import tempfile
-from typing import Protocol, runtime_checkable
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from nemo_dcr.errors import TransportError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorePolicy:
+    """How long a store call may take and how often it is retried.
+
+    The defaults keep a fully stalled store's worst case (5 attempts of 30 s plus
+    0.5 + 1 + 2 + 4 s of backoff, about 158 s) below the trainer's 300 s collective
+    timeout, so a dead store is reported as the store's failure, not as a gloo timeout.
+    """
+
+    timeout_s: float = 30.0
+    """Longest one attempt waits for the store without progress (S3: botocore's connect
+    and read timeouts; elsewhere a watchdog on the attempt)."""
+    retries: int = 4
+    """Further attempts after the first one fails transiently (0 = try once)."""
+    backoff_s: float = 0.5
+    """Delay before the first retry; doubles per retry (capped at ``backoff_max_s``), and
+    each delay is drawn uniformly from [d/2, d] (jitter) so that ranks do not retry in step."""
+    backoff_max_s: float = 8.0
+    """Upper bound on one backoff delay."""
+    min_bytes_per_s: float = float(1 << 20)
+    """Slowest transfer that still counts as progress: an attempt that moves N bytes may
+    take ``timeout_s + N / min_bytes_per_s`` under the watchdog."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "backoff_s", "backoff_max_s", "min_bytes_per_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"store {name} must be a number, got {v!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int):
+            raise TypeError(f"store retries must be an int, got {self.retries!r}")
+        if self.timeout_s <= 0 or self.min_bytes_per_s <= 0:
+            raise ValueError(f"store timeout_s and min_bytes_per_s must be > 0, got {self.timeout_s}, "
+                             f"{self.min_bytes_per_s}")
+        if self.retries < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("store retries, backoff_s and backoff_max_s must be >= 0")
+
+    def budget_s(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / self.min_bytes_per_s
+
+    def backoff(self, failures: int, rng: random.Random) -> float:
+        d = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1))
+        return rng.uniform(d / 2, d)
+
+
+POLICY_FIELDS = frozenset(f.name for f in fields(StorePolicy))
 
 
 class StoreError(TransportError):
-    pass
+    """A store call failed; ``str(e)`` is one line naming the store, operation and key."""
+
+    def __init__(self, message: str, *, uri: str | None = None, op: str | None = None,
+                 key: str | None = None, attempts: int = 0, elapsed_s: float = 0.0):
+        super().__init__(message)
+        self.uri, self.op, self.key = uri, op, key
+        self.attempts, self.elapsed_s = attempts, elapsed_s
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ObjectNotFound(StoreError, KeyError):
     pass
 
 
+class SymlinkRefused(StoreError):
+    """A local store key whose path crosses a symbolic link below the store's root."""
+
+
 def check_key(key: str) -> str:
     if not _KEY.match(key) or any(part in {".", ".."} for part in key.split("/")):
         raise ValueError(f"invalid store key {key!r}")
     return key
+
+
+# --- what is worth another attempt -----------------------------------------------------
+
+# Matched by class name along the MRO so that the core imports neither botocore nor
+# aiohttp: builtin and botocore ConnectionError / TimeoutError (ReadTimeoutError,
+# ConnectTimeoutError, EndpointConnectionError), botocore HTTPClientError
+# (ConnectionClosedError), aiohttp's connection and payload errors, and the unparsable
+# XML some throttling responses carry (as s3fs does).
+_TRANSIENT_TYPES = frozenset({
+    "TimeoutError", "ConnectionError", "HTTPClientError", "IncompleteReadError",
+    "ClientConnectionError", "ClientPayloadError", "ResponseParserError",
+})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "TooManyRequestsException", "RequestTimeout", "InternalError", "ServiceUnavailable",
+})
+_TRANSIENT_ERRNOS = frozenset({
+    errno.ETIMEDOUT, errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ECONNRESET,
+    errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH,
+    errno.ENETDOWN, getattr(errno, "EREMOTEIO", errno.EIO),
+})
+_PERMANENT = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
+              FileExistsError, SymlinkRefused, ValueError, TypeError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures another attempt may cure: connection errors, timeouts, HTTP 5xx
+    and throttling; False for not-found, permission and validation errors (and anything
+    unrecognised).  Follows ``__cause__`` (s3fs re-raises botocore's ``ClientError`` as
+    an ``OSError`` caused by it)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _PERMANENT):
+            return False
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            return status >= 500 or status == 429 or response["Error"].get("Code") in _TRANSIENT_CODES
+        if any(c.__name__ in _TRANSIENT_TYPES for c in type(e).__mro__):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        e = e.__cause__
+    return False
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- one attempt under a watchdog ------------------------------------------------------
+
+class _Attempt:
+    """One attempt's time budget; the operation extends it once it learns how many
+    bytes it moves (a local get after ``fstat``)."""
+
+    def __init__(self, policy: StorePolicy, nbytes: int = 0):
+        self.policy = policy
+        self.budget_s = policy.budget_s(nbytes)
+        self.deadline = time.monotonic() + self.budget_s
+        self.abandoned = False
+
+    def add_bytes(self, nbytes: int) -> None:
+        extra = nbytes / self.policy.min_bytes_per_s
+        self.budget_s += extra
+        self.deadline += extra
+
+    def timed_out(self) -> TimeoutError:
+        return TimeoutError(f"no answer within {self.budget_s:.1f} s (watchdog)")
+
+
+def _in_watched_thread(fn: Callable[[_Attempt], Any], att: _Attempt) -> Any:
+    """Run ``fn(att)`` in a daemon thread; give up on it at ``att.deadline`` (a thread
+    stuck in the kernel cannot be killed: it is left behind, marked abandoned)."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn(att)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="nemo-dcr-store-call", daemon=True).start()
+    while not done.wait(max(0.0, att.deadline - time.monotonic())):
+        if time.monotonic() >= att.deadline:
+            att.abandoned = True
+            raise att.timed_out()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class _BoundedStore:
+    """Retry loop and error reporting shared by the back ends; each back end says how
+    one attempt is run (``_run_attempt``)."""
+
+    uri: str
+    policy: StorePolicy
+
+    def _init_policy(self, policy: StorePolicy | None) -> None:
+        if policy is not None and not isinstance(policy, StorePolicy):
+            raise TypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
+        self.policy = policy or StorePolicy()
+        self._rng = random.Random()
+
+    def _run_attempt(self, op: str, fn: Callable[[_Attempt], Any], att: _Attempt) -> Any:
+        return _in_watched_thread(fn, att)
+
+    def _call(self, op: str, key: str, fn: Callable[[_Attempt], Any], *, nbytes: int = 0) -> Any:
+        p = self.policy
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self._run_attempt(op, fn, _Attempt(p, nbytes))
+            except Exception as e:  # noqa: BLE001 - classified and reported below
+                elapsed = time.monotonic() - start
+                where = dict(uri=self.uri, op=op, key=key, attempts=attempt, elapsed_s=elapsed)
+                if isinstance(e, FileNotFoundError) and op == "get":
+                    raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object", **where) from None
+                if isinstance(e, SymlinkRefused):
+                    raise SymlinkRefused(f"{self.uri}: {op} {key!r} refused: {e}", **where) from None
+                transient = is_transient(e)
+                if transient and attempt <= p.retries:
+                    delay = p.backoff(attempt, self._rng)
+                    _log.warning("%s: %s %r attempt %d/%d failed (%s); retrying in %.2f s", self.uri, op, key,
+                                 attempt, p.retries + 1, _one_line(e, 160), delay)
+                    time.sleep(delay)
+                    continue
+                plural = "s" if attempt > 1 else ""
+                why = "" if transient else " (not retried)"
+                raise StoreError(f"{self.uri}: {op} {key!r} failed after {attempt} attempt{plural} in "
+                                 f"{elapsed:.1f} s{why}: {_one_line(e)}", **where) from e
 
 
 @runtime_checkable
@@ -54,106 +299,312 @@ class ObjectStore(Protocol):
         """Remove ``key`` if present."""
 
 
-class LocalDirStore:
-    """The embedded default: a directory on a local or shared file system."""
+# --- the embedded default: a directory ------------------------------------------------
 
-    def __init__(self, root: str):
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TMP_PREFIX = ".tmp-"
+_BLOCK = 8 << 20
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+class LocalDirStore(_BoundedStore):
+    """The embedded default: a directory on a local or shared file system.
+
+    Paths below the root are walked one component at a time with ``O_NOFOLLOW``
+    relative to the parent's descriptor, so a symbolic link anywhere below the root
+    (say ``v -> /etc``) is refused rather than followed, with no window between a check
+    and the use.  The root itself may be a link.
+    """
+
+    def __init__(self, root: str, *, policy: StorePolicy | None = None):
+        self._init_policy(policy)
         self.uri = root
         self.root = os.path.abspath(root.removeprefix("file://"))
-        os.makedirs(self.root, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
-
-    def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"{root}: cannot open store: {_one_line(e)}", uri=root, op="open") from None
+
+    def _open_dir(self, parts: list[str], *, create: bool) -> int:
+        """Descriptor of the directory ``root/parts...``, reached without following links."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, name in enumerate(parts):
+                if create:
+                    try:
+                        os.mkdir(name, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(fd, name):
+                        raise SymlinkRefused(f"{'/'.join(parts[:i + 1])!r} is a symbolic link "
+                                             f"(the local store follows no link below its root)") from None
+                    raise
+                os.close(fd)
+                fd = sub
+            return fd
         except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            os.close(fd)
             raise
 
+    def put(self, key: str, data: bytes) -> None:
+        parts = check_key(key).split("/")
+        data = memoryview(data).cast("B")
+
+        def attempt(att: _Attempt) -> None:
+            fd = self._open_dir(parts[:-1], create=True)
+            tmp = f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+            try:
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                              dir_fd=fd)
+                try:
+                    for i in range(0, len(data), _BLOCK):
+                        view = data[i:i + _BLOCK]
+                        while view:
+                            view = view[os.write(out, view):]
+                finally:
+                    os.close(out)
+                if att.abandoned:  # the caller gave up on this attempt: publish nothing
+                    raise att.timed_out()
+                os.replace(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=fd)
+                except OSError:
+                    pass
+                raise
+            finally:
+                os.close(fd)
+
+        self._call("put", key, attempt, nbytes=len(data))
+
     def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+        parts = check_key(key).split("/")
+
+        def attempt(att: _Attempt) -> bytes:
+            try:
+                fd = self._open_dir(parts[:-1], create=False)
+            except NotADirectoryError:
+                raise FileNotFoundError(key) from None
+            try:
+                try:
+                    f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise SymlinkRefused(f"{key!r} is a symbolic link "
+                                             f"(the local store follows no link below its root)") from None
+                    raise
+            finally:
+                os.close(fd)
+            with os.fdopen(f, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileNotFoundError(key)
+                att.add_bytes(st.st_size)
+                return fh.read()
+
+        return self._call("get", key, attempt)
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        parts = check_key(key).split("/")
+
+        def attempt(att: _Attempt) -> bool:
+            try:
+                fd = self._open_dir(parts[:-1], create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            try:
+                st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            finally:
+                os.close(fd)
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkRefused(f"{key!r} is a symbolic link (the local store follows no link below its root)")
+            return stat.S_ISREG(st.st_mode)
+
+        return self._call("exists", key, attempt)
 
     def list(self, prefix: str) -> list[str]:
-        base = os.path.join(self.root, *check_key(prefix.rstrip("/")).split("/")) if prefix.strip("/") else self.root
-        out = []
-        for dirpath, _dirs, files in os.walk(base):
-            for f in files:
-                if f.startswith(".tmp-"):
+        parts = check_key(prefix.strip("/")).split("/") if prefix.strip("/") else []
+
+        def walk(fd: int, rel: list[str], out: list[str]) -> None:
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for entry in entries:
+                if entry.name.startswith(_TMP_PREFIX):
                     continue
-                rel = os.path.relpath(os.path.join(dirpath, f), self.root)
-                out.append(rel.replace(os.sep, "/"))
-        return sorted(out)
+                path = [*rel, entry.name]
+                if entry.is_symlink():
+                    raise SymlinkRefused(f"{'/'.join(path)!r} is a symbolic link "
+                                         f"(the local store follows no link below its root)")
+                if entry.is_dir(follow_symlinks=False):
+                    sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                    try:
+                        walk(sub, path, out)
+                    finally:
+                        os.close(sub)
+                elif entry.is_file(follow_symlinks=False):
+                    out.append("/".join(path))
+
+        def attempt(att: _Attempt) -> list[str]:
+            try:
+                fd = self._open_dir(parts, create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            out: list[str] = []
+            try:
+                walk(fd, parts, out)
+            finally:
+                os.close(fd)
+            return sorted(out)
+
+        return self._call("list", prefix, attempt)
 
     def delete(self, key: str) -> None:
-        try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
+        parts = check_key(key).split("/")
+
+        def attempt(att: _Attempt) -> None:
+            try:
+                fd = self._open_dir(parts[:-1], create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            try:
+                os.unlink(parts[-1], dir_fd=fd)  # a link itself may go: unlinking reaches nothing
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+
+        self._call("delete", key, attempt)
 
 
-class FsspecStore:
+# --- everything else: fsspec -----------------------------------------------------------
+
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+class FsspecStore(_BoundedStore):
     """Any fsspec file system (``s3://bucket/prefix``, ``memory://x``, ...).
 
     ``storage_options`` are passed to fsspec as given (e.g. ``endpoint_url`` for an
-    S3-compatible server); nothing is read from the environment here.
+    S3-compatible server); nothing is read from the environment here.  For S3 the store
+    adds, unless given: botocore ``connect_timeout`` / ``read_timeout`` = the policy's
+    ``timeout_s`` and no botocore retries (``config_kwargs``), no s3fs retries, no
+    listings cache (a cached listing would hide a manifest published after it), and its
+    own client (``skip_instance_cache``), since these settings are per store.
     """
 
-    def __init__(self, uri: str, **storage_options):
+    def __init__(self, uri: str, *, policy: StorePolicy | None = None, **storage_options):
         import fsspec
 
+        self._init_policy(policy)
         self.uri = uri
-        self.fs, self.root = fsspec.core.url_to_fs(uri, **storage_options)
+        protocol = uri.split("://", 1)[0].lower()
+        self._socket_timeouts = protocol in _S3_PROTOCOLS
+        if self._socket_timeouts:
+            storage_options = _s3_options(storage_options, self.policy)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(uri, **storage_options)
+        except Exception as e:  # noqa: BLE001 - unknown protocol, missing package, bad option
+            raise StoreError(f"{uri}: cannot open store: {_one_line(e)}", uri=uri, op="open") from None
+        if self._socket_timeouts:
+            self.fs.retries = 1  # s3fs's own retry loop: one attempt, ours decide
         self.root = self.root.rstrip("/")
+        self._async = bool(getattr(self.fs, "async_impl", False)) and getattr(self.fs, "loop", None) is not None
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
+    def _fs_call(self, name: str, att: _Attempt, *args, watchdog: bool = True) -> Any:
+        """``fs.<name>(*args)`` for one attempt.  On an async file system the coroutine
+        runs on fsspec's loop under ``sync(timeout=...)``, which cancels it at the
+        deadline; ``watchdog=False`` leaves the bound to the client's socket timeouts."""
+        if not self._async:
+            return getattr(self.fs, name)(*args)
+        from fsspec.asyn import sync
+        from fsspec.exceptions import FSTimeoutError
+
+        try:
+            return sync(self.fs.loop, getattr(self.fs, "_" + name), *args,
+                        timeout=att.budget_s if watchdog else None)
+        except FSTimeoutError:
+            raise att.timed_out() from None
+
+    def _run_attempt(self, op: str, fn: Callable[[_Attempt], Any], att: _Attempt) -> Any:
+        return fn(att) if self._async else _in_watched_thread(fn, att)
+
     def put(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(key), data)
+        path = self._path(key)
+        self._call("put", key, lambda att: self._fs_call("pipe_file", att, path, data), nbytes=len(data))
 
     def get(self, key: str) -> bytes:
-        try:
-            return self.fs.cat_file(self._path(key))
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{self.uri}: no object {key!r}") from None
+        path = self._path(key)
+        return self._call("get", key, lambda att: self._fs_call(
+            "cat_file", att, path, watchdog=not self._socket_timeouts))
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+        path = self._path(key)
+        return self._call("exists", key, lambda att: self._fs_call(
+            "exists", att, path, watchdog=not self._socket_timeouts))
 
     def list(self, prefix: str) -> list[str]:
-        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        try:
-            found = self.fs.find(base)
-        except FileNotFoundError:
-            return []
+        base = self._path(prefix.strip("/")) if prefix.strip("/") else self.root
+
+        def attempt(att: _Attempt) -> list[str]:
+            try:
+                return self._fs_call("find", att, base, watchdog=not self._socket_timeouts)
+            except FileNotFoundError:
+                return []
+
+        found = self._call("list", prefix, attempt)
         n = len(self.root) + 1
         return sorted(p[n:] if p.startswith(self.root + "/") else p for p in found)
 
     def delete(self, key: str) -> None:
-        try:
-            self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            pass
+        path = self._path(key)
+
+        def attempt(att: _Attempt) -> None:
+            try:
+                self._fs_call("rm_file", att, path, watchdog=not self._socket_timeouts)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", key, attempt)
 
 
-def open_store(uri: str, **storage_options) -> ObjectStore:
+def _s3_options(options: dict, policy: StorePolicy) -> dict:
+    options = dict(options)
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", policy.timeout_s)
+    config.setdefault("read_timeout", policy.timeout_s)
+    config.setdefault("retries", {"total_max_attempts": 1})
+    options["config_kwargs"] = config
+    options.setdefault("use_listings_cache", False)
+    options.setdefault("skip_instance_cache", True)
+    return options
+
+
+def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> ObjectStore:
+    """Open ``uri``.  ``options`` named like :class:`StorePolicy` fields (``timeout_s``,
+    ``retries``, ``backoff_s``, ``backoff_max_s``, ``min_bytes_per_s``) set the store's
+    call policy (or pass ``policy=``); the rest are fsspec storage options.  A URI that
+    cannot be opened raises :class:`StoreError` naming it."""
+    given = {k: options.pop(k) for k in list(options) if k in POLICY_FIELDS}
+    if given:
+        if policy is not None:
+            raise ValueError(f"pass either policy= or {sorted(given)}, not both")
+        policy = StorePolicy(**given)
     if "://" not in uri or uri.startswith("file://"):
-        if storage_options:
-            raise ValueError("storage_options apply to fsspec URIs only")
-        return LocalDirStore(uri)
-    return FsspecStore(uri, **storage_options)
+        if options:
+            raise ValueError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")
+        return LocalDirStore(uri, policy=policy)
+    return FsspecStore(uri, policy=policy, **options)

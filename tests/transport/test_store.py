@@ -1,9 +1,19 @@
 """The store protocol against the embedded default (a directory) and fsspec's memory://."""
 import itertools
+import os
 
 import pytest
 
-from nemo_dcr.transport.store import FsspecStore, LocalDirStore, ObjectNotFound, ObjectStore, open_store
+from nemo_dcr.transport.store import (
+    FsspecStore,
+    LocalDirStore,
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StorePolicy,
+    SymlinkRefused,
+    open_store,
+)
 
 _counter = itertools.count()
 
@@ -47,17 +57,85 @@ def test_keys_cannot_escape_the_store(store, key):
 
 def test_local_put_leaves_no_partial_object(tmp_path, monkeypatch):
     """A failing write leaves neither the object nor a visible temporary file."""
-    import os
-
     s = LocalDirStore(str(tmp_path))
+    calls = []
 
-    def failing_replace(a, b):
-        raise OSError("disk full")
+    def failing_replace(a, b, **kw):
+        calls.append(a)
+        raise OSError(28, "disk full")
 
     with monkeypatch.context() as m:
         m.setattr(os, "replace", failing_replace)
-        with pytest.raises(OSError):
+        with pytest.raises(StoreError, match=r"put 'v/00000001/MANIFEST.json' failed .*OSError: \[Errno 28\] disk full"):
             s.put("v/00000001/MANIFEST.json", b"{}")
+    assert calls and calls[0].startswith(".tmp-")  # the rename was reached, and failed
     assert not s.exists("v/00000001/MANIFEST.json")
     assert s.list("v") == []
     assert [p.name for p in (tmp_path / "v" / "00000001").iterdir()] == []
+
+
+# --- symbolic links below a local store's root ------------------------------------------
+
+@pytest.fixture
+def planted(tmp_path):
+    """A store whose ``v`` is a link to a directory outside the root, and whose
+    ``a/f`` is a link to a file outside it; ``w/secret`` is the same layout without links."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"outside")
+    s = LocalDirStore(str(tmp_path / "s"))
+    os.symlink(outside, tmp_path / "s" / "v")
+    (tmp_path / "s" / "a").mkdir()
+    os.symlink(outside / "secret", tmp_path / "s" / "a" / "f")
+    s.put("w/secret", b"inside")  # control layout
+    return s, outside
+
+
+@pytest.mark.parametrize("op,key,call", [
+    ("put", "v/x", lambda s: s.put("v/x", b"planted")),
+    ("get", "v/secret", lambda s: s.get("v/secret")),
+    ("exists", "v/secret", lambda s: s.exists("v/secret")),
+    ("list", "v", lambda s: s.list("v")),
+    ("list", "", lambda s: s.list("")),
+    ("get", "a/f", lambda s: s.get("a/f")),
+    ("exists", "a/f", lambda s: s.exists("a/f")),
+])
+def test_local_store_refuses_paths_through_symlinks(planted, op, key, call):
+    s, outside = planted
+    with pytest.raises(SymlinkRefused) as e:
+        call(s)
+    msg = str(e.value)
+    assert msg.startswith(f"{s.uri}: {op} {key!r} refused: ") and "is a symbolic link" in msg and "\n" not in msg
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]  # nothing written outside
+    assert (outside / "secret").read_bytes() == b"outside"
+
+
+def test_local_store_without_links_answers_the_same_calls(planted):
+    s, _ = planted  # control for the refusals above: the same operations on a real directory
+    s.put("w/x", b"1")
+    assert s.get("w/secret") == b"inside" and s.exists("w/secret") and s.list("w") == ["w/secret", "w/x"]
+
+
+def test_unusable_store_uris_are_one_line_store_errors(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for uri in (str(blocker / "store"), "nosuchproto://bucket/x"):
+        with pytest.raises(StoreError, match=r"cannot open store: ") as e:
+            open_store(uri)
+        assert str(e.value).startswith(f"{uri}: ") and "\n" not in str(e.value)
+    assert isinstance(open_store(str(tmp_path / "store")), LocalDirStore)  # control
+
+
+def test_store_policy_is_validated_and_set_per_store(tmp_path):
+    with pytest.raises(ValueError, match="timeout_s"):
+        StorePolicy(timeout_s=0)
+    with pytest.raises(TypeError, match="retries must be an int"):
+        StorePolicy(retries=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        open_store(str(tmp_path), policy=StorePolicy(), retries=2)
+    with pytest.raises(ValueError, match="apply to fsspec URIs only"):
+        open_store(str(tmp_path), endpoint_url="http://x")
+    a = open_store(str(tmp_path / "a"), timeout_s=5, retries=1)
+    b = open_store("memory://policy-b")
+    assert (a.policy.timeout_s, a.policy.retries) == (5, 1)
+    assert b.policy == StorePolicy() and (b.policy.timeout_s, b.policy.retries) == (30.0, 4)
