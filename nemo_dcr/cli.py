@@ -3,6 +3,9 @@
   nemo-dcr demo [hydra overrides...]          end-to-end refit demo (what `make demo` runs)
   nemo-dcr receive --store URI --init-dir D ...  a Hugging Face transformers receiver
   nemo-dcr delta {encode,apply,inspect} ...    standalone delta files (see codec/cli.py)
+
+Errors are one line on stderr: exit status 2 for bad input (arguments, configuration, a
+store URI that cannot be opened), 1 for a run that failed.
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if cmd == "receive":
+        problem = _receive_input_problem(rest)
+        if problem:
+            print(f"nemo-dcr receive: {problem}", file=sys.stderr, flush=True)
+            return 2
         from nemo_dcr.receiver.worker import main as receive_main
 
         return receive_main(rest)
@@ -30,8 +37,26 @@ def main(argv: list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="nemo-dcr delta")
         delta_cli.add_arguments(parser)
         return delta_cli.main(parser.parse_args(rest))
-    print(f"nemo-dcr: unknown command {cmd!r}\n\n{__doc__.strip()}", file=sys.stderr)
+    print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, delta; see nemo-dcr --help)",
+          file=sys.stderr)
     return 2
+
+
+def _receive_input_problem(argv: list[str]) -> str | None:
+    """Checks what the receiver would otherwise only find after loading its model: that
+    ``--store`` opens.  Argument syntax is left to the receiver's own parser."""
+    from nemo_dcr.transport.store import StoreError, open_store
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--store")
+    known, _ = ap.parse_known_args(argv)
+    if known.store is None:
+        return None
+    try:
+        open_store(known.store)
+    except (StoreError, ValueError) as e:
+        return f"--store: {type(e).__name__}: {' '.join(str(e).split())}"
+    return None
 
 
 if __name__ == "__main__":

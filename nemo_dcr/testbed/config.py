@@ -3,13 +3,17 @@
 
 ``load_demo_config(overrides)`` composes ``configs/demo.yaml`` with Hydra's override
 grammar (``model.vocab_size=1003``, ``steps=5``), then merges the result into the typed
-schema: unknown keys and wrong types are errors, and every dataclass's ``__post_init__``
-validates its values.
+schema: unknown keys (``model.famly=...`` as well as Hydra's ``+key=`` / ``++key=``
+additions) and wrong types are errors, and every dataclass's ``__post_init__`` validates
+its values.  :func:`describe_config_error` turns any of these into one line.
 """
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import asdict, dataclass, field
+import re
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from nemo_dcr.testbed.model import ModelConfig
 from nemo_dcr.testbed.train import TrainConfig
@@ -64,9 +68,11 @@ class ParallelConfig:
 class StoreConfig:
     uri: str = "runs/demo/store"
     """Where chunks and manifests go: a directory (the embedded default) or an fsspec URI."""
-    reset: bool = True
+    reset: bool = False
     """Demo only: empty a previous demo store at this URI first (only if it holds a
-    nemo_dcr store marker; any other non-empty directory is refused)."""
+    nemo_dcr store marker; any other non-empty directory is always refused).  Off by
+    default: a store holding a previous run is refused, so a new run never deletes an
+    old one's objects unless asked (``store.reset=true`` or ``force=true``)."""
 
 
 @dataclass(kw_only=True)
@@ -127,7 +133,12 @@ class DemoConfig:
     model_id: str = "demo"
     """Lineage name carried by manifests and chunks."""
     run_dir: str = "runs/demo"
-    """Logs, per-step stats (steps.jsonl) and the resolved config go here."""
+    """Logs, per-step stats (steps.jsonl) and the resolved config go here.  It must not
+    exist or be empty (``configs/demo.yaml`` picks a new ``runs/demo/<date-time>`` per run),
+    so a run never overwrites the files of a previous one unless ``force=true``."""
+    force: bool = False
+    """Reuse a non-empty ``run_dir`` (overwriting its files) and empty a previous demo
+    store at ``store.uri`` (as ``store.reset=true``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -161,12 +172,79 @@ class DemoConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DemoConfig":
-        return cls(
-            steps=d["steps"], model_id=d["model_id"], run_dir=d["run_dir"],
-            model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
-            parallel=ParallelConfig(**d["parallel"]), store=StoreConfig(**d["store"]),
-            refit=RefitConfig(**d["refit"]), receiver=ReceiverRuntimeConfig(**d.get("receiver", {})),
-        )
+        """Strict: a key the schema does not have is an error naming it (a key left out
+        takes the schema default)."""
+        return _build(cls, d, "")
+
+
+def _field_types(cls) -> dict[str, object]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: treat fields as leaves
+        return {}
+
+
+def _unknown_key(path: str, name: str, cls) -> ValueError:
+    full = f"{path}.{name}" if path else name
+    close = difflib.get_close_matches(name, [f.name for f in fields(cls)], n=1)
+    hint = f"; did you mean {(f'{path}.' if path else '') + close[0]!r}?" if close else ""
+    return ValueError(f"unknown config key {full!r} ({cls.__name__} has no field {name!r}{hint})")
+
+
+def _build(cls, d, path: str):
+    if not isinstance(d, dict):
+        raise ValueError(f"config key {path!r} must be a mapping of {cls.__name__} fields, got {d!r}")
+    names = {f.name for f in fields(cls)}
+    for name in d:
+        if name not in names:
+            raise _unknown_key(path, name, cls)
+    types = _field_types(cls)
+    kwargs = {}
+    for name, value in d.items():
+        sub = types.get(name)
+        full = f"{path}.{name}" if path else name
+        kwargs[name] = _build(sub, value, full) if isinstance(sub, type) and is_dataclass(sub) else value
+    return cls(**kwargs)
+
+
+def check_override_keys(overrides: list[str], schema=None) -> None:
+    """Refuse an override whose key the schema does not have, before Hydra composes:
+    ``model.famly=x``, ``+model.famly=x``, ``++colour=red`` and ``~model.famly`` all name a
+    key that does not exist (Hydra would accept the additions and drop or pass them on)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    schema = schema or DemoConfig
+    parser = OverridesParser.create()
+    for line in overrides:
+        try:
+            (o,) = parser.parse_overrides([line])
+        except Exception as e:  # noqa: BLE001 - Hydra's parse errors: name the override
+            raise ValueError(f"override {line!r} does not parse: {describe_config_error(e)}") from None
+        if o.package is not None:
+            raise ValueError(f"override {o.input_line!r}: package overrides (key@package) are not supported")
+        cls, path = schema, ""
+        for name in o.key_or_group.split("."):
+            if not (isinstance(cls, type) and is_dataclass(cls)):
+                raise ValueError(f"override {o.input_line!r}: {path!r} is a value, it has no key {name!r}")
+            if name not in {f.name for f in fields(cls)}:
+                raise _unknown_key(path, name, cls)
+            cls, path = _field_types(cls).get(name), f"{path}.{name}" if path else name
+
+
+def describe_config_error(e: BaseException) -> str:
+    """One line for a configuration error: the message and its causes (Hydra puts the
+    reason a value was refused in ``__cause__``), whitespace collapsed."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen and len(parts) < 4:
+        seen.add(id(cur))
+        text = " ".join(str(cur).split())
+        text = re.sub(r"\s*See https://hydra\.cc/\S+ for details\.?", "", text)
+        if text and not any(text in p for p in parts):
+            parts.append(text)
+        cur = cur.__cause__
+    return ": ".join(parts) or type(e).__name__
 
 
 def _writable(node) -> None:
@@ -198,7 +276,13 @@ def load_demo_config(overrides: list[str], *, config_dir: str = CONFIG_DIR, conf
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    check_override_keys(overrides)
     _register_schema()
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
         composed = compose(config_name=config_name, overrides=list(overrides))
-    return DemoConfig.from_dict(OmegaConf.to_container(composed, resolve=True))
+    try:
+        return DemoConfig.from_dict(OmegaConf.to_container(composed, resolve=True))
+    except ValueError as e:
+        if str(e).startswith("unknown config key"):  # overrides were checked: it is in the file
+            raise ValueError(f"{os.path.join(config_dir, config_name)}.yaml: {e}") from None
+        raise

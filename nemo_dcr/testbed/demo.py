@@ -3,17 +3,27 @@
 Launches the trainer ranks with torchrun (Megatron-Core, gloo on CPU) and the receiver
 processes (a transformers model or a vLLM engine each, ``receiver.runtime``), prints one table row per refit as it lands, and
 ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.
+
+Failing safely: a ``run_dir`` that holds files and a store that holds a previous run are
+refused before anything is written (``force=true`` / ``store.reset=true`` to reuse them);
+every process the demo starts (the torchrun trainer and its ranks, the receivers and
+their engine processes) runs in its own session and is tracked with its descendants, so
+any failure, Ctrl-C or SIGTERM stops them all; errors are one line on stderr (exit 2 for
+bad input, 1 for a failed run).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
-from nemo_dcr.testbed.config import DemoConfig, load_demo_config
+from nemo_dcr.testbed.config import DemoConfig, describe_config_error, load_demo_config
 from nemo_dcr.testbed.run_trainer import receiver_ids
 
 STORE_MARKER = ".nemo-dcr-store"
@@ -28,6 +38,132 @@ def _err(msg: str) -> None:
     print(f"[nemo-dcr demo] {msg}", file=sys.stderr, flush=True)
 
 
+class DemoError(Exception):
+    """A demo failure with its one-line message; ``exit_code`` 2 = bad input (nothing was
+    started), 1 = the run failed."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Children:
+    """Every process the demo starts, and their descendants.
+
+    Each child gets its own session (process group), and the tree below it is sampled
+    while the demo polls, so processes that leave their parent's group (torchrun starts
+    each rank in a new session) or outlive their parent are still known.  ``stop``
+    sends SIGTERM to all of them, then SIGKILL to what is left after ``grace_s``.
+    """
+
+    def __init__(self) -> None:
+        self.popens: list[subprocess.Popen] = []
+        self.seen: dict[int, object] = {}  # pid -> psutil.Process (identity-checked by create time)
+
+    def start(self, cmd: list[str], log, env: dict) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.popens.append(p)
+        self.refresh()
+        return p
+
+    def refresh(self) -> None:
+        import psutil
+
+        for p in self.popens:
+            try:
+                root = psutil.Process(p.pid)
+                for q in [root, *root.children(recursive=True)]:
+                    self.seen.setdefault(q.pid, q)
+            except psutil.Error:
+                pass
+
+    def _running(self) -> list:
+        import psutil
+
+        out = []
+        for q in self.seen.values():
+            try:
+                if q.is_running() and q.status() != psutil.STATUS_ZOMBIE:
+                    out.append(q)
+            except psutil.Error:
+                pass
+        return out
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """Stop everything still running; returns how many processes had to be stopped."""
+        import psutil
+
+        self.refresh()
+        live = self._running()
+        for p in self.popens:  # the whole group, including members not sampled yet
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        for q in live:
+            try:
+                q.terminate()
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + grace_s
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for q in self._running():
+            try:
+                q.kill()
+            except psutil.Error:
+                pass
+        for p in self.popens:
+            if p.poll() is None:  # not reaped yet, so its group id cannot have been reused
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        return len(live)
+
+
+_ERROR_LINE = re.compile(r"(?:^|\s)(?:[\w.]+\.)?\w*(?:Error|Exception|Refused|Interrupt)\b.*")
+
+
+def _last_error(path: str) -> str:
+    """The log's last line that names an exception (else its last line), shortened."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    if not lines:
+        return "(empty log)"
+    hit = next((ln for ln in reversed(lines) if _ERROR_LINE.search(ln) and not ln.startswith("raise ")), lines[-1])
+    return hit if len(hit) <= 300 else hit[:297] + "..."
+
+
+def _failed(what: str, code: int | None, log_path: str) -> DemoError:
+    return DemoError(f"{what} failed (exit {code}): {_last_error(log_path)} -- log: {log_path}")
+
+
+def _check_fresh(cfg: DemoConfig) -> None:
+    """Refuse, before anything is written, a run that would overwrite a previous one."""
+    run_dir = cfg.run_dir
+    if os.path.exists(run_dir):
+        if not os.path.isdir(run_dir):
+            raise DemoError(f"run_dir {run_dir} exists and is not a directory", 2)
+        if os.listdir(run_dir) and not cfg.force:
+            raise DemoError(f"run_dir {run_dir} is not empty (a previous run?); choose a new run_dir=... "
+                            f"or pass force=true to reuse it", 2)
+    else:
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise DemoError(f"run_dir {run_dir} cannot be created ({parent} is not a writable directory)", 2)
+
+
 def _prepare_store(cfg: DemoConfig) -> str | None:
     """Returns the local store root (None for a remote URI)."""
     uri = cfg.store.uri
@@ -36,12 +172,16 @@ def _prepare_store(cfg: DemoConfig) -> str | None:
     root = os.path.abspath(uri.removeprefix("file://"))
     if os.path.isdir(root) and os.listdir(root):
         if not os.path.exists(os.path.join(root, STORE_MARKER)):
-            raise SystemExit(f"store {root} is a non-empty directory that is not a nemo_dcr demo store; "
-                             f"refusing to touch it (choose another store.uri)")
-        if not cfg.store.reset:
-            raise SystemExit(f"store {root} holds a previous run and store.reset=false")
+            raise DemoError(f"store {root} is a non-empty directory that is not a nemo_dcr demo store; "
+                            f"refusing to touch it (choose another store.uri)", 2)
+        if not (cfg.store.reset or cfg.force):
+            raise DemoError(f"store {root} holds a previous run; choose a new store.uri=... or pass "
+                            f"store.reset=true to empty it", 2)
         shutil.rmtree(root)
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise DemoError(f"store.uri {uri}: cannot create {root}: {e.strerror}", 2) from None
     open(os.path.join(root, STORE_MARKER), "w").close()
     return root
 
@@ -69,17 +209,32 @@ def _print_row(cells: dict[str, str]) -> None:
     print(" ".join(cells[name].rjust(w) for name, w in COLUMNS), flush=True)
 
 
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path) as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
 def run(cfg: DemoConfig) -> dict:
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    """Run the demo; whatever happens, no process it started outlives this call."""
+    children = _Children()
+    try:
+        return _run(cfg, children)
+    except BaseException as e:
+        stopped = children.stop()
+        if isinstance(e, DemoError) and stopped:
+            e.args = (f"{e.args[0]} (stopped {stopped} processes the demo started)",)
+        raise
+    finally:
+        children.stop()
+
+
+def _run(cfg: DemoConfig, children: _Children) -> dict:
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.transport.store import open_store
+
+    _check_fresh(cfg)
+    if "://" in cfg.store.uri and not cfg.store.uri.startswith("file://"):
+        try:
+            open_store(cfg.store.uri)
+        except DcrError as e:
+            raise DemoError(f"store.uri: {e}", 2) from None
     local_root = _prepare_store(cfg)
+    os.makedirs(cfg.run_dir, exist_ok=True)
     cfg_path = os.path.join(cfg.run_dir, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
@@ -91,23 +246,20 @@ def run(cfg: DemoConfig) -> dict:
     world = cfg.parallel.world_size
     t_start = time.perf_counter()
     trainer_log = open(os.path.join(cfg.run_dir, "trainer.log"), "w")
-    trainer = subprocess.Popen(
+    trainer = children.start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-         "-m", "nemo_dcr.testbed.run_trainer", "--config", cfg_path],
-        stdout=trainer_log, stderr=subprocess.STDOUT, env=env,
-    )
+         "-m", "nemo_dcr.testbed.run_trainer", "--config", cfg_path], trainer_log, env)
     _err(f"trainer: {cfg.model.family}, {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "
          f"PP={cfg.parallel.pipeline_model_parallel_size}, DP={cfg.parallel.data_parallel_size}, "
          f"EP={cfg.parallel.expert_model_parallel_size}), log {trainer_log.name}")
 
     from nemo_dcr.integrations.hf_export import WEIGHTS_KEY, download_checkpoint
-    from nemo_dcr.transport.store import open_store
 
     store = open_store(cfg.store.uri)
     while not store.exists(WEIGHTS_KEY):
         if trainer.poll() is not None:
-            raise RuntimeError(f"trainer exited ({trainer.returncode}) before writing the initial "
-                               f"checkpoint:\n{_tail(trainer_log.name)}")
+            raise _failed("trainer (before writing the initial checkpoint)", trainer.returncode, trainer_log.name)
+        children.refresh()
         time.sleep(0.2)
     init_dir = os.path.join(local_root, "init") if local_root else download_checkpoint(
         store, os.path.join(cfg.run_dir, "init"))
@@ -127,7 +279,7 @@ def run(cfg: DemoConfig) -> dict:
         if cfg.receiver.runtime == "vllm":
             cmd += ["--runtime", "vllm", "--tensor-parallel-size", str(cfg.receiver.tensor_parallel_size),
                     "--max-model-len", str(cfg.model.seq_length), "--sample-tokens", str(cfg.receiver.sample_tokens)]
-        receivers.append((rid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        receivers.append((rid, children.start(cmd, log, env), log))
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
@@ -151,16 +303,19 @@ def run(cfg: DemoConfig) -> dict:
             break
         for rid, p, log in receivers:
             if p.poll() not in (None, 0):
-                trainer.terminate()
-                raise RuntimeError(f"receiver {rid} failed ({p.returncode}):\n{_tail(log.name)}")
+                raise _failed(f"receiver {rid}", p.returncode, log.name)
+        children.refresh()
         time.sleep(0.2)
     if trainer.returncode != 0:
-        for _, p, _ in receivers:
-            p.terminate()
-        raise RuntimeError(f"trainer failed ({trainer.returncode}):\n{_tail(trainer_log.name)}")
+        raise _failed("trainer", trainer.returncode, trainer_log.name)
     for rid, p, log in receivers:
-        if p.wait(timeout=cfg.refit.ack_timeout_s) != 0:
-            raise RuntimeError(f"receiver {rid} failed ({p.returncode}):\n{_tail(log.name)}")
+        try:
+            code = p.wait(timeout=cfg.refit.ack_timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DemoError(f"receiver {rid} still running {cfg.refit.ack_timeout_s:g}s after the trainer "
+                            f"finished -- log: {log.name}") from None
+        if code != 0:
+            raise _failed(f"receiver {rid}", code, log.name)
 
     bit_exact = sum(1 for c in cells if c["bit_exact"] == "yes")
     wire = sum(r["wire_bytes"] for r in rows)
@@ -192,6 +347,19 @@ def run(cfg: DemoConfig) -> dict:
     }
 
 
+def _interrupt_on_sigterm():
+    """While the demo runs, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so that
+    ``run``'s cleanup stops the children; returns the function restoring the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: list[str]) -> int:
     try:
         cfg = load_demo_config(argv)
@@ -201,10 +369,24 @@ def main(argv: list[str]) -> int:
 
         if not isinstance(e, (ValueError, TypeError, HydraException, OmegaConfBaseException)):
             raise
-        msg = " ".join(str(e).split())
-        _err(f"invalid configuration: {msg}")
+        _err(f"invalid configuration: {describe_config_error(e)}")
         return 2
-    summary = run(cfg)
+    from nemo_dcr.errors import DcrError
+
+    restore = _interrupt_on_sigterm()
+    try:
+        summary = run(cfg)
+    except DemoError as e:
+        _err(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        _err("interrupted; stopped every process the demo started")
+        return 130
+    except (DcrError, OSError) as e:  # e.g. a store that failed after its retries
+        _err(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1
+    finally:
+        restore()
     print(json.dumps(summary), flush=True)
     ok = summary["refits"] == cfg.steps and summary["committed"] == cfg.steps
     if cfg.refit.verify_dense:

@@ -1,0 +1,122 @@
+"""A demo run never overwrites a previous run's files, and refuses unusable inputs with
+one line on stderr and exit status 2 before it starts a process or writes a file.
+
+Each refusal has a control: the same check passes once the input is fixed (an empty or
+new run_dir, ``force=true``, ``store.reset=true``, an openable store URI).
+"""
+import os
+
+import pytest
+
+from nemo_dcr.testbed import demo
+
+
+def _snapshot(root) -> dict[str, tuple[bytes, int]]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+class Launched(Exception):
+    """Raised instead of starting the first process: the demo got past its input checks."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def start(self, cmd, log, env):
+        raise Launched(cmd[:4])
+
+    monkeypatch.setattr(demo._Children, "start", start)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture
+def previous_run(tmp_path):
+    """What a previous demo run left in ``runs/x``: its files and its store."""
+    run = tmp_path / "runs" / "x"
+    (run / "store").mkdir(parents=True)
+    (run / "store" / demo.STORE_MARKER).write_text("")
+    (run / "store" / "v").mkdir()
+    (run / "store" / "v" / "MANIFEST.json").write_text("{}")
+    for name in ("config.json", "steps.jsonl", "trainer.log", "receiver-r0.log"):
+        (run / name).write_text(f"previous {name}\n")
+    return run
+
+
+def test_a_non_empty_run_dir_is_refused_and_left_untouched(previous_run, no_launch, capsys):
+    before = _snapshot(previous_run)
+    assert demo.main([f"run_dir={previous_run}", "steps=1"]) == 2
+    line = _one_error_line(capsys)
+    assert f"run_dir {previous_run} is not empty" in line and "force=true" in line, line
+    assert _snapshot(previous_run) == before  # same files, same bytes, same mtimes
+
+
+def test_a_new_or_empty_run_dir_or_force_gets_to_the_launch(previous_run, tmp_path, no_launch):
+    # control for the refusal above: these get as far as starting the trainer
+    (tmp_path / "empty").mkdir()
+    for overrides in ([f"run_dir={tmp_path}/new"], [f"run_dir={tmp_path}/empty"],
+                      [f"run_dir={previous_run}", "force=true"]):
+        with pytest.raises(Launched):
+            demo.main([*overrides, "steps=1"])
+
+
+def test_a_store_holding_a_previous_run_is_refused_unless_reset(previous_run, tmp_path, no_launch, capsys):
+    store = previous_run / "store"
+    before = _snapshot(store)
+    assert demo.main([f"run_dir={tmp_path}/new", f"store.uri={store}"]) == 2
+    line = _one_error_line(capsys)
+    assert f"store {store} holds a previous run" in line and "store.reset=true" in line, line
+    assert _snapshot(store) == before and not (tmp_path / "new").exists()
+    # control: with store.reset=true the same store is emptied for the new run
+    with pytest.raises(Launched):
+        demo.main([f"run_dir={tmp_path}/new", f"store.uri={store}", "store.reset=true"])
+    assert sorted(os.listdir(store)) == [demo.STORE_MARKER]
+
+
+def test_a_foreign_directory_is_never_used_as_a_store(tmp_path, no_launch, capsys):
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "a.jpg").write_bytes(b"\xff\xd8")
+    assert demo.main([f"run_dir={tmp_path}/run", f"store.uri={mine}", "force=true", "store.reset=true"]) == 2
+    assert "is a non-empty directory that is not a nemo_dcr demo store" in _one_error_line(capsys)
+    assert os.listdir(mine) == ["a.jpg"]
+
+
+@pytest.mark.parametrize("uri,needle", [
+    ("nosuchproto://bucket/x", "store.uri: nosuchproto://bucket/x: cannot open store: ValueError: Protocol not known"),
+    ("{blocker}/store", "cannot create"),
+])
+def test_a_store_uri_that_cannot_be_opened_is_one_line(tmp_path, no_launch, capsys, uri, needle):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    uri = uri.format(blocker=blocker)
+    assert demo.main([f"run_dir={tmp_path}/run", f"store.uri={uri}"]) == 2
+    line = _one_error_line(capsys)
+    assert needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_openable_store_uri_gets_to_the_launch(tmp_path, no_launch):
+    # control for the refusals above (no server is needed to open an s3:// URI)
+    for uri in ("memory://demo-inputs/x", f"{tmp_path}/store"):
+        with pytest.raises(Launched):
+            demo.main([f"run_dir={tmp_path}/run-{len(uri)}", f"store.uri={uri}"])
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path, no_launch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert demo.main([f"run_dir={blocker}/run", f"store.uri={tmp_path}/store"]) == 2
+    assert f"run_dir {blocker}/run cannot be created" in _one_error_line(capsys)
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(Launched):  # control
+        demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store"])
