@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model_config(), TrainConfig(lr=3e-4, data_seed=args.seed), tp=2)
     rank = dist.get_rank()
     store = FaultyStore(open_store(args.store), Plans(os.path.join(args.dir, "plan"), f"rank{rank}"), load_key(None))
-    cfg = SenderConfig(model_id=MODEL_ID, receivers=RECEIVERS, chunk_bytes=16 << 10, upload_workers=2,
+    cfg = SenderConfig(model_id=MODEL_ID, receivers=RECEIVERS, chunk_bytes=256 << 10, upload_workers=2,
                        ack_timeout_s=args.ack_timeout_s, ack_poll_s=0.02, on_refusal="retry",
                        max_consecutive_failures=1_000_000)
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=cfg, vocab_size=256)
