@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nemo_dcr.codec import ChunkFormatError, chunk_digest, decode_chunk, read_chunk_index
+from nemo_dcr.codec import (
+    ChunkFormatError,
+    ChunkValidationError,
+    DecodeBudget,
+    chunk_digest,
+    decode_chunk,
+    read_chunk_index,
+)
+from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
@@ -131,6 +139,19 @@ class Receiver:
         if manifest.base_version != expect:
             raise RefitRefused(f"manifest v{manifest.version} has base version {manifest.base_version}, "
                                f"this receiver holds version {expect}")
+        specs = self.served.tensor_specs()
+        # untrusted sizes are bounded before anything is downloaded or decoded: the version's
+        # wire bytes by twice the dense size of what it may change, duplicates refused, and
+        # every record checked against the runtime's specs and a per-version budget from its
+        # header alone (codec/admit.py)
+        dense = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in specs.values())
+        if manifest.wire_bytes > 2 * dense + (1 << 20):
+            raise RefitRefused(f"manifest v{manifest.version} lists {manifest.wire_bytes} chunk bytes, more than "
+                               f"twice the {dense} bytes of the tensors this receiver holds")
+        digests = [ref.digest for ref in manifest.chunks]
+        if len(set(digests)) != len(digests):
+            raise RefitRefused(f"manifest v{manifest.version} lists the same chunk bytes twice")
+        budget = DecodeBudget.for_tensors(specs)
         t0 = time.perf_counter()
         blobs = []
         for ref in manifest.chunks:
@@ -151,11 +172,11 @@ class Receiver:
         for ref, blob in blobs:
             try:
                 # the header first: a chunk of another version must not even be decoded
-                got = {k: read_chunk_index(blob).meta.get(k) for k in want}
+                got = {k: read_chunk_index(blob, expect=specs).meta.get(k) for k in want}
                 if got != want:
                     raise RefitRefused(f"chunk {ref.key}: header {got} disagrees with manifest {want}")
-                chunk = decode_chunk(blob, base=held)
-            except ChunkFormatError as e:
+                chunk = decode_chunk(blob, base=held, expect=specs, budget=budget)
+            except (ChunkFormatError, ChunkValidationError) as e:
                 raise RefitRefused(f"chunk {ref.key}: {e}") from None
             deltas.extend(chunk.deltas)
         t2 = time.perf_counter()

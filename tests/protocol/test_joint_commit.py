@@ -36,6 +36,7 @@ from nemo_dcr.protocol.run import ForeignRunError
 from nemo_dcr.protocol.signing import Sealer, SignatureError, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+from nemo_dcr.runtimes.base import TensorSpec
 from nemo_dcr.transport.store import LocalDirStore
 
 DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
@@ -54,12 +55,13 @@ class ArrayRuntime:
 
     def __init__(self, tensors: dict[str, torch.Tensor], refuse=(), fail_after=None):
         self.bits = {k: bits_of(v) for k, v in tensors.items()}
+        self.specs = {k: TensorSpec.of(k, v) for k, v in tensors.items()}
         self.refuse = set(refuse)
         self.fail_after = dict(fail_after or {})
         self.calls = 0
 
     def tensor_specs(self):
-        return dict.fromkeys(self.bits)
+        return self.specs
 
     def verify_dense(self, dense):
         raise NotImplementedError

@@ -66,7 +66,7 @@ def test_sigkill_mid_apply_then_restart_repairs_in_place(tmp_path):
     store = LocalDirStore(str(tmp_path / "store"))
     sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
                          CanonicalProjector((Rule("w", {"": NAME}),), DIMS), store,
-                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=20,
+                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=120,
                                       ack_poll_s=0.02))
     write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer, run_id=sender.claim())
     rng = np.random.default_rng(0)
