@@ -25,8 +25,11 @@ from nemo_dcr.layout.mapping import ModelDims
 
 
 def _chunks(model) -> list:
-    """Model chunks a trainer holds: a list (virtual pipeline stages) or one model."""
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+    """Model chunks a trainer holds: a list (virtual pipeline stages; NeMo's
+    ``MegatronParallel`` is an ``nn.ModuleList`` of them) or one model."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
 
 
 def _wrapper_chain(model):
@@ -40,20 +43,64 @@ def _wrapper_chain(model):
             return
 
 
+class ModelChunks(torch.nn.Module):
+    """This rank's ``GPTModel`` chunks under virtual pipeline parallelism, seen as one model.
+
+    Parameters are named ``chunks.<i>.<name>`` (chunk order = virtual stage order), and
+    ``sharded_state_dict()`` is the union of the chunks' own.  Megatron numbers layers
+    globally in each chunk's metadata (``TransformerLayer.layer_number`` includes the
+    ``vp_stage`` offset, and that is the prepended layer axis of every ``decoder.layers.*``
+    ShardedTensor), so the union is exactly this rank's part of the global checkpoint; the
+    embedding lives in the first chunk of the first stage, the output layer in the last
+    chunk of the last stage.  Architecture attributes (``config``, ``vocab_size``, RoPE
+    settings, ...) are the first chunk's: every chunk is built from the same config."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def sharded_state_dict(self, *args, **kwargs) -> dict:
+        out = {}
+        for i, chunk in enumerate(self.chunks):
+            for key, value in chunk.sharded_state_dict(*args, **kwargs).items():
+                out[f"chunks.{i}.{key}"] = value
+        return out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or name == "chunks":
+                raise
+            return getattr(self._modules["chunks"][0], name)
+
+
+def _gpt_of(chunk) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    for inner in _wrapper_chain(chunk):
+        if isinstance(inner, GPTModel):
+            return inner
+    raise UnsupportedModelError(f"no megatron GPTModel inside {type(chunk).__name__}")
+
+
 def unwrap_gpt(model) -> torch.nn.Module:
     """The megatron ``GPTModel`` inside the wrappers a trainer holds (``Float16Module``,
     megatron DDP / FSDP, NeMo's ``MegatronParallel`` modules: each exposes ``.module``).
-    A list of model chunks (virtual pipeline stages) is not supported yet."""
-    from megatron.core.models.gpt import GPTModel
-
+    A list of model chunks (virtual pipeline stages) gives a :class:`ModelChunks` of their
+    ``GPTModel``s (one chunk: that ``GPTModel``)."""
     chunks = _chunks(model)
-    if len(chunks) != 1:
+    if not chunks:
+        raise UnsupportedModelError("an empty list of model chunks")
+    gpts = [_gpt_of(c) for c in chunks]
+    if len(gpts) == 1:
+        return gpts[0]
+    stages = [getattr(g, "vp_stage", None) for g in gpts]
+    if stages != list(range(len(gpts))):
         raise UnsupportedModelError(
-            f"{len(chunks)} model chunks (virtual pipeline parallelism) are not supported; pass one chunk")
-    for inner in _wrapper_chain(chunks[0]):
-        if isinstance(inner, GPTModel):
-            return inner
-    raise UnsupportedModelError(f"no megatron GPTModel inside {type(chunks[0]).__name__}")
+            f"model chunks with vp_stage {stages}: expected one chunk per virtual pipeline stage, "
+            f"in order 0..{len(gpts) - 1}")
+    return ModelChunks(gpts)
 
 
 def deferred_param_gathers(model) -> list:
@@ -67,7 +114,9 @@ def deferred_param_gathers(model) -> list:
     for chunk in _chunks(model):
         for inner in _wrapper_chain(chunk):
             ddp_config = getattr(inner, "ddp_config", None)
-            if (ddp_config is not None and hasattr(inner, "start_param_sync")
+            # the class must define the method: NeMo copies the DDP's bound methods onto its
+            # LightningModule, which would otherwise be counted (and gathered) again
+            if (ddp_config is not None and hasattr(type(inner), "start_param_sync")
                     and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
                 found.append(inner)
     return found
@@ -132,4 +181,4 @@ def describe_gpt(gpt: torch.nn.Module, *, vocab_size: int | None = None) -> Mode
     )
 
 
-__all__ = ["deferred_param_gathers", "describe_gpt", "unwrap_gpt"]
+__all__ = ["ModelChunks", "deferred_param_gathers", "describe_gpt", "unwrap_gpt"]

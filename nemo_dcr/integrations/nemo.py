@@ -5,9 +5,14 @@
 ``RefitCallback`` subclasses NeMo's ``BaseCallback`` when NeMo is installed (Lightning's
 ``Callback`` when only Lightning is), and is importable without either.  Lightning calls
 ``on_train_batch_end`` once per optimizer step, after the BF16 params were written (the
-distributed optimizer's deferred all-gather, if any, is forced by the hook);
-``pl_module`` is NeMo's model, whose ``.module`` chain leads (NeMo DDP -> Float16Module)
-to the megatron-core ``GPTModel``.  The version number is ``trainer.global_step``.
+distributed optimizer's deferred all-gather, if any, is forced by the hook).  The model
+is NeMo's ``trainer.strategy.megatron_parallel``: one NeMo model per virtual pipeline stage,
+each leading along ``.module`` (NeMo DDP -> Float16Module) to a megatron-core ``GPTModel``
+chunk; without a NeMo strategy (plain Lightning), ``pl_module`` itself.  The version number
+is ``trainer.global_step``.
+
+Framework-tested: ``tests/nemo/test_nemo_recipe.py`` runs ``llm.llama3_8b.pretrain_recipe``
+(tiny) with this callback under torchrun (``examples/nemo_llama3_refit.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +28,12 @@ except ImportError:
         _Base = object
 
 
+def _model_chunks(trainer, pl_module):
+    """Every model chunk NeMo trains (``pl_module`` is only the first under virtual pipelining)."""
+    chunks = getattr(getattr(trainer, "strategy", None), "megatron_parallel", None)
+    return list(chunks) if chunks is not None else pl_module
+
+
 class RefitCallback(_Base):
     """``settings``: a ``RefitSettings``; or ``overrides``: Hydra overrides of
     ``configs/refit.yaml`` (what a recipe's ``run.Config`` can carry as plain strings)."""
@@ -36,9 +47,9 @@ class RefitCallback(_Base):
         self.refit = RefitAttachment(settings)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.refit.attach(pl_module)
+        self.refit.attach(_model_chunks(trainer, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.refit.attached:  # resumed mid-epoch without on_train_start
-            self.refit.attach(pl_module)
+            self.refit.attach(_model_chunks(trainer, pl_module))
         self.refit.after_step(int(trainer.global_step))

@@ -1,7 +1,9 @@
 """Framework callbacks drive the refit: ``RefitBridgeCallback`` (Megatron-Bridge protocol)
 and ``RefitCallback`` (NeMo / Lightning protocol), called by a real megatron-core training
-loop (TP=2 under torchrun) the way those frameworks call them.  Bridge and NeMo are not
-installed in this environment: this is a protocol test, not a framework test.
+loop (TP=2 under torchrun) the way those frameworks call them; and the Bridge callback with
+a list of virtual-pipeline model chunks (PP=2 x VPP=2, megatron's interleaved schedule).
+Bridge and NeMo are not installed in this environment: this is a protocol test, not a
+framework test (NeMo's is ``tests/nemo/test_nemo_recipe.py``, in the NeMo virtualenv).
 
 A receiver process (``nemo-dcr receive``, transformers) follows every step; each version
 it holds must equal, on integer views, transformers' own load of the dense reference the
@@ -37,7 +39,7 @@ def _dense_hf_state(store, dense_file, work):
     return {k: v.clone() for k, v in module_state(model).items()}
 
 
-@pytest.mark.parametrize("kind", ["bridge", "nemo"])
+@pytest.mark.parametrize("kind", ["bridge", "nemo", "bridge_vpp"])
 def test_callback_refit_is_bit_exact(tmp_path, kind):
     from safetensors.torch import load_file
 
