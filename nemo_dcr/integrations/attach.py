@@ -50,7 +50,7 @@ class RefitAttachment:
 
     def attach(self, model) -> MegatronRefitHook:
         """Collective: build the hook from ``model`` (a GPTModel, any wrapper of one, or a
-        one-element list of model chunks) and write version 0."""
+        list of model chunks, one per virtual pipeline stage) and write version 0."""
         if self.hook is not None:
             return self.hook
         s = self.settings

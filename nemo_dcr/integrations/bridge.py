@@ -2,8 +2,9 @@
 
 Megatron-Bridge cannot be installed here (it needs Transformer Engine), so this class is
 written against its callback protocol and tested with a megatron-core training loop that
-calls it with a context shaped like Bridge's (``context.model``: list of model chunks,
-``context.state.train_state.step``): protocol-tested, not framework-tested.  It imports
+calls it with a context shaped like Bridge's (``context.model``: list of model chunks, two
+under virtual pipelining in the PP=2 x VPP=2 test; ``context.state.train_state.step``):
+protocol-tested, not framework-tested.  It imports
 nothing from Bridge.  With Bridge's distributed optimizer and ``overlap_param_gather`` the
 params may still be stale at ``on_train_step_end``; the hook forces the gather.
 """

@@ -120,7 +120,8 @@ class MegatronRefitHook:
     @classmethod
     def from_model(cls, model, *, store: ObjectStore, sender_cfg: SenderConfig, family: str | None = None,
                    vocab_size: int | None = None, verify_dense: bool = False) -> MegatronRefitHook:
-        """Collective: attach to ``model`` (a ``GPTModel`` or any wrapper of one) on every rank.
+        """Collective: attach to ``model`` (a ``GPTModel``, any wrapper of one, or a list of
+        virtual-pipeline model chunks: ``megatron_model.unwrap_gpt``) on every rank.
 
         family: a name in ``layout.families.FAMILIES``; by default the one registered family
             the model's features (MoE, q/k-norm) match.  Given, it is checked against them.
