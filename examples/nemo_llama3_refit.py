@@ -14,7 +14,8 @@ Receiver (another shell, once ``runs/nemo/store/init/model.safetensors`` exists)
     .venv/bin/nemo-dcr receive --store runs/nemo/store --init-dir runs/nemo/store/init \\
         --receiver-id r0 --model-id nemo-llama3 --until-version 3
 
-TP=2 x DP=2 is ``--nproc-per-node 4 ... --tp 2 --dp 2``.  Arguments of the form
+TP=2 x DP=2 is ``--nproc-per-node 4 ... --tp 2 --dp 2``; PP=2 x virtual PP=2 is
+``--nproc-per-node 2 ... --tp 1 --pp 2 --vpp 2`` (4 layers, one per model chunk).  Arguments of the form
 ``refit.KEY=VALUE`` are Hydra overrides of ``configs/refit.yaml`` (the callback's settings);
 ``--set KEY=VALUE`` sets any recipe field by its dotted path (``--set trainer.max_steps=5``),
 NeMo-run style.  ``refit.vocab_size`` is set here from the recipe's tokenizer.
@@ -37,23 +38,35 @@ TINY = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_he
 VOCAB = 1000  # NullTokenizer(VOCAB): token ids 0..VOCAB (VOCAB + 1 ids, EOD included)
 
 
-def tiny_llama3_recipe(*, tp: int, dp: int, steps: int, log_dir: str, lr: float = 1e-5):
-    """``llm.llama3_8b.pretrain_recipe`` with a tiny model, mock data and CPU settings."""
+def tiny_llama3_recipe(*, tp: int, dp: int, steps: int, log_dir: str, lr: float = 1e-5, pp: int = 1,
+                       vpp: int = 1):
+    """``llm.llama3_8b.pretrain_recipe`` with a tiny model, mock data and CPU settings.
+    ``pp`` pipeline stages of ``vpp`` virtual stages each (one layer per virtual stage when
+    that is more than two)."""
     import nemo_run as run
     from nemo.collections import llm
     from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
 
     on_cpu = not torch.cuda.is_available()
     recipe = llm.llama3_8b.pretrain_recipe(dir=log_dir, name="tiny_llama3", num_nodes=1,
-                                           num_gpus_per_node=tp * dp)
+                                           num_gpus_per_node=tp * pp * dp)
     for k, v in TINY.items():
         setattr(recipe.model.config, k, v)
+    recipe.model.config.num_layers = max(TINY["num_layers"], pp * vpp)
+    tokenizer = run.Config(NullTokenizer, vocab_size=VOCAB)
     recipe.data = run.Config(llm.MockDataModule, seq_length=TINY["seq_length"], micro_batch_size=1,
-                             global_batch_size=2 * dp, tokenizer=run.Config(NullTokenizer, vocab_size=VOCAB),
-                             num_workers=0, pin_memory=False)
+                             global_batch_size=2 * pp * dp, tokenizer=tokenizer, num_workers=0, pin_memory=False)
+    # the model's own tokenizer too: NeMo rebuilds the model for each virtual pipeline stage
+    # from its constructor arguments, where the data module's tokenizer is not seen
+    recipe.model.tokenizer = tokenizer
     recipe.trainer.max_steps = steps
     recipe.trainer.strategy.tensor_model_parallel_size = tp
     recipe.trainer.strategy.context_parallel_size = 1  # the recipe's default is 2
+    if pp > 1:
+        recipe.trainer.strategy.pipeline_model_parallel_size = pp
+        recipe.trainer.strategy.pipeline_dtype = torch.bfloat16
+    if vpp > 1:
+        recipe.trainer.strategy.virtual_pipeline_model_parallel_size = vpp
     recipe.trainer.log_every_n_steps = 1
     recipe.trainer.num_sanity_val_steps = 0
     recipe.trainer.limit_val_batches = 0
@@ -100,6 +113,8 @@ def parse_args(argv: list[str]):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline stage")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--log-dir", default="runs/nemo/logs")
@@ -119,7 +134,8 @@ def build(argv: list[str]):
     from nemo_dcr.integrations.nemo import RefitCallback
 
     args, refit_overrides = parse_args(argv)
-    recipe = tiny_llama3_recipe(tp=args.tp, dp=args.dp, steps=args.steps, log_dir=args.log_dir, lr=args.lr)
+    recipe = tiny_llama3_recipe(tp=args.tp, dp=args.dp, pp=args.pp, vpp=args.vpp, steps=args.steps,
+                                log_dir=args.log_dir, lr=args.lr)
     for item in args.set:
         key, _, value = item.partition("=")
         _set(recipe, key, value)

@@ -10,9 +10,9 @@ After every optimizer step (after the refit callback published the version) the 
     stale bits outside its optimizer shard: this shows the refit read synced parameters);
   * writes the dense reference of the version: the NeMo model's full tensors gathered to
     rank 0 and converted by the dense transforms (OUT_DIR/v<step>.safetensors).
-When training ends it gives every norm weight distinct values (so a norm mix-up would show),
-writes those weights (OUT_DIR/logits_weights.safetensors), runs the megatron model in fp32 on
-fixed tokens and writes the gathered logits (OUT_DIR/logits.safetensors).  OUT_DIR/meta.json
+When training ends (PP=1 only) it gives every norm weight distinct values (so a norm mix-up
+would show), writes those weights (OUT_DIR/logits_weights.safetensors), runs the megatron model
+in fp32 on fixed tokens and writes the gathered logits (OUT_DIR/logits.safetensors).  OUT_DIR/meta.json
 says what ran.
 """
 import importlib.util
@@ -71,13 +71,26 @@ class Oracle(BaseCallback):
 
     def on_train_end(self, trainer, pl_module):
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        from safetensors.torch import save_file
 
         from nemo_dcr.integrations.megatron_model import unwrap_gpt
 
         hook = self._hook(trainer)
-        gpt = unwrap_gpt(pl_module)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if pp == 1:  # the forward below is not pipelined
+            self._logits(hook, unwrap_gpt(pl_module))
+        if dist.get_rank() == 0:
+            meta = {"versions": self.versions, "committed": self.committed,
+                    "tp": parallel_state.get_tensor_model_parallel_world_size(), "pp": pp,
+                    "dp": parallel_state.get_data_parallel_world_size(),
+                    "deferred_param_gathers": len(hook._param_gathers),
+                    "family": hook.family.name, "vocab_size": hook.dims.vocab_size}
+            with open(os.path.join(self.out_dir, "meta.json"), "w") as f:
+                json.dump(meta, f)
+
+    def _logits(self, hook, gpt):
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from safetensors.torch import save_file
+
         with torch.no_grad():
             for name, p in hook.params.items():
                 if "norm" in name:  # seeded by name: TP / DP replicas stay identical
@@ -98,13 +111,6 @@ class Oracle(BaseCallback):
             save_file(state, os.path.join(self.out_dir, "logits_weights.safetensors"))
             save_file({"tokens": tokens, "logits": logits.float().contiguous()},
                       os.path.join(self.out_dir, "logits.safetensors"))
-            meta = {"versions": self.versions, "committed": self.committed,
-                    "tp": parallel_state.get_tensor_model_parallel_world_size(),
-                    "dp": parallel_state.get_data_parallel_world_size(),
-                    "deferred_param_gathers": len(hook._param_gathers),
-                    "family": hook.family.name, "vocab_size": hook.dims.vocab_size}
-            with open(os.path.join(self.out_dir, "meta.json"), "w") as f:
-                json.dump(meta, f)
 
 
 def main() -> None:
