@@ -386,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-dir", default=None,
                     help="testing aid: after each applied version write every parameter and buffer "
                          "to DIR/v<version>.safetensors")
+    def one_line(message: str):  # argparse's default prints the whole usage block
+        print(f"nemo-dcr receive: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    ap.error = one_line
     args = ap.parse_args(argv)
     try:
         return _serve(args)

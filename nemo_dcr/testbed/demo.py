@@ -242,7 +242,14 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     if os.path.exists(steps_path):
         os.unlink(steps_path)
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # one signing key per run, shared by the trainer ranks and the receivers (docs/protocol.md)
+    from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
+
+    key_path = os.path.join(cfg.run_dir, "refit.key")
+    if os.path.exists(key_path):
+        os.unlink(key_path)
+    new_key_file(key_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: key_path})
     world = cfg.parallel.world_size
     t_start = time.perf_counter()
     trainer_log = open(os.path.join(cfg.run_dir, "trainer.log"), "w")
