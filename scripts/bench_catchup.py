@@ -94,14 +94,14 @@ def main() -> int:
         rng = np.random.default_rng(0)
         # publish max(ns) versions; each is aborted by the sender (no receiver), so commit
         # them by hand: baseline + decision record, as the trainer would on acks
-        from nemo_dcr.protocol.manifest import Decision, decision_key
+        from nemo_dcr.protocol.manifest import Decision, decision_key, doc_digest
 
         for v in range(1, max(ns) + 1):
             _step(params, rng, args.changed)
             refs, _ = sender.publish(v)
             m = Manifest(run_id=sender.run_id, model_id="bench", version=v, base_version=v - 1, chunks=tuple(refs))
             store.put(manifest_key(v), m.to_json(sealer))
-            store.put(decision_key(v), Decision(sender.run_id, v, v - 1, True, ("r0",)).to_json(sealer))
+            store.put(decision_key(v), Decision(sender.run_id, v, v - 1, True, ("r0",), manifest_digest=doc_digest(store.get(manifest_key(v)))).to_json(sealer))
             sender.baseline.commit(v)
         manifests = [Manifest.from_json(store.get(manifest_key(v)), sealer) for v in range(1, max(ns) + 1)]
         rows = []

@@ -33,7 +33,7 @@ from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
 from nemo_dcr.protocol.manifest import ChunkRef, Manifest, chunk_key
-from nemo_dcr.protocol.run import claim_store
+from nemo_dcr.protocol.run import claim_store, run_position
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.transport.store import ObjectStore
 
@@ -158,6 +158,7 @@ class RefitSender:
         self.baseline = Baseline(params, version=committed_version)
         self.sealer = Sealer(load_key(cfg.key_file or None, log=_log if _rank() == 0 else None))
         self.run_id: str | None = None
+        self._floor = 0  # highest version published so far (by this or an earlier incarnation)
         self._failures = FailureBudget(cfg.on_refusal, cfg.max_consecutive_failures)
         # canonical inventory (union over ranks): what a dense refit would send
         mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
@@ -188,18 +189,25 @@ class RefitSender:
     def claim(self, *, resume_run_id: str | None = None) -> str:
         """Collective: rank 0 claims the store for a new run (or checks it is the run
         being resumed) and every rank learns the run id; a refusal (another run's prefix,
-        unreachable store) raises the same error on every rank."""
-        result: tuple[str | None, str | None] = (None, None)
+        unreachable store) raises the same error on every rank.  Resuming, the baseline
+        becomes the run's committed version -- the parameters must hold exactly its bits
+        (the checkpoint of that step) -- and version numbers continue above every one
+        published before, so a receiver never sees one number with two contents."""
+        result: tuple[str | None, tuple[int, int], str | None] = (None, (0, 0), None)
         if _rank() == 0:
             try:
-                result = (claim_store(self.store, self.sealer, self.cfg.model_id,
-                                      resume_run_id=resume_run_id).run_id, None)
+                run_id = claim_store(self.store, self.sealer, self.cfg.model_id, resume_run_id=resume_run_id).run_id
+                result = (run_id, run_position(self.store, self.sealer, run_id) if resume_run_id else (0, 0), None)
             except Exception as e:  # noqa: BLE001 - every rank must learn the outcome
-                result = (None, f"{type(e).__name__}: {e}")
-        run_id, error = _broadcast(result)
+                result = (None, (0, 0), f"{type(e).__name__}: {e}")
+        run_id, (committed, published), error = _broadcast(result)
         if error is not None:
             raise ProtocolError(f"cannot start the run: {error}")
         self.run_id = run_id
+        # resuming: the weights this trainer holds now must be the committed version's
+        # (restart from the checkpoint of that step); later versions are diffed against them
+        self.baseline.version = committed
+        self._floor = published
         if _rank() == 0:
             self.coordinator = CommitCoordinator(self.store, self.sealer, run_id, self.cfg.receivers,
                                                  ack_timeout_s=self.cfg.ack_timeout_s, poll_s=self.cfg.ack_poll_s)
@@ -266,8 +274,9 @@ class RefitSender:
         """Diff every local parameter against the committed baseline and upload the chunks
         of ``version`` (not yet the manifest).  Returns this rank's chunk refs."""
         base = self.baseline.version
-        if version <= base:
-            raise ValueError(f"version {version} must be newer than the committed {base}")
+        if version <= max(base, self._floor):
+            raise ProtocolError(f"version {version} must be newer than the committed {base} and the last "
+                                f"published {self._floor} (a version number is never reused)")
         stats = PublishStats(version=version, base_version=base)
         if self.run_id is None:
             raise ProtocolError("publish before claim(): the sender has no run id")
@@ -369,6 +378,7 @@ class RefitSender:
         stats.dense_bytes = self.dense_bytes
         reason = "; ".join(errors)
         commit = False
+        digest = ""
         t0 = time.perf_counter()
         try:
             if not errors:
@@ -384,7 +394,7 @@ class RefitSender:
                 for line in outcome.ignored:
                     _log(f"nemo_dcr: version {version}: ignored ack {line}")
                 commit, reason = outcome.ok, outcome.reason
-            self.coordinator.decide(version, stats.base_version, commit, reason)
+            self.coordinator.decide(version, stats.base_version, commit, reason, digest)
         except Exception as e:  # noqa: BLE001 - e.g. the store failed: abort, never half-commit
             commit, reason = False, (reason + "; " if reason else "") + f"rank 0: {type(e).__name__}: {e}"
         stats.commit_wait_s = time.perf_counter() - t0

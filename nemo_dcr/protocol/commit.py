@@ -93,6 +93,9 @@ class CommitCoordinator:
                     data = self.store.get(ack_key(rid, version))
                 except ObjectNotFound:
                     continue
+                except DcrError as e:  # a failing store: read again at the next poll, until the deadline
+                    rejected.setdefault(rid, f"store error reading its ack: {e}")
+                    continue
                 if seen.get(rid) == data:
                     continue
                 seen[rid] = data
@@ -112,10 +115,11 @@ class CommitCoordinator:
                           acks=[asdict(valid[r]) for r in self.receivers if r in valid],
                           ignored=ignored)
 
-    def decide(self, version: int, base_version: int, commit: bool, reason: str) -> Decision:
+    def decide(self, version: int, base_version: int, commit: bool, reason: str, manifest_digest: str = ""
+               ) -> Decision:
         """Write the decision record (and, on commit, ``COMMITTED.json``)."""
         d = Decision(run_id=self.run_id, version=version, base_version=base_version, commit=commit,
-                     receivers=self.receivers, reason=reason)
+                     receivers=self.receivers, reason=reason, manifest_digest=manifest_digest)
         # A put that raised may still have landed (a lost response): receivers would then act
         # on a record the trainer believes unwritten.  So the put is retried (same bytes,
         # idempotent) until it succeeds or the record reads back; only then is it decided.

@@ -49,6 +49,8 @@ class FollowerState:
     run_id: str
     committed: int = 0
     tentative: int | None = None
+    tentative_digest: str = ""
+    """Digest of the manifest applied as ``tentative``."""
     awaiting: int | None = None
     """Version acknowledged or refused whose decision is not known yet."""
     handled: int = 0
@@ -141,7 +143,23 @@ class Follower:
         st = self.state
         d = self._decision(st.awaiting)
         if d is None:
-            return False
+            # No decision record (the trainer may have failed before writing it).  A newer HEAD
+            # whose base is older than the awaited version proves it was not committed
+            # (versions are never reused): roll it back rather than wait forever.
+            got = self._open(HEAD_KEY, Head, "head")
+            if got is None or got[0].version <= st.awaiting or got[0].base_version >= st.awaiting:
+                return False
+            d = Decision(run_id=st.run_id, version=st.awaiting, base_version=got[0].base_version, commit=False,
+                         receivers=(), reason=f"no decision record; HEAD v{got[0].version} has base "
+                                              f"v{got[0].base_version}")
+        if d.commit and st.tentative == d.version and d.manifest_digest != st.tentative_digest:
+            # committed bytes other than the ones applied under this number (a restarted
+            # trainer reused it): what this receiver applied was not committed
+            self.rx.rollback()
+            self._log({"receiver": self.receiver_id, "version": d.version, "event": "rolled back",
+                       "reason": "the committed manifest is not the one applied"})
+            st.tentative, st.awaiting, st.handled = None, None, st.committed
+            return True
         if d.commit:
             if st.tentative == d.version:
                 self.rx.settle()
@@ -161,8 +179,8 @@ class Follower:
         st.awaiting = None
         return True
 
-    def _chain(self, target: int) -> list[int] | None:
-        """Committed versions after ``committed`` up to ``target``, oldest first (None while
+    def _chain(self, target: int) -> list[Decision] | None:
+        """Commit decisions after ``committed`` up to ``target``, oldest first (None while
         the chain is not complete or not this run's)."""
         out = []
         v = target
@@ -170,7 +188,7 @@ class Follower:
             d = self._decision(v)
             if d is None or not d.commit:
                 return None
-            out.append(v)
+            out.append(d)
             v = d.base_version
         return out[::-1] if v == self.state.committed else None
 
@@ -179,9 +197,13 @@ class Follower:
         if chain is None:
             return False
         manifests = []
-        for v in chain:
-            got = self._manifest(v)
+        for d in chain:
+            got = self._manifest(d.version)
             if got is None:
+                return False
+            if got[1] != d.manifest_digest:
+                self._log({"receiver": self.receiver_id, "ignored": manifest_key(d.version),
+                           "error": "not the manifest the trainer committed (digest differs)"})
                 return False
             manifests.append(got[0])
         t0 = time.perf_counter()
@@ -208,7 +230,8 @@ class Follower:
         st = self.state
         st.committed = st.handled = target
         st.decided = max(st.decided, target)
-        self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode, "versions": chain,
+        self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode,
+                   "versions": [d.version for d in chain],
                    "seconds": round(time.perf_counter() - t0, 4),
                    **{k: v for k, v in stats.items() if k in ("composed_changed", "changed", "wire_bytes")}})
         return True
@@ -233,7 +256,7 @@ class Follower:
                 ack = Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
                           held_version=st.committed, error=f"store error: {e}")
             if ack.ok:
-                st.tentative = manifest.version
+                st.tentative, st.tentative_digest = manifest.version, digest
         try:
             self.store.put(ack_key(self.receiver_id, manifest.version), ack.to_json(self.sealer))
         except TransportError as e:

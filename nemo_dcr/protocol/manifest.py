@@ -235,6 +235,10 @@ class Decision:
     commit: bool
     receivers: tuple[str, ...]
     reason: str = ""
+    manifest_digest: str = ""
+    """Digest of the manifest decided on ('' when none was published): a receiver that
+    applied other bytes under this version number (a restarted trainer reusing a step
+    number) treats the decision as an abort of what it applied."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -248,7 +252,7 @@ class Decision:
     def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Decision":
         obj = _take(_load(data, "decision", "decision", sealer),
                     {"run_id": str, "version": int, "base_version": int, "commit": bool, "receivers": list,
-                     "reason": str}, "decision")
+                     "reason": str, "manifest_digest": str}, "decision")
         if not all(isinstance(r, str) for r in obj["receivers"]):
             raise ManifestError("decision: receivers must be strings")
         return cls(**{**obj, "receivers": tuple(obj["receivers"])})

@@ -24,6 +24,8 @@ from nemo_dcr.protocol.manifest import (
     INIT_PREFIX,
     INIT_RECORD_KEY,
     RUN_KEY,
+    Committed,
+    Head,
     InitRecord,
     RunRecord,
     check_run_id,
@@ -94,6 +96,25 @@ def claim_store(store: ObjectStore, sealer: Sealer, model_id: str, *, resume_run
     if back is None or back.run_id != record.run_id:
         raise ForeignRunError(f"store {store.uri}: another run claimed the prefix at the same time")
     return record
+
+
+def run_position(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[int, int]:
+    """(committed version, last published version) of run ``run_id`` on ``store``: where a
+    resumed trainer continues (its baseline must be the committed version; its next
+    version number must exceed every one published before)."""
+    committed = published = 0
+    for key, cls in ((COMMITTED_KEY, Committed), (HEAD_KEY, Head)):
+        try:
+            doc = cls.from_json(store.get(key), sealer)
+        except ObjectNotFound:
+            continue
+        if doc.run_id != run_id:
+            raise ForeignRunError(f"store {store.uri}: {key} is of run {doc.run_id}, not {run_id}")
+        if cls is Committed:
+            committed = doc.version
+        else:
+            published = doc.version
+    return committed, max(committed, published)
 
 
 def sha256_file(path: str) -> str:
