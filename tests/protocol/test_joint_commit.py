@@ -404,3 +404,29 @@ def test_signature_covers_every_field(key):
     # domain separation: a signed ack never opens as another kind of document
     with pytest.raises(SignatureError):
         sealer.open("manifest", data, "x")
+
+
+def test_resumed_trainer_continues_from_the_committed_version_and_never_reuses_a_number(tmp_path, key):
+    rng = np.random.default_rng(8)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, ack_timeout_s=5)
+    r = Rx("r0", store, key, sender.run_id, w0, refuse={2}).start(until=2)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    committed_bits = bits_of(w)
+    _step(w, rng)
+    assert not sender.refit(2).committed  # published, aborted
+    r.join()
+    # the trainer restarts from the checkpoint of the committed step (v1) and resumes the run
+    w_resumed = torch.from_numpy(committed_bits.view(np.int16).copy()).view(torch.bfloat16).reshape(w.shape)
+    again = RefitSender({"w": w_resumed}, sender.views, sender.projector, store, sender.cfg)
+    assert again.claim(resume_run_id=sender.run_id) == sender.run_id
+    assert again.baseline.version == 1
+    with pytest.raises(ProtocolError, match="never reused"):
+        again.publish(2)  # v2 was published (and aborted) by the previous incarnation
+    r2 = Rx("r0", store, key, sender.run_id, w0).start(until=3)
+    _step(w_resumed, rng)
+    assert again.refit(3).committed  # base v1; the restarted receiver catches up to v1 first
+    r2.join()
+    np.testing.assert_array_equal(r2.w, bits_of(w_resumed))
