@@ -457,7 +457,8 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
                            or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch)
     rec["duration_s"] = round(time.time() - t_go, 3)
     rec["silent"] = bool(rec["violations"]) and not rec["hang"]
-    return rec, end_epoch
+    # after a violation the run's state is not trusted: the next trial starts a fresh run
+    return rec, end_epoch or bool(rec["violations"])
 
 
 # ----------------------------------------------------------------------------- report
