@@ -394,8 +394,19 @@ class RefitSender:
                 for line in outcome.ignored:
                     _log(f"nemo_dcr: version {version}: ignored ack {line}")
                 commit, reason = outcome.ok, outcome.reason
-            self.coordinator.decide(version, stats.base_version, commit, reason, digest)
         except Exception as e:  # noqa: BLE001 - e.g. the store failed: abort, never half-commit
             commit, reason = False, (reason + "; " if reason else "") + f"rank 0: {type(e).__name__}: {e}"
         stats.commit_wait_s = time.perf_counter() - t0
+        try:
+            self.coordinator.decide(version, stats.base_version, commit, reason, digest)
+        except Exception as e:  # noqa: BLE001
+            if commit:
+                # the commit record may have landed (receivers would then hold v as committed)
+                # or not: the trainer cannot know which, so it neither advances nor goes on
+                self._failures.record(False)
+                return False, (f"the commit decision on version {version} could not be recorded "
+                               f"({type(e).__name__}: {e}); receivers may hold it as committed: stop, then "
+                               "resume the run, which reads the decision records"), True
+            # an unrecorded abort is safe: receivers infer it from the next HEAD (older base)
+            reason += f"; decision record not written ({type(e).__name__}: {e})"
         return commit, reason, self._failures.record(commit)

@@ -25,10 +25,12 @@ from nemo_dcr.protocol.manifest import (
     INIT_RECORD_KEY,
     RUN_KEY,
     Committed,
+    Decision,
     Head,
     InitRecord,
     RunRecord,
     check_run_id,
+    decision_key,
 )
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
@@ -114,6 +116,13 @@ def run_position(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[int, 
             committed = doc.version
         else:
             published = doc.version
+    if published > committed:  # COMMITTED.json is a pointer; the decision record is authoritative
+        try:
+            d = Decision.from_json(store.get(decision_key(published)), sealer)
+        except ObjectNotFound:
+            d = None
+        if d is not None and d.run_id == run_id and d.commit:
+            committed = published
     return committed, max(committed, published)
 
 
