@@ -1,7 +1,9 @@
 """`nemo-dcr` console script: one sub-command per user-facing job.
 
   nemo-dcr demo [hydra overrides...]          end-to-end refit demo (what `make demo` runs)
-  nemo-dcr receive --store URI --init-dir D ...  a Hugging Face transformers receiver
+  nemo-dcr receive --store URI --receiver-id R --model-id M [--key-file K] ...
+                                               a receiver (transformers or vLLM runtime)
+  nemo-dcr keygen PATH                         a new signing key for a run (mode 0600)
   nemo-dcr delta {encode,apply,inspect} ...    standalone delta files (see codec/cli.py)
 
 Errors are one line on stderr: exit status 2 for bad input (arguments, configuration, a
@@ -31,13 +33,27 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_dcr.receiver.worker import main as receive_main
 
         return receive_main(rest)
+    if cmd == "keygen":
+        if len(rest) != 1 or rest[0].startswith("-"):
+            print("nemo-dcr keygen: give the path of the key file to create", file=sys.stderr)
+            return 2
+        from nemo_dcr.protocol.signing import new_key_file
+
+        try:
+            new_key_file(rest[0])
+        except OSError as e:
+            print(f"nemo-dcr keygen: {rest[0]}: {e.strerror or e} (an existing key is never overwritten)",
+                  file=sys.stderr)
+            return 2
+        print(rest[0])
+        return 0
     if cmd == "delta":
         from nemo_dcr.codec import cli as delta_cli
 
         parser = argparse.ArgumentParser(prog="nemo-dcr delta")
         delta_cli.add_arguments(parser)
         return delta_cli.main(parser.parse_args(rest))
-    print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, delta; see nemo-dcr --help)",
+    print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, keygen, delta; see nemo-dcr --help)",
           file=sys.stderr)
     return 2
 

@@ -27,8 +27,21 @@ def test_receive_with_a_store_that_cannot_be_opened(tmp_path, capsys, uri, needl
 
 def test_unknown_command_and_demo_config_errors(capsys):
     assert cli.main(["bogus"]) == 2
-    assert _err_line(capsys) == "nemo-dcr: unknown command 'bogus' (commands: demo, receive, delta; see nemo-dcr --help)"
+    assert _err_line(capsys) == "nemo-dcr: unknown command 'bogus' (commands: demo, receive, keygen, delta; see nemo-dcr --help)"
     assert cli.main(["demo", "+colour=red"]) == 2
     assert "unknown config key 'colour'" in _err_line(capsys)
     assert cli.main(["--help"]) == 0  # control
     assert "nemo-dcr demo" in capsys.readouterr().out
+
+
+def test_keygen_creates_a_key_once(tmp_path, capsys):
+    from nemo_dcr.cli import main
+    from nemo_dcr.protocol.signing import load_key
+
+    path = str(tmp_path / "run.key")
+    assert main(["keygen", path]) == 0
+    key = load_key(path)
+    assert key is not None and len(key) == 32
+    assert main(["keygen", path]) == 2  # never overwritten
+    assert "never overwritten" in _err_line(capsys)
+    assert load_key(path) == key
