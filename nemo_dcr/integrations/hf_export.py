@@ -34,6 +34,9 @@ def hf_config(family: ModelFamily, dims: ModelDims) -> dict:
     d = cfg.to_dict()
     d["architectures"] = architectures
     d["dtype"] = "bfloat16"
+    # transformers 5 reads rope_parameters; 4.x reads the top-level rope_theta (and its
+    # config class fills a default 10000 there when built from rope_parameters): write both
+    d["rope_theta"] = float(dims.rotary_base)
     return d
 
 

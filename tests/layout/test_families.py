@@ -115,3 +115,17 @@ def test_hf_config_is_accepted_by_transformers():
         if family.moe:
             assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 6)
             assert cfg.norm_topk_prob is True
+
+
+def test_hf_config_states_the_rope_base_for_transformers_4_and_5():
+    """transformers 5 reads ``rope_parameters``, 4.x the top-level ``rope_theta``: both must
+    carry the model's base (a 4.x config class would otherwise default to 10000)."""
+    from nemo_dcr.integrations.hf_export import hf_config
+    from nemo_dcr.layout.families import FAMILIES
+    from nemo_dcr.layout.mapping import ModelDims
+
+    for base in (10000.0, 500000.0):
+        dims = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=1, head_dim=32,
+                         ffn_hidden_size=128, vocab_size=100, rotary_base=base)
+        d = hf_config(FAMILIES["llama"], dims)
+        assert d["rope_theta"] == base and d["rope_parameters"]["rope_theta"] == base
