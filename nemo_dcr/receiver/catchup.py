@@ -4,9 +4,9 @@ XOR deltas compose by XOR, but a context-mode record decodes only against the bi
 its own base, so the versions cannot be decoded independently.  ``compose`` keeps a
 canonical mirror (a copy of each tensor the versions touch, made on first touch) and
 walks the chain: decode version ``i`` against the mirror, apply it to the mirror, go on.
-The composed record of a tensor is the difference between the mirror and the runtime's
-bits over the union of touched positions (positions that changed and changed back are
-dropped).  The runtime is then written once, through the same validate / journal /
+The composed record of a tensor is where the mirror differs from the runtime's bits (one
+vectorised comparison per touched tensor; elements that changed and changed back drop
+out).  The runtime is then written once, through the same validate / journal /
 apply path as any version.
 
 Cost against replaying the versions one by one: the same downloads and decodes, plus a
@@ -33,12 +33,15 @@ class _Mirror(Mapping):
         self._served = served
         self._names = frozenset(served.tensor_specs())
         self.arrays: dict[str, np.ndarray] = {}
+        self.held: dict[str, np.ndarray] = {}
+        """The runtime's bits as first read (unchanged until the composed write)."""
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
             raise KeyError(name)
         if name not in self.arrays:
-            self.arrays[name] = np.array(self._served.canonical_bits(name), copy=True)
+            self.held[name] = self._served.canonical_bits(name)
+            self.arrays[name] = np.array(self.held[name], copy=True)
         return self.arrays[name]
 
     def __contains__(self, name: object) -> bool:
@@ -51,12 +54,12 @@ class _Mirror(Mapping):
         return len(self._names)
 
 
-def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta], dict]:
+def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta], Mapping[str, np.ndarray], dict]:
     """Decode the chain ``manifests`` (each based on the previous one's version, the first on
     what ``receiver`` holds) against a mirror; returns one record per touched tensor taking
-    the held version to the last one, and fetch totals."""
+    the held version to the last one, the held bits of those tensors (read once), and
+    fetch totals."""
     mirror = _Mirror(receiver.served)
-    touched: dict[str, list[np.ndarray]] = {}
     overwritten: set[str] = set()
     meta: dict[str, TensorDelta] = {}
     stats = {"download_s": 0.0, "decode_s": 0.0, "wire_bytes": 0, "changed": 0, "versions": len(manifests)}
@@ -68,24 +71,20 @@ def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta],
         receiver.served.validate(deltas)  # names, shapes, ranges against the runtime
         for d in deltas:
             apply_delta_(mirror[d.name], d)
-            touched.setdefault(d.name, []).append(d.positions)
             meta.setdefault(d.name, d)
             if d.op is DeltaOp.OVERWRITE:
                 overwritten.add(d.name)
         base_version = m.version
     out = []
-    for name, pos_list in touched.items():
-        pos = np.unique(np.concatenate(pos_list))
-        new = mirror.arrays[name][pos]
-        old = np.asarray(receiver.served.canonical_bits(name))[pos]
-        keep = new != old
-        pos, new, old = pos[keep], new[keep], old[keep]
+    for name, new_bits in mirror.arrays.items():
+        held = np.asarray(mirror.held[name])
+        pos = np.flatnonzero(new_bits != held)  # one vectorised pass; unchanged-back elements drop out
         if pos.size == 0:
             continue
         d = meta[name]
         op = DeltaOp.OVERWRITE if name in overwritten else DeltaOp.XOR
-        values = new if op is DeltaOp.OVERWRITE else new ^ old
-        out.append(TensorDelta(name=name, dtype=d.dtype, shape=d.shape, op=op, positions=pos, values=values,
-                               element_range=(int(pos[0]), int(pos[-1]) + 1)))
+        values = new_bits[pos] if op is DeltaOp.OVERWRITE else new_bits[pos] ^ held[pos]
+        out.append(TensorDelta(name=name, dtype=d.dtype, shape=d.shape, op=op, positions=pos.astype(np.int64),
+                               values=values, element_range=(int(pos[0]), int(pos[-1]) + 1)))
     stats["composed_changed"] = sum(d.nnz for d in out)
-    return out, stats
+    return out, mirror.held, stats

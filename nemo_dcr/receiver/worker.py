@@ -256,11 +256,10 @@ class Receiver:
         from nemo_dcr.receiver.catchup import compose
 
         try:
-            deltas, stats = compose(self, manifests)
+            deltas, held, stats = compose(self, manifests)
         except ValueError as e:  # validation of a record against the runtime: nothing written
             raise RefitRefused(str(e)) from None
-        stats["apply_s"] = self.apply_records(manifests[-1].version, self.held_version, deltas,
-                                              _HeldBits(self.served))
+        stats["apply_s"] = self.apply_records(manifests[-1].version, self.held_version, deltas, held)
         self.settle()
         return stats
 
