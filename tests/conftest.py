@@ -15,14 +15,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """``moto_server`` on 127.0.0.1; yields the env a client needs (endpoint + dummy keys)."""
+def start_moto_server() -> tuple[subprocess.Popen, str]:
+    """A fresh ``moto_server`` on a free loopback port; returns (process, endpoint URL)."""
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -33,6 +31,13 @@ def s3_server():
                 proc.kill()
                 raise RuntimeError("moto_server did not start")
             time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """``moto_server`` on 127.0.0.1; yields the env a client needs (endpoint + dummy keys)."""
+    proc, endpoint = start_moto_server()
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     yield env

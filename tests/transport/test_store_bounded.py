@@ -11,9 +11,6 @@ import errno
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -36,23 +33,10 @@ KEY = "v/00000003/MANIFEST.json"
 
 @pytest.fixture(scope="module")
 def moto():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto_server did not start")
-            time.sleep(0.1)
-    yield proc, f"http://127.0.0.1:{port}"
+    from conftest import start_moto_server
+
+    proc, endpoint = start_moto_server()
+    yield proc, endpoint
     os.kill(proc.pid, signal.SIGCONT)
     proc.terminate()
     proc.wait(timeout=10)
