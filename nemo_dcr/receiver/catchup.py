@@ -24,34 +24,7 @@ import numpy as np
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.types import DeltaOp, TensorDelta
 from nemo_dcr.protocol.manifest import Manifest
-
-
-class _Mirror(Mapping):
-    """Writable copies of the runtime's canonical bits, made on first use per tensor."""
-
-    def __init__(self, served):
-        self._served = served
-        self._names = frozenset(served.tensor_specs())
-        self.arrays: dict[str, np.ndarray] = {}
-        self.held: dict[str, np.ndarray] = {}
-        """The runtime's bits as first read (unchanged until the composed write)."""
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
-            raise KeyError(name)
-        if name not in self.arrays:
-            self.held[name] = self._served.canonical_bits(name)
-            self.arrays[name] = np.array(self.held[name], copy=True)
-        return self.arrays[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+from nemo_dcr.receiver.held import MirrorBits
 
 
 def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta], Mapping[str, np.ndarray], dict]:
@@ -59,7 +32,7 @@ def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta],
     what ``receiver`` holds) against a mirror; returns one record per touched tensor taking
     the held version to the last one, the held bits of those tensors (read once), and
     fetch totals."""
-    mirror = _Mirror(receiver.served)
+    mirror = MirrorBits(receiver.served)
     overwritten: set[str] = set()
     meta: dict[str, TensorDelta] = {}
     stats = {"download_s": 0.0, "decode_s": 0.0, "wire_bytes": 0, "changed": 0, "versions": len(manifests)}

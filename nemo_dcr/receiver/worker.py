@@ -26,8 +26,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from nemo_dcr.codec import (
     ChunkFormatError,
     ChunkValidationError,
@@ -43,39 +41,13 @@ from nemo_dcr.protocol.follower import Follower, wait_for_run
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.protocol.run import verify_init_dir
 from nemo_dcr.protocol.signing import Sealer, load_key
+from nemo_dcr.receiver.held import HeldBits
 from nemo_dcr.receiver.journal import ApplyJournal
 from nemo_dcr.transport.store import ObjectStore, open_store
 
 
 class RefitRefused(ProtocolError):
     """A version this receiver will not apply; the message names the chunk and reason."""
-
-
-class _HeldBits(Mapping):
-    """Context-mode base for the decoder: the canonical bits the runtime holds now (the
-    version being applied is the base of), fetched on first use per tensor.  Valid only
-    until the first write, which is why every chunk is decoded before any apply."""
-
-    def __init__(self, served):
-        self._served = served
-        self._names = frozenset(served.tensor_specs())
-        self._cache: dict[str, np.ndarray] = {}
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
-            raise KeyError(name)
-        if name not in self._cache:
-            self._cache[name] = self._served.canonical_bits(name)
-        return self._cache[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -166,7 +138,7 @@ class Receiver:
             blobs.append((ref, blob))
         t1 = time.perf_counter()
         deltas: list[TensorDelta] = []
-        held = _HeldBits(self.served) if base is None else base
+        held = HeldBits(self.served) if base is None else base
         want = {"run_id": manifest.run_id, "model_id": manifest.model_id, "version": str(manifest.version),
                 "base_version": str(manifest.base_version)}
         for ref, blob in blobs:

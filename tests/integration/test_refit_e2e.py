@@ -141,12 +141,12 @@ def test_receiver_that_diverged_from_the_base_refuses_context_chunks(fresh):
     any write.  (Divergence at an element the delta does not touch is invisible to any
     delta; see docs/protocol.md.)"""
     from nemo_dcr.codec import decode_chunk, read_chunk_index
-    from nemo_dcr.receiver.worker import _HeldBits
+    from nemo_dcr.receiver.held import HeldBits
 
     store, rx, adapter = fresh
     m = _manifest(store, 1)
     name = "model.layers.0.self_attn.q_proj.weight"
-    held = _HeldBits(rx.served)
+    held = HeldBits(rx.served)
     changed = None
     for c in m.chunks:
         blob = store.get(c.key)

@@ -1,0 +1,54 @@
+"""The canonical bits a runtime holds, as the mapping the decoder and the journal read."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+
+class HeldBits(Mapping):
+    """Context-mode base for the decoder: the canonical bits the runtime holds now (the
+    version being applied is the base of), fetched on first use per tensor.  Valid only
+    until the first write, which is why every chunk is decoded before any apply."""
+
+    def __init__(self, served):
+        self._served = served
+        self._names = frozenset(served.tensor_specs())
+        self._cache: dict[str, np.ndarray] = {}
+
+    def _load(self, name: str) -> np.ndarray:
+        return self._served.canonical_bits(name)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._cache:
+            self._cache[name] = self._load(name)
+        return self._cache[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class MirrorBits(HeldBits):
+    """Writable copies of the held bits (made on first use per tensor), for decoding and
+    applying a chain of versions without touching the runtime; ``held`` keeps the bits as
+    first read."""
+
+    def __init__(self, served):
+        super().__init__(served)
+        self.held: dict[str, np.ndarray] = {}
+
+    def _load(self, name: str) -> np.ndarray:
+        self.held[name] = self._served.canonical_bits(name)
+        return np.array(self.held[name], copy=True)
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self._cache
