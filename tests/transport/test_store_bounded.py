@@ -33,7 +33,7 @@ KEY = "v/00000003/MANIFEST.json"
 
 @pytest.fixture(scope="module")
 def moto():
-    from conftest import start_moto_server
+    from moto_helpers import start_moto_server
 
     proc, endpoint = start_moto_server()
     yield proc, endpoint
