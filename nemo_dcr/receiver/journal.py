@@ -122,12 +122,12 @@ class ApplyJournal:
                 arrays[f"{i}.positions"] = e.positions
                 arrays[f"{i}.old"] = e.old
                 arrays[f"{i}.new"] = e.new
-            _durable(path, lambda p: save_file(arrays, p))
+            write_durably(path, lambda p: save_file(arrays, p))
         state = {"version": self.version, "base_version": self.base_version, "phase": phase, "data": data,
                  "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
                               "element_range": list(e.element_range) if e.element_range else None}
                              for e in self._entries]}
-        _durable(os.path.join(self.directory, _STATE), lambda p: _write_text(p, json.dumps(state)))
+        write_durably(os.path.join(self.directory, _STATE), lambda p: write_text(p, json.dumps(state)))
 
     @classmethod
     def load(cls, directory: str) -> ApplyJournal:
@@ -155,12 +155,13 @@ class ApplyJournal:
         return j
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
 
 
-def _durable(path: str, write) -> None:
+def write_durably(path: str, write) -> None:
+    """``write(tmp)``, fsync, then rename over ``path``: a crash leaves the old file or the new."""
     tmp = path + ".tmp"
     write(tmp)
     with open(tmp, "rb+") as f:

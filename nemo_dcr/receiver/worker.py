@@ -42,7 +42,7 @@ from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_k
 from nemo_dcr.protocol.run import verify_init_dir
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.receiver.held import HeldBits
-from nemo_dcr.receiver.journal import ApplyJournal
+from nemo_dcr.receiver.journal import ApplyJournal, write_durably, write_text
 from nemo_dcr.transport.store import ObjectStore, open_store
 
 
@@ -301,12 +301,7 @@ def _init_dir(store: ObjectStore, sealer: Sealer, run_id: str, init_dir: str | N
 
 
 def write_committed(path: str, version: int) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"committed": version}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_durably(path, lambda p: write_text(p, json.dumps({"committed": version})))
 
 
 def read_committed(path: str) -> int:

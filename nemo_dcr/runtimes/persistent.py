@@ -22,6 +22,7 @@ import os
 import torch
 
 from nemo_dcr.errors import ValidationError
+from nemo_dcr.receiver.journal import write_durably, write_text
 
 _ALIGN = 64
 
@@ -70,12 +71,7 @@ def bind_persistent(model: torch.nn.Module, directory: str, run_id: str) -> bool
     with open(path, "wb") as f:
         f.truncate(max(total, 1))
     _bind(model, path, layout, copy=True)
-    tmp = meta_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"run_id": run_id, "layout": layout}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, meta_path)
+    write_durably(meta_path, lambda p: write_text(p, json.dumps({"run_id": run_id, "layout": layout})))
     return False
 
 
