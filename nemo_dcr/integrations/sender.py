@@ -14,7 +14,6 @@ acknowledged the version.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 
-import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
