@@ -32,7 +32,8 @@ Hot path, for n elements of w bytes of which k changed, B blocks (CPU; the GPU f
   xor_diff_into with counts (the second of two passes): reads 2w per element of non-empty
       blocks only, writes k(8 + w) in place.
   No O(n) temporary anywhere (the numpy reference writes an n*w XOR array and reads it
-  again); only a non-contiguous input is first copied to a contiguous one.  Blocks go to threads (CPU) or tiles (GPU) with no atomics, so the output is
+  again); only a non-contiguous input is first copied to a contiguous one.  Blocks go to
+  threads (CPU) or tiles (GPU) with no atomics deciding any output order, so the output is
   deterministic.
 Measured throughput: docs/benchmarks.md, "Diff kernel".
 """

@@ -34,24 +34,26 @@ def pair(dtype: torch.dtype, n: int, rate: float, seed: int) -> tuple[torch.Tens
     return torch.from_numpy(raw).view(dtype), torch.from_numpy(base.reshape(-1)).view(dtype)
 
 
+#: (dtype, numel, change rate, block_size, tile override); also used by triton_single_pass_cases.py
+CASES = [
+    (torch.bfloat16, 0, 0.1, 1024, None),
+    (torch.bfloat16, 1, 1.0, 1024, None),
+    (torch.bfloat16, 20_000, 0.03, 4096, None),  # tile 4096, several tiles, ragged end
+    (torch.bfloat16, 9_000, 0.0, 2048, None),  # nothing changed: the fill kernel never runs
+    (torch.bfloat16, 3_000, 1.0, 512, None),
+    (torch.float16, 5_000, 0.2, 1000, None),  # 1000 is no multiple of a tile: bincount route
+    (torch.float32, 7_777, 0.05, 256, None),
+    (torch.float32, 7_777, 0.05, 1 << 16, 128),  # explicit small tile, many tiles per block
+    (torch.uint8, 6_001, 0.1, 384, None),
+    (torch.float8_e4m3fn, 6_001, 0.5, 1 << 16, None),
+    (torch.int64, 4_099, 0.3, 4096, None),
+    (torch.float64, 1_000, 0.05, 128, None),
+]
+
+
 def main() -> int:
-    cases = [
-        # dtype, numel, change rate, block_size, tile override
-        (torch.bfloat16, 0, 0.1, 1024, None),
-        (torch.bfloat16, 1, 1.0, 1024, None),
-        (torch.bfloat16, 20_000, 0.03, 4096, None),  # tile 4096, several tiles, ragged end
-        (torch.bfloat16, 9_000, 0.0, 2048, None),  # nothing changed: the fill kernel never runs
-        (torch.bfloat16, 3_000, 1.0, 512, None),
-        (torch.float16, 5_000, 0.2, 1000, None),  # 1000 is no multiple of a tile: bincount route
-        (torch.float32, 7_777, 0.05, 256, None),
-        (torch.float32, 7_777, 0.05, 1 << 16, 128),  # explicit small tile, many tiles per block
-        (torch.uint8, 6_001, 0.1, 384, None),
-        (torch.float8_e4m3fn, 6_001, 0.5, 1 << 16, None),
-        (torch.int64, 4_099, 0.3, 4096, None),
-        (torch.float64, 1_000, 0.05, 128, None),
-    ]
     results = []
-    for k, (dtype, n, rate, block_size, tile) in enumerate(cases):
+    for k, (dtype, n, rate, block_size, tile) in enumerate(CASES):
         cur, base = pair(dtype, n, rate, seed=k)
         want = xor_diff_reference(cur, base, block_size=block_size)
         if tile is None:
