@@ -1,0 +1,512 @@
+"""Project the wall time of one refit of a 1T-parameter MoE model from stage rates measured here.
+
+A model, not a measurement.  It takes per-core / per-GPU stage rates from the benchmark
+results on disk (read at run time, so re-running after new measurements updates it), the
+deployment's sizes and link bandwidths from the command line, and computes each stage's
+time for two transports:
+
+  s3     object storage: the trainer ranks upload chunks; every receiver replica downloads
+         all of them (the store's egress is unlimited unless --s3-egress-gbps caps it)
+  relay  a relay tree: the trainer uploads once to the root replica; every replica forwards
+         what it receives to ``--fanout`` children.  The relay transport does not exist in
+         nemo_dcr yet; this only models the link use.
+
+Sizes (GB = 1e9 bytes): D = params x elem_bytes parameter bytes, N = changed x params
+changed elements, W = b x N wire bytes (b: bytes per changed element of the format).
+
+Stage times (each the time for the whole refit at that stage's aggregate rate):
+
+  diff          D / (G x r_diff_gpu)                 G trainer GPUs (each diffs 1/G)
+  d2h           N x (8 + elem_bytes) / (G x r_d2h)   the diff's positions + values to host
+  encode        D / (C_t x r_enc)                    C_t trainer cores
+  (diff on CPU: one stage "diff + encode" = D / C_t x (1/r_diff_cpu + 1/r_enc); no d2h)
+  s3:    upload    W / B_up                          B_up: trainer uplink, aggregate
+         download  W / min(n_r x B_down, B_s3 / R)   per replica, all replicas at once
+  relay: upload    W / min(B_up, n_r x B_down)       trainer -> root replica
+         hop i     W / (n_r x B_down / f)            a replica's uplink (n_r x B_down, full
+                                                     duplex) split over its f children;
+                                                     L - 1 hops for L tree levels
+  decode + apply  D / C_r x (1/r_dec + 1/r_apply)    C_r cores per replica do both, so
+                                                     their times add
+
+Stages on different resources overlap: chunks stream through them (the sender cuts
+chunks of --chunk-bytes raw records, 10 bytes per changed BF16 element).  With m chunks
+per emitting rank, one "wave" (one chunk per rank) takes T_s / m at stage s, and
+
+  wall = max_s T_s + (sum_s T_s - max_s T_s) / m,    m = max(1, N (8 + w) / (G x chunk_bytes))
+
+i.e. the slowest stage plus the time the first wave needs to reach it and the last wave
+to leave the others (fill latency).  The slowest stage is named as dominating.
+
+Rates and where they come from (each printed with its source; any can be overridden):
+
+  b, r_enc, r_dec  benchmarks/results/codec.json, the row whose change rate is nearest
+                   --changed, format --format (default nemo_dcr context mode)
+  r_diff_cpu       benchmarks/results/bench_xor.json, "C xor_diff, 1 thr", nearest rate,
+                   median
+  r_diff_gpu, r_d2h  benchmarks/results/bench_xor_gpu.json if present (largest size,
+                   nearest rate, best tile; d2h = diff output bytes / to_host_s); else
+                   ASSUMPTIONS: H200 HBM 4.8 TB/s x 70% / 4 (two passes each read both
+                   tensors) and PCIe Gen5 x16 at 50 GB/s
+  r_apply          benchmarks/results/vllm_apply.json (TP=1: checkpoint bytes / median
+                   apply, divided by the VM's cores), else refit.json (transformers
+                   receiver), else an ASSUMPTION
+
+Ignored: request latency and per-object limits of the store, TCP ramp-up, the commit
+round trip (manifest, acks, decision), memory pressure, stragglers, and skew between
+ranks (every rank is assumed to hold 1/G of the changed elements).
+
+Published figures it compares with (not measured here): the NeMo-DCR paper's headline,
+a 3% delta of a 1T model in ~150 s over a relay tree; NeMo-RL's 20.2 s for 247 GB at 3%
+changed over S3 (read as a 247 GB BF16 checkpoint, i.e. 123.5 B parameters).
+
+    .venv/bin/python scripts/project_1t.py                  # defaults below
+    .venv/bin/python scripts/project_1t.py --trainer-uplink-gbps 0.381   # cross-region link
+
+Writes benchmarks/results/project_1t.json and project_1t.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+HBM_TBPS = 4.8  # H200 HBM3e peak
+HBM_EFFICIENCY = 0.70  # the GPU diff kernel's target share of peak (docs/benchmarks.md)
+GPU_DIFF_READS = 4  # bytes moved per parameter byte: count pass and fill pass each read both tensors
+PCIE_GBPS = 50.0  # PCIe Gen5 x16 device-to-host, pinned, per GPU (64 GB/s theoretical)
+APPLY_FALLBACK_GBPS = 0.5  # per core, when no apply measurement is on disk
+PAPER_1T_S = 150.0  # NeMo-DCR paper: 3% delta of 1T over a relay tree
+NEMORL_S, NEMORL_BYTES = 20.2, 247e9  # NeMo-RL: 247 GB at 3% over S3
+DCR_KEYS = {"nemo_dcr": "dcr_free", "nemo_dcr context": "dcr_context"}  # codec.json flat-key prefixes
+
+
+class InputError(ValueError):
+    """A result file the projection needs is missing or lacks what it needs."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Deployment:
+    """The refit being projected (CLI: --<field-name-with-dashes>)."""
+    params: float = 1e12
+    """Parameters of the model (all experts)."""
+    changed: float = 0.03
+    """Fraction of parameters whose bits change in one refit."""
+    elem_bytes: int = 2
+    """Bytes per parameter (BF16)."""
+    trainer_gpus: int = 256
+    """GPUs that diff the unique parameters, 1/G each (e.g. 32 nodes x 8; if data-parallel
+    replicas do not split the work, the model-parallel size)."""
+    diff_on: str = "gpu"
+    """Where the diff runs: "gpu" (Triton kernel, then device-to-host copy) or "cpu"."""
+    trainer_cores: int = 2048
+    """Trainer CPU cores given to encoding (and to the diff when diff_on=cpu): 32 nodes x 64."""
+    receivers: int = 16
+    """Receiver (rollout) replicas; each must end with every changed bit."""
+    receiver_nodes: int = 4
+    """Nodes per receiver replica (a 2 TB BF16 model needs more than 2 H200 nodes)."""
+    receiver_cores: int = 256
+    """CPU cores per replica that decode and apply (4 nodes x 64)."""
+    trainer_uplink_gbps: float = 12.5
+    """Trainer's aggregate outbound bandwidth, GB/s (12.5 = one 100 Gb/s path)."""
+    receiver_downlink_gbps: float = 12.5
+    """Per receiver node, GB/s (100 Gb/s NIC); links are full duplex, uplink the same."""
+    s3_egress_gbps: float = 0.0
+    """Object store's aggregate egress cap, GB/s; 0 = unlimited (the store scales out)."""
+    fanout: int = 4
+    """Children per relay-tree node."""
+    chunk_bytes: int = 4 << 20
+    """Raw record bytes per chunk (SenderConfig.chunk_bytes): sets the pipeline depth."""
+    format: str = "nemo_dcr context"
+    """Codec format whose bytes and speeds are used (a format name in codec.json)."""
+
+    def __post_init__(self) -> None:
+        if not (self.params > 0 and 0 < self.changed <= 1 and self.elem_bytes > 0):
+            raise ValueError("params > 0, 0 < changed <= 1 and elem_bytes > 0 are needed")
+        if min(self.trainer_gpus, self.trainer_cores, self.receivers, self.receiver_nodes,
+               self.receiver_cores, self.fanout, self.chunk_bytes) < 1:
+            raise ValueError("counts (GPUs, cores, receivers, nodes, fanout, chunk_bytes) must be >= 1")
+        if min(self.trainer_uplink_gbps, self.receiver_downlink_gbps) <= 0 or self.s3_egress_gbps < 0:
+            raise ValueError("link bandwidths must be positive (s3_egress_gbps: 0 = unlimited)")
+        if self.diff_on not in ("gpu", "cpu"):
+            raise ValueError(f"diff_on must be gpu or cpu, not {self.diff_on!r}")
+
+
+@dataclass(frozen=True)
+class Rate:
+    value: float
+    source: str
+    assumed: bool = False
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Stage rates: GB/s of parameter bytes per core (encode, decode, diff_cpu, apply) or
+    per GPU (diff_gpu, d2h: GB/s of the diff output), and the format's bytes per change."""
+    bytes_per_changed: Rate
+    encode: Rate
+    decode: Rate
+    diff_cpu: Rate
+    diff_gpu: Rate
+    d2h: Rate
+    apply: Rate
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    seconds: float
+    equation: str
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of the pieces that share this stage's resource (their sum is ``seconds``)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    transport: str
+    stages: list[Stage]
+    wall_s: float
+    fill_s: float
+    dominating: str
+    wire_bytes: float
+    waves: float
+    tree_levels: int | None = None
+
+
+# ---- rates from the result files -----------------------------------------------------------------
+
+def _load(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def codec_rates(codec: dict, fmt: str, changed: float) -> tuple[Rate, Rate, Rate, list[str]]:
+    rows = codec.get("rows") or []
+    if not rows:
+        raise InputError("codec.json has no rows: run scripts/bench_codec.py")
+    row = min(rows, key=lambda r: abs(r["changed_pct"] - 100 * changed))
+    where = f"codec.json {row['pair']} ({row['changed_pct']:.2f}% changed), {fmt}"
+    if "formats" in row:
+        if fmt not in row["formats"]:
+            raise InputError(f"codec.json has no format {fmt!r} (has {sorted(row['formats'])})")
+        f = row["formats"][fmt]
+        b, enc, dec = f["bytes_per_changed"], f["encode_gbps"], f["decode_gbps"]
+        names = list(row["formats"])
+    else:  # the older layout: flat keys only, speeds only for nemo_dcr
+        key = DCR_KEYS.get(fmt, fmt)
+        try:
+            b, enc, dec = row[f"{key}_bytes"] / row["changed"], row[f"{key}_encode_gbps"], row[f"{key}_decode_gbps"]
+        except KeyError as e:
+            raise InputError(f"codec.json lacks {e} for {fmt!r}: re-run scripts/bench_codec.py") from None
+        names = [fmt]
+    return (Rate(b, where), Rate(enc, where + ", encode, 1 core"), Rate(dec, where + ", decode, 1 core"), names)
+
+
+def _nearest(rows: list[dict], changed: float) -> list[dict]:
+    best = min(abs(r["rate"] - changed) for r in rows)
+    return [r for r in rows if abs(r["rate"] - changed) == best]
+
+
+def diff_cpu_rate(xor: dict | None, changed: float) -> Rate:
+    rows = [r for r in (xor or {}).get("rows", []) if r.get("method") == "C xor_diff, 1 thr"]
+    if not rows:
+        raise InputError("bench_xor.json with 'C xor_diff, 1 thr' rows is needed: run scripts/bench_xor.py")
+    r = _nearest(rows, changed)[0]
+    return Rate(r["median_gbps"], f"bench_xor.json C xor_diff, 1 thr, {100 * r['rate']:g}% changed, median")
+
+
+def gpu_rates(gpu: dict | None, changed: float) -> tuple[Rate, Rate]:
+    """Diff: the fastest row (any tile or implementation) at the largest size and the nearest
+    change rate.  Device to host: the diff output's bytes / to_host_s where a row has it."""
+    rows = (gpu or {}).get("rows", [])
+    device = (gpu or {}).get("meta", {}).get("device", "?")
+    pcie = Rate(PCIE_GBPS, f"ASSUMPTION: PCIe Gen5 x16 device-to-host {PCIE_GBPS:g} GB/s per GPU", assumed=True)
+    if not rows:
+        hbm = HBM_TBPS * 1e3 * HBM_EFFICIENCY / GPU_DIFF_READS
+        return (Rate(hbm, f"ASSUMPTION (no bench_xor_gpu.json): H200 HBM {HBM_TBPS} TB/s x {HBM_EFFICIENCY:.0%} / "
+                          f"{GPU_DIFF_READS} bytes read per parameter byte (two-pass kernel), baseline on the GPU",
+                     assumed=True), pcie)
+    big = max(r["gib"] for r in rows)
+    r = max(_nearest([r for r in rows if r["gib"] == big], changed), key=lambda r: r["param_gbps"])
+    diff = Rate(r["param_gbps"], f"bench_xor_gpu.json {device}, {big:g} GiB, {100 * r['rate']:g}% changed, "
+                                 f"tile {r['tile']}" + (f", {r['impl']}" if r.get("impl") else ""))
+    timed = [r for r in rows if r.get("to_host_s") and r.get("changed")]
+    if not timed:
+        return diff, pcie
+    h = max(_nearest(timed, changed), key=lambda r: r["changed"])
+    return diff, Rate(h["changed"] * 10 / h["to_host_s"] / 1e9,
+                      f"bench_xor_gpu.json {device}, to_host of {h['changed']} changed elements "
+                      f"({h['gib']:g} GiB, {100 * h['rate']:g}%)")
+
+
+def apply_rate(vllm: dict | None, refit: dict | None) -> Rate:
+    runs = [r for r in (vllm or {}).get("runs", []) if r.get("tp") == 1 and r.get("apply_s_median")]
+    if runs:
+        cores = 2  # the VM these were measured on; the engine's threads could use both
+        gbps = vllm["checkpoint_bytes"] / runs[0]["apply_s_median"] / 1e9 / cores
+        return Rate(gbps, f"vllm_apply.json TP=1 (CPU vLLM, {vllm.get('changed_pct', '?')}% changed, repack "
+                          f"included): checkpoint bytes / median apply / {cores} cores")
+    samples = []
+    for run in (refit or {}).get("runs", []):
+        for st in run.get("steps", []):
+            for ack in st.get("acks", []):
+                a = ack.get("stats", {}).get("apply_s")
+                if a:
+                    samples.append(st["canonical_numel"] * 2 / a / 1e9)
+    if samples:
+        return Rate(statistics.median(samples) / 2, "refit.json transformers receiver: canonical bytes / apply_s, "
+                                                    "median over refits / 2 cores")
+    return Rate(APPLY_FALLBACK_GBPS, f"ASSUMPTION (no apply measurement): {APPLY_FALLBACK_GBPS} GB/s per core",
+                assumed=True)
+
+
+def load_rates(results: pathlib.Path, dep: Deployment, overrides: dict[str, float | None]) -> tuple[Rates, list[str]]:
+    codec = _load(results / "codec.json")
+    if codec is None:
+        raise InputError(f"no {results / 'codec.json'}: run scripts/bench_codec.py")
+    b, enc, dec, formats = codec_rates(codec, dep.format, dep.changed)
+    diff_gpu, d2h = gpu_rates(_load(results / "bench_xor_gpu.json"), dep.changed)
+    try:
+        diff_cpu = diff_cpu_rate(_load(results / "bench_xor.json"), dep.changed)
+    except InputError:
+        if dep.diff_on == "cpu" and overrides.get("diff_cpu") is None:
+            raise
+        diff_cpu = Rate(0.0, "no bench_xor.json (unused: the diff runs on the GPU)", assumed=True)
+    rates = Rates(bytes_per_changed=b, encode=enc, decode=dec, diff_cpu=diff_cpu, diff_gpu=diff_gpu, d2h=d2h,
+                  apply=apply_rate(_load(results / "vllm_apply.json"), _load(results / "refit.json")))
+    for name, v in overrides.items():
+        if v is not None:
+            if v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+            flag = "--bytes-per-changed" if name == "bytes_per_changed" else f"--{name.replace('_', '-')}-gbps"
+            rates = replace(rates, **{name: Rate(v, f"{flag} (command line)")})
+    return rates, formats
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+def tree_levels(receivers: int, fanout: int) -> int:
+    """Levels of a complete fanout-ary tree holding ``receivers`` nodes (root = level 1)."""
+    levels, total, width = 1, 1, 1
+    while total < receivers:
+        width *= fanout
+        total += width
+        levels += 1
+    return levels
+
+
+def project(dep: Deployment, r: Rates, transport: str) -> Projection:
+    gb = 1e9
+    D = dep.params * dep.elem_bytes
+    N = dep.changed * dep.params
+    W = r.bytes_per_changed.value * N
+    raw = N * (8 + dep.elem_bytes)  # the diff's positions (int64) + values
+    G, Ct, Cr = dep.trainer_gpus, dep.trainer_cores, dep.receiver_cores
+    node_bw = dep.receiver_nodes * dep.receiver_downlink_gbps * gb  # one replica's links
+    stages = []
+    if dep.diff_on == "gpu":
+        stages.append(Stage("diff (GPU)", D / (G * r.diff_gpu.value * gb), "D / (G r_diff_gpu)"))
+        stages.append(Stage("device to host", raw / (G * r.d2h.value * gb), "N (8 + w) / (G r_d2h)"))
+        stages.append(Stage("encode", D / (Ct * r.encode.value * gb), "D / (C_t r_enc)"))
+    else:
+        parts = {"diff": D / (Ct * r.diff_cpu.value * gb), "encode": D / (Ct * r.encode.value * gb)}
+        stages.append(Stage("diff + encode (CPU)", sum(parts.values()), "D / C_t (1/r_diff_cpu + 1/r_enc)", parts))
+    levels = None
+    if transport == "s3":
+        stages.append(Stage("upload", W / (dep.trainer_uplink_gbps * gb), "W / B_up"))
+        down = node_bw
+        eq = "W / (n_r B_down)"
+        if dep.s3_egress_gbps:
+            down = min(down, dep.s3_egress_gbps * gb / dep.receivers)
+            eq = "W / min(n_r B_down, B_s3 / R)"
+        stages.append(Stage("download", W / down, eq))
+    elif transport == "relay":
+        levels = tree_levels(dep.receivers, dep.fanout)
+        stages.append(Stage("upload to root", W / min(dep.trainer_uplink_gbps * gb, node_bw),
+                            "W / min(B_up, n_r B_down)"))
+        hop = W / (node_bw / dep.fanout)
+        for i in range(1, levels):
+            stages.append(Stage(f"relay hop {i}", hop, "W f / (n_r B_down)"))
+    else:
+        raise ValueError(f"unknown transport {transport!r}")
+    parts = {"decode": D / (Cr * r.decode.value * gb), "apply": D / (Cr * r.apply.value * gb)}
+    stages.append(Stage("decode + apply", sum(parts.values()), "D / C_r (1/r_dec + 1/r_apply)", parts))
+    waves = max(1.0, raw / (G * dep.chunk_bytes))
+    slow = max(stages, key=lambda s: s.seconds)
+    fill = (sum(s.seconds for s in stages) - slow.seconds) / waves
+    return Projection(transport=transport, stages=stages, wall_s=slow.seconds + fill, fill_s=fill,
+                      dominating=slow.name, wire_bytes=W, waves=waves, tree_levels=levels)
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+def _stage_names(projs: dict[str, Projection]) -> list[str]:
+    """Every stage name once, in pipeline order (trainer, links, receiver)."""
+    names = list(dict.fromkeys(s.name for pr in projs.values() for s in pr.stages))
+    last = {s.name for pr in projs.values() for s in pr.stages[-1:]}
+    return [n for n in names if n not in last] + [n for n in names if n in last]
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:9.3f}" if s < 100 else f"{s:9.1f}"
+
+
+def print_report(dep: Deployment, rates: Rates, projs: dict[str, Projection], formats_cmp: list[dict],
+                 published: dict) -> None:
+    D, N = dep.params * dep.elem_bytes, dep.changed * dep.params
+    print(f"refit of {dep.params:.3g} parameters x {dep.elem_bytes} B ({D / 1e12:.2f} TB), {dep.changed:.1%} changed "
+          f"({N:.3g} elements), format {dep.format!r}")
+    print(f"trainer: {dep.trainer_gpus} GPUs, diff on {dep.diff_on}, {dep.trainer_cores} cores encoding, uplink "
+          f"{dep.trainer_uplink_gbps:g} GB/s; {dep.receivers} receiver replicas x {dep.receiver_nodes} nodes "
+          f"({dep.receiver_downlink_gbps:g} GB/s each), {dep.receiver_cores} cores decode + apply per replica")
+    print("\nrates (GB/s of parameter bytes per core, per GPU for diff_gpu and d2h):")
+    for f in fields(rates):
+        r = getattr(rates, f.name)
+        print(f"  {f.name:18s} {r.value:10.4g}   {r.source}")
+    p = next(iter(projs.values()))
+    print(f"\nwire bytes W = {p.wire_bytes / 1e9:.2f} GB ({dep.params * dep.elem_bytes / p.wire_bytes:.0f}x smaller "
+          f"than the dense checkpoint); {p.waves:.0f} chunks per emitting rank (pipeline waves)\n")
+    names = _stage_names(projs)
+    heads = {"s3": "object storage (s)",
+             "relay": f"relay tree f={dep.fanout}, {projs['relay'].tree_levels} lvl (s)" if "relay" in projs else ""}
+    print(f"{'stage':22s}" + "".join(f" | {heads[t]:>26s}" for t in projs))
+    print("-" * (22 + 29 * len(projs)))
+    for n in names:
+        cells = []
+        for pr in projs.values():
+            s = next((s for s in pr.stages if s.name == n), None)
+            cells.append(f"{_fmt_s(s.seconds) if s else '-':>26s}")
+        print(f"{n:22s}" + "".join(f" | {c}" for c in cells))
+    print("-" * (22 + 29 * len(projs)))
+    print(f"{'fill latency':22s}" + "".join(f" | {_fmt_s(pr.fill_s):>26s}" for pr in projs.values()))
+    print(f"{'wall (pipelined)':22s}" + "".join(f" | {_fmt_s(pr.wall_s):>26s}" for pr in projs.values()))
+    print(f"{'dominating stage':22s}" + "".join(f" | {pr.dominating:>26s}" for pr in projs.values()))
+    for s in next(iter(projs.values())).stages:
+        if s.parts:
+            print(f"  {s.name} shares one set of cores: " + " + ".join(f"{k} {v:.3g} s" for k, v in s.parts.items()))
+    print("\npublished figures (not measured here):")
+    for v in published.values():
+        print(f"  {v['what']}: {v['published_s']:.1f} s; this model: {v['projected_s']:.1f} s ({v['note']})")
+    if formats_cmp:
+        print("\nevery format in codec.json under the same model (bytes and codec speeds from its row):")
+        print(f"  {'format':17s} {'B/changed':>9s} {'W GB':>8s} {'s3 wall s':>10s} {'relay wall s':>12s}  "
+              "dominating (s3 | relay)")
+        for f in formats_cmp:
+            print(f"  {f['format']:17s} {f['bytes_per_changed']:9.3f} {f['wire_gb']:8.2f} {f['s3_wall_s']:10.2f} "
+                  f"{f['relay_wall_s']:12.2f}  {f['s3_dominating']} | {f['relay_dominating']}")
+
+
+def plot(projs: dict[str, Projection], dep: Deployment, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = _stage_names(projs)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    h = 0.8 / len(projs)
+    for i, (t, pr) in enumerate(projs.items()):
+        sec = {s.name: s.seconds for s in pr.stages}
+        ys = [j + i * h for j in range(len(names))]
+        ax.barh(ys, [sec.get(n, 0) for n in names], h, label=f"{t}: wall {pr.wall_s:.1f} s ({pr.dominating})")
+    ax.set_yticks([j + h * (len(projs) - 1) / 2 for j in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds for the whole refit at the stage's aggregate rate")
+    ax.set_title(f"projected refit: {dep.params:.3g} params, {dep.changed:.0%} changed, {dep.format}", fontsize=10)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+RATE_FLAGS = {"bytes_per_changed": "--bytes-per-changed", "encode": "--encode-gbps", "decode": "--decode-gbps",
+              "diff_cpu": "--diff-cpu-gbps", "diff_gpu": "--diff-gpu-gbps", "d2h": "--d2h-gbps",
+              "apply": "--apply-gbps"}
+
+
+RATE_UNITS = {"bytes_per_changed": "bytes per changed element", "encode": "rate, GB/s per core",
+              "decode": "rate, GB/s per core", "diff_cpu": "rate, GB/s per core", "diff_gpu": "rate, GB/s per GPU",
+              "d2h": "rate, GB/s of diff output per GPU", "apply": "rate, GB/s per core"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = Deployment()
+    for f in fields(Deployment):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
+                        default=getattr(defaults, f.name), help=_field_doc(f.name).replace("%", "%%"))
+    for name, flag in RATE_FLAGS.items():
+        ap.add_argument(flag, dest=f"rate_{name}", type=float, default=None,
+                        help=f"override the measured {name} " + RATE_UNITS[name])
+    ap.add_argument("--results", type=pathlib.Path, default=RESULTS, help="where the measured JSON files are read")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="where project_1t.{json,png} are written")
+    args = ap.parse_args(argv)
+    try:
+        dep = Deployment(**{f.name: getattr(args, f.name) for f in fields(Deployment)})
+        rates, formats = load_rates(args.results, dep, {n: getattr(args, f"rate_{n}") for n in RATE_FLAGS})
+    except (InputError, ValueError) as e:
+        print(f"project_1t: {e}", file=sys.stderr)
+        return 2
+    projs = {t: project(dep, rates, t) for t in ("s3", "relay")}
+
+    # Published figures, and the same model at NeMo-RL's size.
+    nemorl_dep = replace(dep, params=NEMORL_BYTES / dep.elem_bytes)
+    nemorl = project(nemorl_dep, rates, "s3")
+    published = {
+        "paper_1t_relay": {"what": "NeMo-DCR paper, 1T params, 3% changed, relay tree", "published_s": PAPER_1T_S,
+                           "projected_s": projs["relay"].wall_s,
+                           "note": f"relay, the inputs above at {dep.changed:.0%} changed"},
+        "nemorl_247gb_s3": {"what": "NeMo-RL, 247 GB at 3% changed, S3", "published_s": NEMORL_S,
+                            "projected_s": nemorl.wall_s,
+                            "note": f"s3, the inputs above at {nemorl_dep.params:.4g} params "
+                                    f"(247 GB read as the BF16 checkpoint); its figure scaled linearly to "
+                                    f"{dep.params * dep.elem_bytes / 1e12:.2f} TB: "
+                                    f"{NEMORL_S * dep.params * dep.elem_bytes / NEMORL_BYTES:.1f} s"},
+    }
+    formats_cmp = []
+    codec = _load(args.results / "codec.json")
+    for fmt in formats:
+        try:
+            b, enc, dec, _ = codec_rates(codec, fmt, dep.changed)
+        except InputError:
+            continue
+        rf = replace(rates, bytes_per_changed=b, encode=enc, decode=dec)
+        s3, relay = project(dep, rf, "s3"), project(dep, rf, "relay")
+        formats_cmp.append({"format": fmt, "bytes_per_changed": b.value, "wire_gb": s3.wire_bytes / 1e9,
+                            "encode_gbps": enc.value, "decode_gbps": dec.value,
+                            "s3_wall_s": s3.wall_s, "relay_wall_s": relay.wall_s,
+                            "s3_dominating": s3.dominating, "relay_dominating": relay.dominating})
+    print_report(dep, rates, projs, formats_cmp, published)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {"command": "scripts/project_1t.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "model": "wall = max_s T_s + (sum_s T_s - max_s T_s) / m; see the script's docstring",
+           "deployment": asdict(dep), "rates": {f.name: asdict(getattr(rates, f.name)) for f in fields(rates)},
+           "projections": {t: asdict(p) for t, p in projs.items()}, "published": published,
+           "formats": formats_cmp}
+    (args.out / "project_1t.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(projs, dep, args.out / "project_1t.png")
+    print(f"\nwrote {args.out / 'project_1t.json'} and {args.out / 'project_1t.png'}")
+    return 0
+
+
+def _field_doc(name: str) -> str:
+    """The field's docstring (the string literal after it in the class body)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(Deployment)).body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and a.target.id == name and isinstance(b, ast.Expr):
+            return " ".join(b.value.value.split())
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

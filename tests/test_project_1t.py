@@ -1,0 +1,115 @@
+"""scripts/project_1t.py on synthetic result files: the stage model and which stage dominates."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def p1t():
+    spec = importlib.util.spec_from_file_location("project_1t", os.path.join(ROOT, "scripts", "project_1t.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["project_1t"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _codec_row(pct: float, b: float, enc: float, dec: float) -> dict:
+    changed = 1000
+    fmts = {"nemo_dcr context": {"bytes_per_changed": b, "encode_gbps": enc, "decode_gbps": dec},
+            "gap16+xor+zstd1": {"bytes_per_changed": 2 * b, "encode_gbps": 10 * enc, "decode_gbps": 10 * dec}}
+    return {"pair": f"synthetic_{pct}", "changed_pct": pct, "changed": changed, "formats": fmts}
+
+
+def write_results(d, *, dec: float = 10.0, gpu: bool = False) -> None:
+    """Rates chosen so that, at the test's link speeds, the upload is the slowest stage."""
+    d.mkdir(exist_ok=True)
+    codec = {"rows": [_codec_row(1.0, 1.5, 10.0, dec), _codec_row(3.2, 0.7, 10.0, dec)]}
+    (d / "codec.json").write_text(json.dumps(codec))
+    xor = {"rows": [{"rate": r, "method": "C xor_diff, 1 thr", "median_gbps": 5.0, "best_gbps": 6.0}
+                    for r in (0.005, 0.03, 0.1)]}
+    (d / "bench_xor.json").write_text(json.dumps(xor))
+    (d / "vllm_apply.json").write_text(json.dumps({"checkpoint_bytes": 20e9, "changed_pct": 3.0,
+                                                   "runs": [{"tp": 1, "apply_s_median": 1.0}]}))
+    if gpu:
+        rows = [{"gib": 4.0, "rate": 0.03, "tile": t, "changed": 1000, "param_gbps": g, "to_host_s": 1e-6}
+                for t, g in ((1024, 900.0), (4096, 1000.0))]
+        (d / "bench_xor_gpu.json").write_text(json.dumps({"meta": {"device": "synthetic"}, "rows": rows}))
+
+
+def run(p1t, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "out"
+    args = ["--results", str(tmp_path / "res"), "--out", str(out), "--trainer-uplink-gbps", "1"]
+    assert p1t.main(args + list(extra)) == 0
+    assert (out / "project_1t.png").stat().st_size > 0
+    return json.loads((out / "project_1t.json").read_text())
+
+
+def test_dominating_stage_follows_the_slowest_rate(p1t, tmp_path):
+    write_results(tmp_path / "res")
+    res = run(p1t, tmp_path)
+    assert res["projections"]["s3"]["dominating"] == "upload"
+    assert res["projections"]["relay"]["dominating"] == "upload to root"
+
+    write_results(tmp_path / "res", dec=1e-3)  # a tiny decode rate in codec.json, read at run time
+    res = run(p1t, tmp_path)
+    assert res["projections"]["s3"]["dominating"] == "decode + apply"
+    assert res["projections"]["relay"]["dominating"] == "decode + apply"
+
+    write_results(tmp_path / "res")
+    res = run(p1t, tmp_path, "--encode-gbps", "1e-4")  # a tiny rate from the command line
+    assert res["projections"]["s3"]["dominating"] == "encode"
+    assert res["rates"]["encode"]["source"].startswith("--encode-gbps")
+
+    res = run(p1t, tmp_path, "--fanout", "64", "--receiver-downlink-gbps", "0.01")  # thin relay links
+    assert res["projections"]["relay"]["dominating"] == "relay hop 1"
+
+
+def test_wall_is_slowest_stage_plus_fill(p1t, tmp_path):
+    write_results(tmp_path / "res")
+    for s3 in (run(p1t, tmp_path)["projections"]["s3"],
+               run(p1t, tmp_path, "--chunk-bytes", str(1 << 50))["projections"]["s3"]):
+        t = [s["seconds"] for s in s3["stages"]]
+        assert s3["wall_s"] == pytest.approx(max(t) + (sum(t) - max(t)) / s3["waves"])
+    assert s3["waves"] == 1 and s3["wall_s"] == pytest.approx(sum(t))  # one chunk per rank: no overlap
+
+
+def test_rates_come_from_the_nearest_change_rate(p1t, tmp_path):
+    write_results(tmp_path / "res")
+    res = run(p1t, tmp_path, "--changed", "0.01")
+    assert res["rates"]["bytes_per_changed"]["value"] == 1.5
+    res = run(p1t, tmp_path)  # 3% is nearest the 3.2% row
+    assert res["rates"]["bytes_per_changed"]["value"] == 0.7
+    assert res["projections"]["s3"]["wire_bytes"] == pytest.approx(0.7 * 0.03 * 1e12)
+    assert res["rates"]["apply"]["value"] == pytest.approx(10.0)  # 20 GB / 1 s / 2 cores
+    gap16 = next(f for f in res["formats"] if f["format"] == "gap16+xor+zstd1")
+    assert gap16["bytes_per_changed"] == 1.4
+
+
+def test_gpu_rate_is_measured_or_labelled_an_assumption(p1t, tmp_path):
+    write_results(tmp_path / "res")
+    res = run(p1t, tmp_path)
+    assert res["rates"]["diff_gpu"]["assumed"] and "ASSUMPTION" in res["rates"]["diff_gpu"]["source"]
+    write_results(tmp_path / "res", gpu=True)
+    res = run(p1t, tmp_path)
+    assert not res["rates"]["diff_gpu"]["assumed"] and res["rates"]["diff_gpu"]["value"] == 1000.0
+    assert res["rates"]["d2h"]["value"] == pytest.approx(1000 * 10 / 1e-6 / 1e9)
+
+
+def test_missing_or_wrong_inputs_exit_2(p1t, tmp_path):
+    (tmp_path / "res").mkdir()
+    assert p1t.main(["--results", str(tmp_path / "res"), "--out", str(tmp_path / "out")]) == 2
+    write_results(tmp_path / "res")
+    assert p1t.main(["--results", str(tmp_path / "res"), "--out", str(tmp_path / "out"),
+                     "--format", "no such format"]) == 2
+    assert p1t.main(["--results", str(tmp_path / "res"), "--out", str(tmp_path / "out"), "--changed", "0"]) == 2
+
+
+@pytest.mark.parametrize("receivers,fanout,levels", [(1, 4, 1), (5, 4, 2), (6, 4, 3), (16, 4, 3), (21, 4, 3),
+                                                     (22, 4, 4), (3, 1, 3)])
+def test_tree_levels(p1t, receivers, fanout, levels):
+    assert p1t.tree_levels(receivers, fanout) == levels
