@@ -12,5 +12,6 @@ setup(
     ext_modules=[
         Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], **_COMMON),
         Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], **_COMMON),
+        Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"], **_COMMON),
     ]
 )

@@ -6,6 +6,7 @@ Encode: ``encode_chunk(deltas, meta=..., base=...) -> bytes``.  Decode:
 untrusted chunk before any payload is decoded).  Apply: ``apply_delta_(bits, delta)``.
 A manifest names a chunk by ``chunk_digest(data)``.
 """
+from nemo_dcr.codec import bucket
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.chunk import DecodedChunk, RecordInfo, chunk_digest, decode_chunk, encode_chunk, read_chunk_index
@@ -35,6 +36,7 @@ __all__ = [
     "RecordInfo",
     "TensorDelta",
     "apply_delta_",
+    "bucket",
     "chunk_digest",
     "decode_chunk",
     "encode_chunk",

@@ -11,7 +11,7 @@ bytes and walks context-mode ranges, so a few hundred hostile bytes can claim gi
 * the payload can hold what the record declares (``payload.check_payload_size``);
 * the version's chunks together stay within a ``DecodeBudget``: the sum of declared ``nnz``
   at most the elements of the tensors a version may change (a version names each element
-  at most once), the sum of context-mode MODEL ranges at most a multiple of that.
+  at most once), the sum of context-mode MODEL and BUCKET ranges at most a multiple of that.
 
 So the memory a chunk can make a receiver allocate before refusal is proportional to its
 header; what an admitted version decodes is bounded by the state it may change.
@@ -70,14 +70,14 @@ def _scan_len(r: RecordInfo) -> int:
     """Elements the decoder walks for a record: its range in context mode (one present flag
     per element); context-free records are gap-coded, so their work is per entry."""
     lo, hi = r.element_range
-    return hi - lo if (r.context and r.coding is Coding.MODEL) else 0
+    return hi - lo if (r.context and r.coding in (Coding.MODEL, Coding.BUCKET)) else 0
 
 
 class DecodeBudget:
     """What the chunks of one version may make a receiver decode, shared by all of them.
 
     ``decode_chunk(..., budget=b)`` charges every record of a chunk before it decodes any
-    payload: declared ``nnz`` against ``max_changed``, context-mode MODEL ranges against
+    payload: declared ``nnz`` against ``max_changed``, context-mode MODEL/BUCKET ranges against
     ``max_scan``.  A chunk that would overdraw either is refused whole and charges
     nothing (``ChunkValidationError``).  Create one per version; safe to share between threads.
     Records of several chunks naming the same elements are the apply engine's to refuse;
@@ -94,7 +94,7 @@ class DecodeBudget:
         self.max_changed = max_changed
         """Declared entries (``nnz``) summed over every record of the version."""
         self.max_scan = max_scan
-        """Range elements of context-mode MODEL records summed over the version."""
+        """Range elements of context-mode MODEL and BUCKET records summed over the version."""
         self._changed = 0
         self._scanned = 0
         self._lock = threading.Lock()

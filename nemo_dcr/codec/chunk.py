@@ -14,7 +14,7 @@ written nothing.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,7 @@ from nemo_dcr.codec.format import (
     content_crc,
     crc32,
 )
+from nemo_dcr.codec.bucket import available as bucket_available
 from nemo_dcr.codec.model import ModelStates
 from nemo_dcr.codec.model import available as model_available
 from nemo_dcr.codec.payload import RecordSpec, check_payload_size, decode_payload, encode_payload
@@ -105,7 +106,8 @@ def _canonical(d: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(pos), np.ascontiguousarray(val)
 
 
-def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates | None) -> tuple[bytes, bytes]:
+def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates | None,
+                   codings: frozenset[Coding] | None) -> tuple[bytes, bytes]:
     """(directory entry, payload) of one delta."""
     name = d.name.encode("utf-8")
     # Refuse what a decoder with the default limits would refuse, here rather than there.
@@ -116,8 +118,8 @@ def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates 
     pos, val = _canonical(d)
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
-    coding, param, payload = encode_payload(spec, pos, val, base, states)
-    flags = FLAG_CONTEXT if (coding is Coding.MODEL and base is not None) else 0
+    coding, param, payload = encode_payload(spec, pos, val, base, states, codings)
+    flags = FLAG_CONTEXT if (coding in (Coding.MODEL, Coding.BUCKET) and base is not None) else 0
     entry = ENTRY_FIXED.pack(
         len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags, param,
         lo, hi, spec.nnz, len(payload), content_crc(pos, val),
@@ -126,17 +128,21 @@ def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates 
 
 
 def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | None = None,
-                 base: Mapping[str, np.ndarray] | None = None) -> bytes:
+                 base: Mapping[str, np.ndarray] | None = None,
+                 codings: Iterable[Coding] | None = None) -> bytes:
     """One chunk holding a record per delta, in order.
 
     ``base`` maps tensor names to their canonical base bits (flat ``BITS_DTYPE[dtype]``);
     a delta whose name is in it is coded in context mode, and decoding it needs the same
-    base.  Metadata keys and values are strings (UTF-8 on the wire).
+    base.  Metadata keys and values are strings (UTF-8 on the wire).  ``codings`` restricts
+    the entropy codings tried per record (``payload.ENTROPY_CODINGS``; default: BUCKET, plus
+    MODEL for small ranges); the raw codings are always candidates.
     """
     meta_body = _encode_meta(meta or {})
     if len(meta or {}) > _DEFAULT_LIMITS.max_meta_entries or len(meta_body) > _DEFAULT_LIMITS.max_meta_bytes:
         raise ValueError("chunk metadata exceeds the default decoder limits")
-    states = ModelStates() if model_available() else None
+    states = ModelStates() if (model_available() or bucket_available()) else None
+    chosen = None if codings is None else frozenset(Coding(c) for c in codings)
     entries, payloads = [], []
     for d in deltas:
         if not isinstance(d, TensorDelta):
@@ -144,7 +150,7 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
         b = None
         if base is not None and d.name in base:
             b = _check_base(d.name, d.dtype, d.numel, base[d.name])
-        e, p = _encode_record(d, b, states)
+        e, p = _encode_record(d, b, states, chosen)
         entries.append(e)
         payloads.append(p)
     dir_raw = b"".join(entries)
@@ -312,7 +318,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
     if flags & ~RECORD_FLAGS_KNOWN:
         raise ChunkFormatError(f"{name}: unknown record flags {flags:#x}")
     context = bool(flags & FLAG_CONTEXT)
-    if context and coding_e is not Coding.MODEL:
+    if context and coding_e not in (Coding.MODEL, Coding.BUCKET):
         raise ChunkFormatError(f"{name}: context flag on a {coding_e.name} record")
     numel = 1
     for s in shape:
@@ -329,9 +335,9 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         raise ChunkFormatError(f"record {name!r}: nnz {nnz} brings the decoded size over the chunk limit of "
                                f"{limits.max_decoded_bytes} bytes")
     left[0] -= need
-    if coding_e is Coding.MODEL:
+    if coding_e is Coding.MODEL or (coding_e is Coding.BUCKET and context):
         if hi - lo > left[1]:
-            raise ChunkFormatError(f"record {name!r}: MODEL ranges exceed the chunk limit of "
+            raise ChunkFormatError(f"record {name!r}: context-mode ranges exceed the chunk limit of "
                                    f"{limits.max_scan_elements} elements")
         left[1] -= hi - lo
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),

@@ -80,7 +80,12 @@ class Coding(enum.IntEnum):
     """A zstd frame of ``nnz`` gap-minus-one integers (u32, or u64 if the range exceeds
     2**32 elements) followed by ``nnz`` raw values."""
     MODEL = 3
-    """Adaptive binary range coding with the context models of ``codec/csrc/ans.c``."""
+    """Adaptive binary range coding with the context models of ``codec/csrc/ans.c``: one
+    binary decision per element in context mode (the v1 default until BUCKET)."""
+    BUCKET = 4
+    """Gaps between ranks within base-exponent buckets and bucket-conditioned values, coded
+    by adaptive interleaved rANS (``codec/csrc/rans.c``): work per changed element plus one
+    vectorised pass over the base.  The default for new chunks."""
 
 
 class ChunkFormatError(FormatError):
@@ -132,9 +137,9 @@ class ChunkLimits:
     max_decoded_bytes: int = 1 << 34
     """Total bytes of decoded positions (8 per entry) and values, summed over the chunk."""
     max_scan_elements: int = 1 << 33
-    """Elements the MODEL decoder walks (range lengths of MODEL records), summed over the
-    chunk: bounds decoding CPU time (~1 minute at the default), since a tiny payload can
-    declare a huge range."""
+    """Elements the context-mode decoders walk (range lengths of MODEL and context-mode BUCKET
+    records), summed over the chunk: bounds decoding CPU time (~1 minute at the default),
+    since a tiny payload can declare a huge range."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

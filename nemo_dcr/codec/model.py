@@ -43,13 +43,15 @@ def coder_params(dtype: str) -> tuple[int, int, int]:
 
 
 class ModelStates:
-    """Adaptive state of each (dtype, context mode) within one chunk, encoder or decoder."""
+    """Adaptive state of each (coding, dtype, context mode) within one chunk, encoder or
+    decoder: the MODEL coding's (``get``/``put``) and the BUCKET coding's (``codec/bucket.py``,
+    ``get_bucket``/``put_bucket``) are separate states."""
 
     def __init__(self) -> None:
-        self._states: dict[tuple[str, bool], np.ndarray] = {}
+        self._states: dict[tuple[str, str, bool], np.ndarray] = {}
 
     def get(self, dtype: str, context: bool) -> np.ndarray:
-        key = (dtype, context)
+        key = ("model", dtype, context)
         st = self._states.get(key)
         if st is None:
             st = np.empty(_cans.MODEL_BYTES, dtype=np.uint8)
@@ -58,7 +60,17 @@ class ModelStates:
         return st
 
     def put(self, dtype: str, context: bool, state: np.ndarray) -> None:
-        self._states[(dtype, context)] = state
+        self._states[("model", dtype, context)] = state
+
+    def get_bucket(self, dtype: str, context: bool, init) -> np.ndarray:
+        key = ("bucket", dtype, context)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = init(dtype, context)
+        return st
+
+    def put_bucket(self, dtype: str, context: bool, state: np.ndarray) -> None:
+        self._states[("bucket", dtype, context)] = state
 
 
 def choose_e_lo(dtype: str, base_range: np.ndarray) -> int:

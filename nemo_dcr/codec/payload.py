@@ -1,6 +1,6 @@
 """Record payloads: the byte forms of one record's (positions, values).
 
-``encode_payload`` tries every coding that applies and keeps the smallest, so a record
+``encode_payload`` tries the codings that apply (``default_codings``) and keeps the smallest, so a record
 never costs more than its dense bytes (``DENSE_RAW``), except an overwrite that leaves some
 elements of its range alone, which cannot be dense without the base and then costs at most
 ``SPARSE_RAW``.  ``check_payload_size`` bounds what a record declares by its payload length,
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from nemo_dcr.codec import model
+from nemo_dcr.codec import bucket, model
 from nemo_dcr.codec.format import ChunkFormatError, Coding
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
@@ -49,7 +49,7 @@ class RecordSpec:
     hi: int
     nnz: int
     param: int = 0
-    """Coding parameter from the directory entry (MODEL: e_lo; others: 0)."""
+    """Coding parameter from the directory entry (MODEL, BUCKET: e_lo; others: 0)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in BITS_DTYPE:
@@ -87,7 +87,7 @@ def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> No
     codings, a sound expansion bound for zstd (``ZSTD_MAX_RATIO``) and MODEL
     (``model_max_entries``).  Needs only the directory; raises ChunkFormatError."""
     w = spec.width
-    if spec.param and coding is not Coding.MODEL:
+    if spec.param and coding not in (Coding.MODEL, Coding.BUCKET):
         raise ChunkFormatError(f"coding {coding.name} takes no parameter, got {spec.param}")
     if coding is Coding.DENSE_RAW:
         if payload_len != spec.range_len * w:
@@ -111,6 +111,11 @@ def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> No
         if spec.nnz > cap:
             raise ChunkFormatError(f"nnz {spec.nnz} is more than a MODEL payload_len of {payload_len} can code "
                                    f"(at most {cap})")
+    elif coding is Coding.BUCKET:
+        cap = bucket.max_entries(payload_len)
+        if spec.nnz > cap:
+            raise ChunkFormatError(f"nnz {spec.nnz} is more than a BUCKET payload_len of {payload_len} can code "
+                                   f"(at most {cap})")
     else:
         raise ChunkFormatError(f"unknown coding {coding!r}")
 
@@ -123,21 +128,50 @@ def _gap_dtype(spec: RecordSpec) -> np.dtype:
     return np.dtype("<u4") if spec.range_len <= 1 << 32 else np.dtype("<u8")
 
 
+#: Ranges below this many elements also try the MODEL coding: its per-record overhead is a
+#: byte or two where BUCKET's is ~12, and at this size its per-element speed does not matter.
+MODEL_TRIAL_MAX_RANGE = 1 << 14
+
+#: Entropy codings ``encode_payload`` may choose from (the raw codings are always candidates).
+ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET})
+
+
+def default_codings(spec: RecordSpec) -> frozenset[Coding]:
+    """BUCKET for every record (the fast coder), plus a MODEL trial for small ranges; the
+    zstd fallback where the native coders are not built."""
+    out = set()
+    if bucket.available():
+        out.add(Coding.BUCKET)
+    if model.available() and (not out or spec.range_len < MODEL_TRIAL_MAX_RANGE):
+        out.add(Coding.MODEL)
+    return frozenset(out or {Coding.SPARSE_ZSTD})
+
+
 def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
-                   base: np.ndarray | None, states: model.ModelStates | None) -> tuple[Coding, int, bytes]:
+                   base: np.ndarray | None, states: model.ModelStates | None,
+                   codings: frozenset[Coding] | None = None) -> tuple[Coding, int, bytes]:
     """(coding, param, payload) with the smallest payload; ``base`` (full flat base bits)
-    enables context mode.  ``states`` is the chunk's MODEL state (None: no MODEL coding)."""
+    enables context mode.  ``states`` is the chunk's adaptive state (None: no MODEL or
+    BUCKET coding); ``codings`` the entropy codings to try (default ``default_codings``)."""
     w = spec.width
     cands: list[tuple[int, Coding, bytes | None]] = []
     dense_ok = spec.op is DeltaOp.XOR or spec.nnz == spec.range_len
     if dense_ok:
         cands.append((spec.range_len * w, Coding.DENSE_RAW, None))
     cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
-    new_state = None
-    if states is not None and model.available():
-        coded, e_lo, new_state = model.encode(spec, positions, values, base, states)
+    use = default_codings(spec) if codings is None else codings
+    if not use <= ENTROPY_CODINGS:
+        raise ValueError(f"codings must be a subset of {sorted(c.name for c in ENTROPY_CODINGS)}")
+    trials: dict[Coding, tuple[int, np.ndarray]] = {}
+    if states is not None and Coding.MODEL in use and model.available():
+        coded, e_lo, st = model.encode(spec, positions, values, base, states)
         cands.append((len(coded), Coding.MODEL, coded))
-    elif spec.nnz:
+        trials[Coding.MODEL] = (e_lo, st)
+    if states is not None and Coding.BUCKET in use and bucket.available():
+        coded, e_lo, st = bucket.encode(spec, positions, values, base, states)
+        cands.append((len(coded), Coding.BUCKET, coded))
+        trials[Coding.BUCKET] = (e_lo, st)
+    if spec.nnz and (Coding.SPARSE_ZSTD in use or not trials):
         coded = _zstd_sparse(spec, positions, values)
         cands.append((len(coded), Coding.SPARSE_ZSTD, coded))
     # Ties go to the simpler coding (listed first).
@@ -150,7 +184,12 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
         return coding, 0, positions.astype("<i8").tobytes() + values.astype(_le(values.dtype)).tobytes()
     assert coded is not None and len(coded) == size
     if coding is Coding.MODEL:
-        states.put(spec.dtype, base is not None, new_state)
+        e_lo, st = trials[coding]
+        states.put(spec.dtype, base is not None, st)
+        return coding, e_lo, coded
+    if coding is Coding.BUCKET:
+        e_lo, st = trials[coding]
+        states.put_bucket(spec.dtype, base is not None, st)
         return coding, e_lo, coded
     return coding, 0, coded
 
@@ -207,6 +246,10 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
         if not model.available():
             raise ChunkFormatError("record needs the native range coder (nemo_dcr.codec._cans), not built")
         return model.decode(spec, payload, base, states)
+    if coding is Coding.BUCKET:
+        if not bucket.available():
+            raise ChunkFormatError("record needs the native rANS coder (nemo_dcr.codec._crans), not built")
+        return bucket.decode(spec, payload, base, states)
     raise ChunkFormatError(f"unknown coding {coding!r}")
 
 

@@ -223,7 +223,7 @@ def test_model_expansion_bound_is_sound_and_enforced():
     n = 1 << 21
     d = TensorDelta(name="w", dtype="bfloat16", shape=(n,), op=DeltaOp.OVERWRITE,
                     positions=np.arange(n, dtype=np.int64), values=np.zeros(n, np.uint16))
-    info = read_chunk_index(encode_chunk([d])).records[0]
+    info = read_chunk_index(encode_chunk([d], codings=[Coding.MODEL])).records[0]
     assert info.coding is Coding.MODEL and info.payload_bytes < 16
     assert n <= model_max_entries("bfloat16", info.payload_bytes)
     cap = model_max_entries("bfloat16", 4)
@@ -245,10 +245,11 @@ N_ATTACK = 1 << 23  # 8.4M bf16 entries: 84 MB decoded per copy
 
 def _attack_chunk(n: int) -> bytes:
     """~100 bytes claiming ``n`` overwrite entries of "w" that a few-byte MODEL stream (of
-    zeros) really codes, content CRC included: it decodes completely unless admission stops it."""
+    zeros) really codes, content CRC included: it decodes completely unless admission stops it.
+    MODEL is the old default; an attacker picks whichever coding is cheapest to forge."""
     d = TensorDelta(name="w", dtype="bfloat16", shape=(n,), op=DeltaOp.OVERWRITE,
                     positions=np.arange(n, dtype=np.int64), values=np.zeros(n, np.uint16))
-    data = encode_chunk([d])
+    data = encode_chunk([d], codings=[Coding.MODEL])
     (info,) = read_chunk_index(data).records
     assert info.coding is Coding.MODEL and info.nnz == n and len(data) < 256
     return data

@@ -184,7 +184,7 @@ def test_limits_are_enforced_before_decoding():
 @needs_native
 def test_scan_limit_is_enforced_before_decoding():
     data = CHUNKS[False][0]
-    with pytest.raises(ChunkFormatError, match="MODEL ranges exceed"):
+    with pytest.raises(ChunkFormatError, match="context-mode ranges exceed"):
         decode_chunk(data, limits=ChunkLimits(max_scan_elements=1000))
 
 

@@ -1,0 +1,1049 @@
+/*
+ * nemo_dcr.codec._crans: the BUCKET record coding (wire format v1, coding 4,
+ * docs/wire-format.md "BUCKET: bucketed gaps, adaptive rANS").
+ *
+ * Why it is fast: it does work per *changed* element, plus (context mode) one vectorised
+ * pass over the base bits that needs no per-element decision.
+ *
+ *   buckets    context mode: bucket(i) = clamp(exponent(base[i]) - e_lo, 0, 31) for float
+ *              dtypes, clamp(bitlen(base[i]), 0, 31) for integers; context-free: one bucket.
+ *              Whether an element changes is, in AdamW deltas, close to i.i.d. given its
+ *              bucket, so each bucket's changed elements are coded as gaps between their
+ *              ranks *within the bucket* (the k-th element of bucket b): a gap costs about
+ *              log2(1/p_b) bits, which sums to the flags' entropy given the exponent.
+ *   gaps       u = gap - 1 is split by an adaptive Rice parameter k_b (from the bucket's
+ *              running mean, so that u >> k averages 2-4) into q = u >> k, an adaptive
+ *              rANS symbol (alphabet 32, 31 = escape followed by a raw length-prefixed
+ *              integer), and the k raw low bits.
+ *   order      the range is cut into segments of 4096 elements from lo; within a segment the
+ *              events are consumed bucket by bucket (ascending), each bucket's in rank order.
+ *              The decoder knows every active bucket's next target rank ahead of time: it
+ *              reads each active bucket's first gap up front and, after each event of b, the
+ *              next gap of b; after b's last event the encoder writes the smallest gap that
+ *              runs past the end of b (a terminal gap).  The active buckets (those with at
+ *              least one change) are a 32-bit mask at the start of the raw bits.
+ *              Context-free: gaps in index order, no scan, no terminal gap.
+ *   values     in position order, after all positions.  Context mode: k = ord(new) -
+ *              ord(old) (signed, counts ulps for floats), h = bitlen(|k|) as an adaptive
+ *              symbol in the context of the element's bucket, the sign and the h-1 bits below
+ *              the leading one raw.  Context-free: v = the XOR value (or the new value of an
+ *              overwrite), h = bitlen(v) as a symbol, then the top min(h-1, 5) bits below the
+ *              leading one as a symbol in the context of h, the rest raw.
+ *
+ * Adaptive models: each context keeps symbol counts; after every `next` symbols (16, 32,
+ * ..., 1024) its frequencies are rebuilt from the counts (each symbol at least 1 of 4096,
+ * integer arithmetic only, so encoder and decoder agree bit for bit everywhere) and counts
+ * are halved once they pass 2^16.  State carries from record to record of one chunk (same
+ * dtype and mode), like the MODEL coding's, so small records pay no learning cost.
+ *
+ * rANS: two interleaved 32-bit states in [2^16, 2^32) (symbol i uses state i & 1, one shared
+ * word stream), 16-bit renormalisation, 12-bit probabilities; the encoder collects (freq,
+ * cum) of every symbol forwards, then codes them backwards; division by freq is an exact
+ * multiply-shift (Granlund-Montgomery round-up reciprocal, 32-bit dividends).  Payload =
+ * u32 rans_len | state 0, state 1 (u32 each) and the 16-bit words | raw bits (LSB first, zero
+ * padded to a byte), all little-endian.  The decoder checks both final states are the
+ * encoder's initial 2^16, that every rANS and raw byte is consumed and that padding is zero.
+ *
+ * Both entry points release the GIL; a scan over base bits uses AVX-512BW where the CPU has
+ * it (2- and 4-byte dtypes), a scalar loop otherwise: both produce the same bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+/* POPCNT is x86-64-v2 (every x86-64 CPU since 2009); without it __builtin_popcount is a
+ * library call and the block scan runs ~3x slower. */
+#pragma GCC target("popcnt")
+#include <immintrin.h>
+#endif
+
+#define PB 12
+#define PTOT (1u << PB)
+#define RANS_L (1u << 16)
+#define NB 32
+#define MAXW 64
+#define MAXA (MAXW + 1)
+#define QA 32               /* gap quotient alphabet; QA - 1 is the escape */
+#define TOPB 5              /* free mode: bits below the leading one coded as a symbol */
+#define BLK 64
+#define GAP_HALVE 64        /* gap statistics halve when their count reaches this */
+#define MODEL_MAGIC 0x42544B31u /* "1KTB" */
+
+typedef struct {
+    uint16_t freq[MAXA];
+    uint16_t cum[MAXA + 1];
+    uint32_t cnt[MAXA];
+    uint32_t A, seen, next, lut_ok;
+    uint8_t lut[PTOT];
+} Ctx;
+
+typedef struct {
+    uint32_t magic, width_mode;
+    uint64_t gsum[NB];
+    uint32_t gcnt[NB];
+    Ctx q[NB];
+    Ctx h[NB];
+    Ctx t[MAXW + 1];
+} Model;
+
+static uint64_t RCP_M[PTOT + 1];
+static uint8_t RCP_S[PTOT + 1];
+static int HAVE_AVX512 = 0;
+
+/* j-th (0-based) set bit of m; m has more than j set bits.  Branch-free: an event's
+ * place in its mask is as good as random, so a branchy search mispredicts. */
+static int select_bit_portable(uint64_t m, int64_t j) {
+    int p = 0;
+    for (int w = 32; w; w >>= 1) {
+        uint64_t lo = m & ((1ull << w) - 1);
+        int64_t c = __builtin_popcountll(lo);
+        uint64_t t = -(uint64_t)(j >= c);
+        j -= c & (int64_t)t;
+        m = (t & (m >> w)) | (~t & lo);
+        p += w & (int)t;
+    }
+    return p;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("bmi2"))) static int select_bit_bmi2(uint64_t m, int64_t j) {
+    return __builtin_ctzll(_pdep_u64(1ull << j, m));
+}
+#endif
+
+static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
+
+static void init_tables(void) {
+    for (uint32_t f = 1; f <= PTOT; f++) {
+        uint32_t l = 0;
+        while ((1u << l) < f) l++;
+        /* m = floor(2^(32+l) / f) + 1 < 2^33: floor(x / f) = (x * m) >> (32 + l) for x < 2^32 */
+        RCP_M[f] = (uint64_t)((((__uint128_t)1) << (32 + l)) / f) + 1;
+        RCP_S[f] = (uint8_t)(32 + l);
+    }
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    HAVE_AVX512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f") &&
+                  !getenv("NEMO_DCR_NO_AVX512");
+    if (__builtin_cpu_supports("bmi2") && !getenv("NEMO_DCR_NO_AVX512")) select_bit = select_bit_bmi2;
+#endif
+}
+
+/* ------------------------------------------------------------------ adaptive contexts */
+
+static void ctx_init(Ctx *c, uint32_t A) {
+    memset(c, 0, offsetof(Ctx, lut));
+    c->A = A;
+    c->next = 16;
+    uint32_t each = PTOT / A, extra = PTOT - each * A;
+    for (uint32_t s = 0; s < A; s++) c->freq[s] = (uint16_t)(each + (s < extra));
+    c->cum[0] = 0;
+    for (uint32_t s = 0; s < A; s++) c->cum[s + 1] = (uint16_t)(c->cum[s] + c->freq[s]);
+    c->lut_ok = 0;
+}
+
+static void ctx_lut(Ctx *c) {
+    for (uint32_t s = 0; s < c->A; s++) memset(c->lut + c->cum[s], (int)s, c->freq[s]);
+    c->lut_ok = 1;
+}
+
+static void ctx_rebuild(Ctx *c, int want_lut) {
+    uint64_t total = 0;
+    uint32_t best = 0;
+    for (uint32_t s = 0; s < c->A; s++) {
+        total += c->cnt[s];
+        if (c->cnt[s] > c->cnt[best]) best = s;
+    }
+    if (total) {
+        uint32_t sum = 0;
+        for (uint32_t s = 0; s < c->A; s++) {
+            c->freq[s] = (uint16_t)(1 + (uint64_t)c->cnt[s] * (PTOT - c->A) / total);
+            sum += c->freq[s];
+        }
+        c->freq[best] = (uint16_t)(c->freq[best] + (PTOT - sum));
+        for (uint32_t s = 0; s < c->A; s++) c->cum[s + 1] = (uint16_t)(c->cum[s] + c->freq[s]);
+        if (total >= (1u << 16))
+            for (uint32_t s = 0; s < c->A; s++) c->cnt[s] >>= 1;
+    }
+    c->seen = 0;
+    if (c->next < 1024) c->next *= 2;
+    c->lut_ok = 0;
+    if (want_lut) ctx_lut(c);
+}
+
+static inline void ctx_update(Ctx *c, uint32_t s, int want_lut) {
+    c->cnt[s]++;
+    if (++c->seen >= c->next) ctx_rebuild(c, want_lut);
+}
+
+static void model_init(Model *m, int width, int context) {
+    m->magic = MODEL_MAGIC;
+    m->width_mode = (uint32_t)(width * 2 + (context ? 1 : 0));
+    int W = 8 * width;
+    for (int b = 0; b < NB; b++) {
+        m->gsum[b] = 16;
+        m->gcnt[b] = 1;
+        ctx_init(&m->q[b], QA);
+        ctx_init(&m->h[b], (uint32_t)W + 1);
+    }
+    for (int h = 0; h <= MAXW; h++) {
+        int tb = h - 1 < TOPB ? h - 1 : TOPB;
+        ctx_init(&m->t[h], tb > 0 ? (1u << tb) : 1);
+    }
+}
+
+/* ------------------------------------------------------------------ element helpers */
+
+typedef struct {
+    int width, W, eshift, ebits, e_lo, is_float, op, context;
+    uint64_t mask, signbit;
+    int64_t lo, hi;
+    const uint8_t *base;
+} Params;
+
+static inline uint64_t load(const uint8_t *p, int width, int64_t i) {
+    switch (width) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store(uint8_t *p, int width, int64_t i, uint64_t v) {
+    switch (width) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
+static inline int bitlen(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+static inline uint64_t ord_of(const Params *P, uint64_t b) {
+    if (!P->is_float) return b;
+    return (b & P->signbit) ? (~b & P->mask) : (b | P->signbit);
+}
+
+static inline uint64_t iord_of(const Params *P, uint64_t o) {
+    if (!P->is_float) return o;
+    return (o & P->signbit) ? (o & ~P->signbit) : (~o & P->mask);
+}
+
+static inline int bucket_of(const Params *P, uint64_t b) {
+    int e = P->ebits ? (int)((b >> P->eshift) & ((1u << P->ebits) - 1)) - P->e_lo : bitlen(b);
+    return e < 0 ? 0 : (e > NB - 1 ? NB - 1 : e);
+}
+
+/* Bucket bitmaps of one segment (up to SEGB blocks of 64 elements from `start`): for each
+ * bucket b of the bitmask `active`, words[b] has bit k set when block k holds an element of
+ * b, and then bm[b * SEGB + k] has bit j set when element start + 64 k + j (< hi) is in b
+ * (words of blocks that do not hold b are left unwritten).  Only the buckets a block holds
+ * cost work: a block of 64 typically holds 6-9 of the 20-30 active buckets. */
+#define SEGB 64 /* blocks per segment */
+
+static void seg_scalar(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
+    memset(words, 0, NB * sizeof(uint64_t));
+    for (int k = 0; k < nblk; k++) {
+        uint64_t m[NB];
+        uint32_t present = 0;
+        int64_t s = start + (int64_t)k * BLK;
+        int n = (int)(P->hi - s < BLK ? P->hi - s : BLK);
+        for (int j = 0; j < n; j++) {
+            int b = bucket_of(P, load(P->base, P->width, s + j));
+            uint64_t bit = 1ull << j;
+            m[b] = (present >> b & 1) ? (m[b] | bit) : bit;
+            present |= 1u << b;
+        }
+        present &= active;
+        while (present) {
+            int b = __builtin_ctz(present);
+            bm[b * SEGB + k] = m[b];
+            words[b] |= 1ull << k;
+            present &= present - 1;
+        }
+    }
+}
+
+#if defined(__x86_64__)
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
+
+AVX512 static inline __m512i bucket16(__m512i v, int eshift, __m512i emask, __m512i elo, __m512i top) {
+    __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, (unsigned)eshift), emask);
+    return _mm512_min_epu16(_mm512_subs_epu16(e, elo), top);
+}
+
+AVX512 static inline __m512i onehot16(__m512i b, __mmask32 valid, __m512i one) {
+    __m512i b0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(b));
+    __m512i b1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1));
+    return _mm512_or_si512(_mm512_maskz_sllv_epi32((__mmask16)valid, one, b0),
+                           _mm512_maskz_sllv_epi32((__mmask16)(valid >> 16), one, b1));
+}
+
+AVX512 static void seg_avx512_w2(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
+                                 uint64_t *words) {
+    const __m512i emask = _mm512_set1_epi16((short)((1u << P->ebits) - 1));
+    const __m512i elo = _mm512_set1_epi16((short)P->e_lo);
+    const __m512i top = _mm512_set1_epi16(NB - 1);
+    const __m512i one = _mm512_set1_epi32(1);
+    const uint16_t *base = (const uint16_t *)P->base;
+    memset(words, 0, NB * sizeof(uint64_t));
+    for (int k = 0; k < nblk; k++) {
+        int64_t s = start + (int64_t)k * BLK;
+        int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
+        uint64_t valid = n >= 64 ? ~0ull : ((1ull << n) - 1);
+        __mmask32 va = (__mmask32)valid, vb = (__mmask32)(valid >> 32);
+        __m512i ba = bucket16(_mm512_maskz_loadu_epi16(va, base + s), P->eshift, emask, elo, top);
+        __m512i bb = bucket16(_mm512_maskz_loadu_epi16(vb, base + s + 32), P->eshift, emask, elo, top);
+        uint32_t present = (uint32_t)_mm512_reduce_or_epi32(_mm512_or_si512(onehot16(ba, va, one),
+                                                                          onehot16(bb, vb, one))) & active;
+        /* bucket ids as 64 bytes: one compare per bucket gives the block's 64-bit mask */
+        __m512i b8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ba)), _mm512_cvtepi16_epi8(bb), 1);
+        while (present) {
+            int b = __builtin_ctz(present);
+            bm[b * SEGB + k] = (uint64_t)_mm512_cmpeq_epi8_mask(b8, _mm512_set1_epi8((char)b)) & valid;
+            words[b] |= 1ull << k;
+            present &= present - 1;
+        }
+    }
+}
+
+AVX512 static inline __m512i bucket32(__m512i v, int eshift, __m512i emask, __m512i elo, __m512i top) {
+    __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, (unsigned)eshift), emask), elo);
+    return _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), top);
+}
+
+AVX512 static void seg_avx512_w4(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
+                                 uint64_t *words) {
+    const __m512i emask = _mm512_set1_epi32((int)((1u << P->ebits) - 1));
+    const __m512i elo = _mm512_set1_epi32(P->e_lo);
+    const __m512i top = _mm512_set1_epi32(NB - 1);
+    const __m512i one = _mm512_set1_epi32(1);
+    const uint32_t *base = (const uint32_t *)P->base;
+    memset(words, 0, NB * sizeof(uint64_t));
+    for (int k = 0; k < nblk; k++) {
+        int64_t s = start + (int64_t)k * BLK;
+        int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
+        uint64_t valid = n >= 64 ? ~0ull : ((1ull << n) - 1);
+        __m512i b[4];
+        __m512i bits = _mm512_setzero_si512();
+        for (int q = 0; q < 4; q++) {
+            __mmask16 vm = (__mmask16)(valid >> (16 * q));
+            b[q] = bucket32(_mm512_maskz_loadu_epi32(vm, base + s + 16 * q), P->eshift, emask, elo, top);
+            bits = _mm512_or_si512(bits, _mm512_maskz_sllv_epi32(vm, one, b[q]));
+        }
+        uint32_t present = (uint32_t)_mm512_reduce_or_epi32(bits) & active;
+        while (present) {
+            int bb = __builtin_ctz(present);
+            __m512i bv = _mm512_set1_epi32(bb);
+            uint64_t m = 0;
+            for (int q = 0; q < 4; q++) m |= (uint64_t)_mm512_cmpeq_epi32_mask(b[q], bv) << (16 * q);
+            bm[bb * SEGB + k] = m & valid;
+            words[bb] |= 1ull << k;
+            present &= present - 1;
+        }
+    }
+}
+#endif
+
+static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
+#if defined(__x86_64__)
+    if (HAVE_AVX512 && P->ebits) {
+        if (P->width == 2) { seg_avx512_w2(P, start, nblk, active, bm, words); return; }
+        if (P->width == 4) { seg_avx512_w4(P, start, nblk, active, bm, words); return; }
+    }
+#endif
+    seg_scalar(P, start, nblk, active, bm, words);
+}
+
+#define SEG (SEGB * BLK) /* elements per segment */
+
+/* ------------------------------------------------------------------ raw bits */
+
+typedef struct {
+    uint8_t *buf;
+    size_t len, cap;
+    uint64_t acc;
+    int n;
+    int oom;
+} BitW;
+
+static void bw_byte(BitW *w, uint8_t b) {
+    if (w->len == w->cap) {
+        size_t nc = w->cap ? 2 * w->cap : 4096;
+        uint8_t *nb = (uint8_t *)realloc(w->buf, nc);
+        if (!nb) { w->oom = 1; return; }
+        w->buf = nb;
+        w->cap = nc;
+    }
+    w->buf[w->len++] = b;
+}
+
+static inline void bw_put(BitW *w, uint64_t v, int n) { /* n <= 32 */
+    if (!n) return;
+    w->acc |= (v & ((1ull << n) - 1)) << w->n;
+    w->n += n;
+    while (w->n >= 8) {
+        bw_byte(w, (uint8_t)w->acc);
+        w->acc >>= 8;
+        w->n -= 8;
+    }
+}
+
+static inline void bw_put64(BitW *w, uint64_t v, int n) {
+    if (n > 32) { bw_put(w, v, 32); bw_put(w, v >> 32, n - 32); }
+    else bw_put(w, v, n);
+}
+
+static void bw_flush(BitW *w) {
+    if (w->n) bw_byte(w, (uint8_t)w->acc);
+    w->acc = 0;
+    w->n = 0;
+}
+
+typedef struct {
+    const uint8_t *p, *end;
+    uint64_t acc;
+    int n;
+    int bad;
+} BitR;
+
+static inline uint64_t br_get(BitR *r, int n) { /* n <= 32 */
+    if (!n) return 0;
+    if (r->n < n) {
+        if (r->end - r->p >= 8 && r->n <= 0) {
+            uint64_t v;
+            memcpy(&v, r->p, 8); /* little-endian host (x86-64, aarch64) */
+            r->acc = v;
+            r->p += 8;
+            r->n = 64;
+        } else {
+            while (r->n <= 56 && r->p < r->end) {
+                r->acc |= (uint64_t)(*r->p++) << r->n;
+                r->n += 8;
+            }
+            if (r->n < n) { r->bad = 1; return 0; }
+        }
+    }
+    uint64_t v = r->acc & ((1ull << n) - 1);
+    r->acc = n == 64 ? 0 : r->acc >> n;
+    r->n -= n;
+    return v;
+}
+
+static inline uint64_t br_get64(BitR *r, int n) {
+    if (n > 32) { uint64_t lo = br_get(r, 32); return lo | (br_get(r, n - 32) << 32); }
+    return br_get(r, n);
+}
+
+/* ------------------------------------------------------------------ rANS */
+
+typedef struct {
+    uint32_t *sym; /* freq << 16 | cum, in decode order */
+    size_t n, cap;
+    int oom;
+} SymBuf;
+
+static inline void sb_push(SymBuf *s, const Ctx *c, uint32_t sym) {
+    if (s->n == s->cap) {
+        size_t nc = s->cap ? 2 * s->cap : 1024;
+        uint32_t *nb = (uint32_t *)realloc(s->sym, nc * sizeof(uint32_t));
+        if (!nb) { s->oom = 1; s->n = 0; return; }
+        s->sym = nb;
+        s->cap = nc;
+    }
+    s->sym[s->n++] = ((uint32_t)c->freq[sym] << 16) | c->cum[sym];
+}
+
+/* Code the collected symbols backwards; returns a malloc'd buffer of *len bytes. */
+/* Code the collected symbols backwards, alternating two rANS states (symbol i uses state
+ * i & 1) that share one word stream: the decoder's two dependency chains then overlap.
+ * Returns a malloc'd buffer of *len bytes: state 0, state 1 (u32 LE each), then the words. */
+static uint8_t *rans_encode(const SymBuf *s, size_t *len) {
+    size_t cap = s->n + 8;
+    uint16_t *buf = (uint16_t *)malloc(cap * sizeof(uint16_t));
+    if (!buf) return NULL;
+    uint16_t *p = buf + cap;
+    uint32_t x[2] = {RANS_L, RANS_L};
+    for (size_t i = s->n; i-- > 0;) {
+        uint32_t f = s->sym[i] >> 16, c = s->sym[i] & 0xFFFF;
+        uint32_t xs = x[i & 1];
+        if ((uint64_t)xs >= ((uint64_t)f << (32 - PB))) { /* x_max = f * 2^(32 - PB) */
+            *--p = (uint16_t)xs;
+            xs >>= 16;
+        }
+        uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);
+        x[i & 1] = (q << PB) + (xs - q * f) + c;
+    }
+    *--p = (uint16_t)(x[1] >> 16);
+    *--p = (uint16_t)x[1];
+    *--p = (uint16_t)(x[0] >> 16);
+    *--p = (uint16_t)x[0];
+    size_t words = (size_t)(buf + cap - p);
+    uint8_t *out = (uint8_t *)malloc(words * 2 + 1);
+    if (out) {
+        for (size_t i = 0; i < words; i++) {
+            out[2 * i] = (uint8_t)p[i];
+            out[2 * i + 1] = (uint8_t)(p[i] >> 8);
+        }
+        *len = words * 2;
+    }
+    free(buf);
+    return out;
+}
+
+typedef struct {
+    uint32_t x, y; /* x codes the next symbol, y the one after: they swap after each */
+    const uint8_t *p, *end;
+    int bad;
+} RDec;
+
+static inline uint32_t rd_sym(RDec *d, Ctx *c) {
+    uint32_t slot = d->x & (PTOT - 1);
+    uint32_t s = c->lut[slot];
+    uint32_t x = c->freq[s] * (d->x >> PB) + slot - c->cum[s];
+    if (x < RANS_L) {
+        if (d->end - d->p < 2) { d->bad = 1; return s; }
+        x = (x << 16) | (uint32_t)d->p[0] | ((uint32_t)d->p[1] << 8);
+        d->p += 2;
+    }
+    d->x = d->y;
+    d->y = x;
+    return s;
+}
+
+/* ------------------------------------------------------------------ gaps */
+
+/* Smallest k in [0, 40] with gcnt * 2^(k+2) >= gsum: u >> k then averages 2-4.  The search
+ * starts from a lower bound, so it takes at most two steps. */
+static inline int rice_k(const Model *m, int b) {
+    uint64_t c = m->gcnt[b], sum = m->gsum[b];
+    int k = bitlen(sum) - bitlen(c) - 2;
+    if (k < 0) k = 0;
+    while (k < 40 && (c << (k + 2)) < sum) k++;
+    return k;
+}
+
+static inline void gap_stats(Model *m, int b, uint64_t u) {
+    m->gsum[b] += u;
+    if (++m->gcnt[b] >= GAP_HALVE) {
+        m->gsum[b] = (m->gsum[b] + 1) >> 1;
+        m->gcnt[b] >>= 1;
+    }
+}
+
+static inline void enc_gap(Model *m, SymBuf *sb, BitW *bw, int b, uint64_t gap) {
+    uint64_t u = gap - 1;
+    int k = rice_k(m, b);
+    uint64_t q = u >> k;
+    Ctx *c = &m->q[b];
+    if (q < QA - 1) {
+        sb_push(sb, c, (uint32_t)q);
+        ctx_update(c, (uint32_t)q, 0);
+    } else {
+        sb_push(sb, c, QA - 1);
+        ctx_update(c, QA - 1, 0);
+        uint64_t e = q - (QA - 1);
+        int L = bitlen(e);
+        bw_put(bw, (uint64_t)L, 6);
+        bw_put64(bw, e, L);
+    }
+    bw_put64(bw, u, k);
+    gap_stats(m, b, u);
+}
+
+static inline uint64_t dec_gap(Model *m, RDec *d, BitR *br, int b) {
+    int k = rice_k(m, b);
+    Ctx *c = &m->q[b];
+    uint64_t q = rd_sym(d, c);
+    ctx_update(c, (uint32_t)q, 1);
+    if (q == QA - 1) {
+        int L = (int)br_get(br, 6);
+        if (L > 48) { br->bad = 1; return 1; }
+        q += br_get64(br, L);
+    }
+    if (q >> (62 - k)) { br->bad = 1; return 1; }
+    uint64_t u = (q << k) | br_get64(br, k);
+    gap_stats(m, b, u);
+    return u + 1;
+}
+
+/* ------------------------------------------------------------------ values */
+
+static inline void enc_value(Model *m, const Params *P, SymBuf *sb, BitW *bw, int b, uint64_t v, uint64_t basev) {
+    if (P->context) {
+        uint64_t k = (ord_of(P, v) - ord_of(P, basev)) & P->mask;
+        int neg = (k & P->signbit) != 0;
+        uint64_t mag = neg ? ((~k + 1) & P->mask) : k;
+        int h = bitlen(mag);
+        Ctx *c = &m->h[b];
+        sb_push(sb, c, (uint32_t)h);
+        ctx_update(c, (uint32_t)h, 0);
+        if (h) {
+            bw_put(bw, (uint64_t)neg, 1);
+            bw_put64(bw, mag, h - 1);
+        }
+    } else {
+        int h = bitlen(v);
+        Ctx *c = &m->h[0];
+        sb_push(sb, c, (uint32_t)h);
+        ctx_update(c, (uint32_t)h, 0);
+        if (h >= 2) {
+            int tb = h - 1 < TOPB ? h - 1 : TOPB;
+            uint32_t t = (uint32_t)((v >> (h - 1 - tb)) & ((1u << tb) - 1));
+            Ctx *ct = &m->t[h];
+            sb_push(sb, ct, t);
+            ctx_update(ct, t, 0);
+            bw_put64(bw, v, h - 1 - tb);
+        }
+    }
+}
+
+static inline uint64_t dec_value(Model *m, const Params *P, RDec *d, BitR *br, int b, uint64_t basev) {
+    if (P->context) {
+        Ctx *c = &m->h[b];
+        uint32_t h = rd_sym(d, c);
+        ctx_update(c, h, 1);
+        uint64_t k = 0;
+        if (h) {
+            uint64_t neg = br_get(br, 1);
+            uint64_t mag = (h == 1 ? 0 : br_get64(br, (int)h - 1)) | (1ull << (h - 1));
+            k = neg ? ((~mag + 1) & P->mask) : mag;
+        }
+        return iord_of(P, (ord_of(P, basev) + k) & P->mask);
+    }
+    Ctx *c = &m->h[0];
+    uint32_t h = rd_sym(d, c);
+    ctx_update(c, h, 1);
+    if (h < 2) return h;
+    int tb = (int)h - 1 < TOPB ? (int)h - 1 : TOPB;
+    Ctx *ct = &m->t[h];
+    uint32_t t = rd_sym(d, ct);
+    ctx_update(ct, t, 1);
+    int rest = (int)h - 1 - tb;
+    return (1ull << (h - 1)) | ((uint64_t)t << rest) | br_get64(br, rest);
+}
+
+/* ------------------------------------------------------------------ records */
+
+typedef struct {
+    uint8_t *out;
+    size_t len;
+} Coded;
+
+/* Context mode positions: rank of each changed element within its bucket, and the
+ * consumption order.  Returns 0, or -1 on allocation failure. */
+static int context_positions(Model *m, const Params *P, const int64_t *pos, int64_t nnz, SymBuf *sb, BitW *bw,
+                             uint64_t *basev) {
+    int rc = -1;
+    uint8_t *bk = (uint8_t *)malloc((size_t)(nnz ? nnz : 1));
+    int64_t *rank = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+    uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
+    if (!bk || !rank || !order || !bm) goto out;
+    uint32_t active = 0;
+    int64_t cnt[NB] = {0};
+    uint64_t words[NB];
+    int64_t n = P->hi - P->lo;
+    int64_t nseg = (n + SEG - 1) / SEG;
+    int64_t j = 0, oi = 0;
+    /* one scan of the whole range: ranks, and each bucket's size for the terminal gaps */
+    for (int64_t g = 0; g < nseg && nnz; g++) {
+        int64_t s0 = P->lo + g * SEG;
+        int nb = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+        seg_masks(P, s0, nb, ~0u, bm, words);
+        int64_t j0 = j;
+        uint32_t segb = 0;
+        while (j < nnz && pos[j] < s0 + SEG) {
+            basev[j] = load(P->base, P->width, pos[j]); /* the segment is in L1 now */
+            bk[j] = (uint8_t)bucket_of(P, basev[j]);
+            segb |= 1u << bk[j];
+            j++;
+        }
+        active |= segb;
+        /* consumption order: bucket by bucket, each in rank (= position) order */
+        for (; segb; segb &= segb - 1) {
+            int b = __builtin_ctz(segb);
+            int64_t running = cnt[b];
+            int kcur = 0;
+            for (int64_t t = j0; t < j; t++) {
+                if (bk[t] != b) continue;
+                int off = (int)(pos[t] - s0), k = off >> 6, bit = off & 63;
+                uint64_t wm = words[b] & ~((1ull << kcur) - 1) & ((1ull << k) - 1);
+                for (; wm; wm &= wm - 1) running += __builtin_popcountll(bm[b * SEGB + __builtin_ctzll(wm)]);
+                kcur = k;
+                rank[t] = running + __builtin_popcountll(bm[b * SEGB + k] & ((1ull << bit) - 1));
+                order[oi++] = t;
+            }
+        }
+        for (int b = 0; b < NB; b++)
+            for (uint64_t wm = words[b]; wm; wm &= wm - 1) cnt[b] += __builtin_popcountll(bm[b * SEGB + __builtin_ctzll(wm)]);
+    }
+    /* next event of the same bucket, in position order */
+    int64_t *nxt = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+    if (!nxt) goto out;
+    int64_t last[NB], first[NB];
+    for (int b = 0; b < NB; b++) last[b] = first[b] = -1;
+    for (int64_t t = 0; t < nnz; t++) {
+        int b = bk[t];
+        if (last[b] >= 0) nxt[last[b]] = t; else first[b] = t;
+        last[b] = t;
+        nxt[t] = -1;
+    }
+    bw_put(bw, active, 32);
+    for (uint32_t pr = active; pr; pr &= pr - 1) enc_gap(m, sb, bw, __builtin_ctz(pr), (uint64_t)rank[first[__builtin_ctz(pr)]] + 1);
+    for (int64_t t = 0; t < nnz; t++) {
+        int64_t e = order[t];
+        int b = bk[e];
+        uint64_t g = nxt[e] >= 0 ? (uint64_t)(rank[nxt[e]] - rank[e]) : (uint64_t)(cnt[b] - rank[e]);
+        enc_gap(m, sb, bw, b, g);
+    }
+    free(nxt);
+    rc = 0;
+out:
+    free(bk);
+    free(rank);
+    free(order);
+    free(bm);
+    return rc;
+}
+
+static int encode_record(Model *m, const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz,
+                         Coded *res) {
+    SymBuf sb = {0};
+    BitW bw = {0};
+    int rc = -1;
+    uint64_t *basev = NULL;
+    if (P->context) {
+        basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
+        if (!basev || context_positions(m, P, pos, nnz, &sb, &bw, basev) < 0) goto out;
+    } else {
+        int64_t prev = P->lo - 1;
+        for (int64_t j = 0; j < nnz; j++) {
+            enc_gap(m, &sb, &bw, 0, (uint64_t)(pos[j] - prev));
+            prev = pos[j];
+        }
+    }
+    for (int64_t j = 0; j < nnz; j++) {
+        uint64_t v = load(vals, P->width, j), bv = 0;
+        int b = 0;
+        if (P->context) {
+            bv = basev[j];
+            b = bucket_of(P, bv);
+            if (P->op == 0) v ^= bv;
+        }
+        enc_value(m, P, &sb, &bw, b, v, bv);
+    }
+    bw_flush(&bw);
+    if (sb.oom || bw.oom) goto out;
+    size_t rlen = 0;
+    uint8_t *r = rans_encode(&sb, &rlen);
+    if (!r) goto out;
+    res->len = 4 + rlen + bw.len;
+    res->out = (uint8_t *)malloc(res->len);
+    if (!res->out) { free(r); goto out; }
+    res->out[0] = (uint8_t)rlen;
+    res->out[1] = (uint8_t)(rlen >> 8);
+    res->out[2] = (uint8_t)(rlen >> 16);
+    res->out[3] = (uint8_t)(rlen >> 24);
+    memcpy(res->out + 4, r, rlen);
+    if (bw.len) memcpy(res->out + 4 + rlen, bw.buf, bw.len);
+    free(r);
+    rc = 0;
+out:
+    free(basev);
+    free(sb.sym);
+    free(bw.buf);
+    return rc;
+}
+
+/* Returns 0, or a negative error: -1 malformed stream, -2 allocation failure. */
+static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
+                         int64_t nnz) {
+    if (len < 12) return -1;
+    uint32_t rlen = (uint32_t)buf[0] | ((uint32_t)buf[1] << 8) | ((uint32_t)buf[2] << 16) | ((uint32_t)buf[3] << 24);
+    if (rlen < 8 || (rlen & 1) || rlen > len - 4) return -1;
+    RDec d = {0, 0, buf + 12, buf + 4 + rlen, 0};
+    d.x = (uint32_t)buf[4] | ((uint32_t)buf[5] << 8) | ((uint32_t)buf[6] << 16) | ((uint32_t)buf[7] << 24);
+    d.y = (uint32_t)buf[8] | ((uint32_t)buf[9] << 8) | ((uint32_t)buf[10] << 16) | ((uint32_t)buf[11] << 24);
+    if (d.x < RANS_L || d.y < RANS_L) return -1;
+    BitR br = {buf + 4 + rlen, buf + len, 0, 0, 0};
+    for (int i = 0; i < NB; i++) {
+        if (!m->q[i].lut_ok) ctx_lut(&m->q[i]);
+        if (!m->h[i].lut_ok) ctx_lut(&m->h[i]);
+    }
+    for (int i = 0; i <= MAXW; i++)
+        if (!m->t[i].lut_ok) ctx_lut(&m->t[i]);
+    int64_t found = 0;
+    uint64_t *basev = NULL;
+    if (P->context) {
+        uint32_t active = (uint32_t)br_get(&br, 32);
+        int64_t rem[NB];
+        if ((active == 0) != (nnz == 0)) return -1;
+        for (uint32_t pr = active; pr; pr &= pr - 1) rem[__builtin_ctz(pr)] = (int64_t)dec_gap(m, &d, &br, __builtin_ctz(pr)) - 1;
+        if (d.bad || br.bad) return -1;
+        uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
+        basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
+        if (!bm || !basev) { free(bm); free(basev); return -2; }
+        uint64_t words[NB], segev[SEGB];
+        memset(segev, 0, sizeof(segev));
+        int64_t n = P->hi - P->lo;
+        int64_t nseg = (n + SEG - 1) / SEG;
+        for (int64_t g = 0; g < nseg && found < nnz; g++) {
+            int64_t s0 = P->lo + g * SEG;
+            int nb = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+            seg_masks(P, s0, nb, active, bm, words);
+            uint64_t evw = 0;
+            int64_t nev = 0;
+            for (uint32_t pr = active; pr; pr &= pr - 1) {
+                int b = __builtin_ctz(pr);
+                int64_t r = rem[b];
+                for (uint64_t wm = words[b]; wm; wm &= wm - 1) {
+                    int k = __builtin_ctzll(wm);
+                    uint64_t mb = bm[b * SEGB + k];
+                    int64_t c = __builtin_popcountll(mb);
+                    while (r < c) {
+                        segev[k] |= 1ull << select_bit(mb, r);
+                        evw |= 1ull << k;
+                        nev++;
+                        r += (int64_t)dec_gap(m, &d, &br, b);
+                        if (d.bad || br.bad || found + nev > nnz) { free(bm); free(basev); return -1; }
+                    }
+                    r -= c;
+                }
+                rem[b] = r;
+            }
+            for (; evw; evw &= evw - 1) {
+                int k = __builtin_ctzll(evw);
+                for (uint64_t ev = segev[k]; ev; ev &= ev - 1) {
+                    int64_t at = s0 + ((int64_t)k << 6) + __builtin_ctzll(ev);
+                    basev[found] = load(P->base, P->width, at); /* the segment is in L1 now */
+                    pos[found++] = at;
+                }
+                segev[k] = 0;
+            }
+        }
+        free(bm);
+        if (found != nnz) { free(basev); return -1; }
+    } else {
+        int64_t prev = P->lo - 1;
+        for (int64_t j = 0; j < nnz; j++) {
+            uint64_t g = dec_gap(m, &d, &br, 0);
+            if (d.bad || br.bad || g > (uint64_t)(P->hi - 1 - prev)) return -1;
+            prev += (int64_t)g;
+            pos[j] = prev;
+        }
+    }
+    for (int64_t j = 0; j < nnz; j++) {
+        uint64_t bv = 0;
+        int b = 0;
+        if (P->context) {
+            bv = basev[j];
+            b = bucket_of(P, bv);
+        }
+        uint64_t v = dec_value(m, P, &d, &br, b, bv);
+        if (P->context && P->op == 0) v ^= bv;
+        store(vals, P->width, j, v);
+    }
+    free(basev);
+    if (d.bad || br.bad) return -1;
+    /* everything consumed, final state is the encoder's initial one, zero padding */
+    if (d.x != RANS_L || d.y != RANS_L || d.p != d.end) return -1;
+    if (br.p != br.end || br.n >= 8 || br.acc != 0) return -1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Python bindings */
+
+static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, int op, Py_ssize_t lo,
+                        Py_ssize_t hi) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "width must be 1, 2, 4 or 8");
+        return -1;
+    }
+    if (lo < 0 || hi < lo || op < 0 || op > 1 || ebits < 0 || ebits > 16 || eshift < 0 ||
+        eshift + ebits > 8 * width || e_lo < 0 || e_lo > 255) {
+        PyErr_SetString(PyExc_ValueError, "bad record parameters");
+        return -1;
+    }
+    memset(P, 0, sizeof(*P));
+    P->width = width;
+    P->W = 8 * width;
+    P->eshift = eshift;
+    P->ebits = ebits;
+    P->e_lo = e_lo;
+    P->is_float = ebits > 0;
+    P->op = op;
+    P->mask = P->W == 64 ? ~0ull : ((1ull << P->W) - 1);
+    P->signbit = 1ull << (P->W - 1);
+    P->lo = lo;
+    P->hi = hi;
+    return 0;
+}
+
+static int get_base(PyObject *base_obj, Py_buffer *bb, Params *P) {
+    if (base_obj == Py_None) return 0;
+    if (PyObject_GetBuffer(base_obj, bb, PyBUF_CONTIG_RO) < 0) return -1;
+    if (bb->len < P->hi * P->width) {
+        PyBuffer_Release(bb);
+        PyErr_SetString(PyExc_ValueError, "base buffer shorter than the record's range");
+        return -1;
+    }
+    P->base = (const uint8_t *)bb->buf;
+    P->context = 1;
+    return 1;
+}
+
+static int get_model(Py_buffer *mb, Model **m, const Params *P) {
+    if (mb->len != (Py_ssize_t)sizeof(Model)) {
+        PyErr_SetString(PyExc_ValueError, "model state buffer has the wrong size");
+        return -1;
+    }
+    *m = (Model *)mb->buf;
+    if ((*m)->magic != MODEL_MAGIC || (P && (*m)->width_mode != (uint32_t)(P->width * 2 + P->context))) {
+        PyErr_SetString(PyExc_ValueError, "model state was not initialised for this dtype and mode");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_model_init(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer mb;
+    int width, context;
+    if (!PyArg_ParseTuple(args, "w*ii", &mb, &width, &context)) return NULL;
+    if (mb.len != (Py_ssize_t)sizeof(Model) || (width != 1 && width != 2 && width != 4 && width != 8)) {
+        PyBuffer_Release(&mb);
+        PyErr_SetString(PyExc_ValueError, "bad model state buffer or width");
+        return NULL;
+    }
+    model_init((Model *)mb.buf, width, context);
+    PyBuffer_Release(&mb);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer pb, vb, bb, mb;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "w*y*y*Onniiiii", &mb, &pb, &vb, &base_obj, &lo, &hi, &width, &eshift, &ebits,
+                          &e_lo, &op))
+        return NULL;
+    Model *m = NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    if (get_model(&mb, &m, &P) < 0) goto done;
+    Py_ssize_t nnz = pb.len / 8;
+    if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
+        PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
+        goto done;
+    }
+    const int64_t *pos = (const int64_t *)pb.buf;
+    for (Py_ssize_t j = 0; j < nnz; j++) {
+        if (pos[j] < lo || pos[j] >= hi || (j && pos[j] <= pos[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "positions must be strictly increasing inside [lo, hi)");
+            goto done;
+        }
+    }
+    Coded c = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = encode_record(m, &P, pos, (const uint8_t *)vb.buf, nnz, &c);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    res = PyBytes_FromStringAndSize((const char *)c.out, (Py_ssize_t)c.len);
+    free(c.out);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&vb);
+    return res;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sb, bb, pob, vob, mb;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi, nnz;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "w*y*nOnniiiiiw*w*", &mb, &sb, &nnz, &base_obj, &lo, &hi, &width, &eshift, &ebits,
+                          &e_lo, &op, &pob, &vob))
+        return NULL;
+    Model *m = NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    if (get_model(&mb, &m, &P) < 0) goto done;
+    if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
+        PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_record(m, &P, (const uint8_t *)sb.buf, (size_t)sb.len, (int64_t *)pob.buf, (uint8_t *)vob.buf, nnz);
+    Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "coded stream is not a valid BUCKET payload for this record");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pob);
+    PyBuffer_Release(&vob);
+    return res;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(HAVE_AVX512 ? "avx512bw" : "scalar");
+}
+
+static PyMethodDef methods[] = {
+    {"model_init", py_model_init, METH_VARARGS, "model_init(state, width, context) -> None"},
+    {"encode", py_encode, METH_VARARGS,
+     "encode(state, positions_i64, values, base_or_None, lo, hi, width, eshift, ebits, e_lo, op) -> bytes;"
+     " updates state"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(state, payload, nnz, base_or_None, lo, hi, width, eshift, ebits, e_lo, op, positions_out, "
+     "values_out) -> None; updates state; ValueError if the payload is not a valid coding"},
+    {"simd", py_simd, METH_NOARGS, "simd() -> the block-scan path in use"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_crans", "BUCKET record coder (see rans.c)", -1, methods,
+                                 NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__crans(void) {
+    init_tables();
+    PyObject *m = PyModule_Create(&mod);
+    if (m && (PyModule_AddIntConstant(m, "MODEL_BYTES", (long)sizeof(Model)) < 0 ||
+              PyModule_AddIntConstant(m, "NB", NB) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
