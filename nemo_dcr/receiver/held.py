@@ -1,6 +1,7 @@
 """The canonical bits a runtime holds, as the mapping the decoder and the journal read."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -9,12 +10,14 @@ import numpy as np
 class HeldBits(Mapping):
     """Context-mode base for the decoder: the canonical bits the runtime holds now (the
     version being applied is the base of), fetched on first use per tensor.  Valid only
-    until the first write, which is why every chunk is decoded before any apply."""
+    until the first write, which is why every chunk is decoded before any apply.  Chunks
+    decode on several threads: a tensor is fetched once, under a lock."""
 
     def __init__(self, served):
         self._served = served
         self._names = frozenset(served.tensor_specs())
         self._cache: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     def _load(self, name: str) -> np.ndarray:
         return self._served.canonical_bits(name)
@@ -22,9 +25,13 @@ class HeldBits(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
             raise KeyError(name)
-        if name not in self._cache:
-            self._cache[name] = self._load(name)
-        return self._cache[name]
+        got = self._cache.get(name)
+        if got is None:
+            with self._lock:
+                got = self._cache.get(name)
+                if got is None:
+                    got = self._cache[name] = self._load(name)
+        return got
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
