@@ -643,7 +643,8 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
     int64_t *rank = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
     int64_t *order = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
     uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
-    if (!bk || !rank || !order || !bm) goto out;
+    int64_t *pre = (int64_t *)malloc(NB * SEGB * sizeof(int64_t));
+    if (!bk || !rank || !order || !bm || !pre) goto out;
     uint32_t active = 0;
     int64_t cnt[NB] = {0};
     uint64_t words[NB];
@@ -664,23 +665,27 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
             j++;
         }
         active |= segb;
-        /* consumption order: bucket by bucket, each in rank (= position) order */
-        for (; segb; segb &= segb - 1) {
-            int b = __builtin_ctz(segb);
+        /* each bucket's count before every block it occurs in; then its total */
+        for (int b = 0; b < NB; b++) {
             int64_t running = cnt[b];
-            int kcur = 0;
-            for (int64_t t = j0; t < j; t++) {
-                if (bk[t] != b) continue;
-                int off = (int)(pos[t] - s0), k = off >> 6, bit = off & 63;
-                uint64_t wm = words[b] & ~((1ull << kcur) - 1) & ((1ull << k) - 1);
-                for (; wm; wm &= wm - 1) running += __builtin_popcountll(bm[b * SEGB + __builtin_ctzll(wm)]);
-                kcur = k;
-                rank[t] = running + __builtin_popcountll(bm[b * SEGB + k] & ((1ull << bit) - 1));
-                order[oi++] = t;
+            for (uint64_t wm = words[b]; wm; wm &= wm - 1) {
+                int k = __builtin_ctzll(wm);
+                pre[b * SEGB + k] = running;
+                running += __builtin_popcountll(bm[b * SEGB + k]);
             }
+            cnt[b] = running;
         }
-        for (int b = 0; b < NB; b++)
-            for (uint64_t wm = words[b]; wm; wm &= wm - 1) cnt[b] += __builtin_popcountll(bm[b * SEGB + __builtin_ctzll(wm)]);
+        /* ranks, and the consumption order: bucket by bucket, each in rank (= position)
+         * order, by a counting sort of the segment's events on their bucket */
+        int64_t at[NB + 1] = {0};
+        for (int64_t t = j0; t < j; t++) {
+            int b = bk[t], off = (int)(pos[t] - s0), k = off >> 6, bit = off & 63;
+            rank[t] = pre[b * SEGB + k] + __builtin_popcountll(bm[b * SEGB + k] & ((1ull << bit) - 1));
+            at[b + 1]++;
+        }
+        for (int b = 0; b < NB; b++) at[b + 1] += at[b];
+        for (int64_t t = j0; t < j; t++) order[oi + at[bk[t]]++] = t;
+        oi += j - j0;
     }
     /* next event of the same bucket, in position order */
     int64_t *nxt = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
@@ -708,6 +713,7 @@ out:
     free(rank);
     free(order);
     free(bm);
+    free(pre);
     return rc;
 }
 
