@@ -404,39 +404,36 @@ static void bw_flush(BitW *w) {
     w->n = 0;
 }
 
+/* Raw-bit reader over a copy of the raw section padded with 16 zero bytes: a read is one
+ * unaligned 64-bit load and a shift, with no refill branch.  A read past the end (only a
+ * corrupt stream does that) clamps the position and marks the reader bad. */
 typedef struct {
-    const uint8_t *p, *end;
-    uint64_t acc;
-    int n;
+    const uint8_t *buf;
+    uint64_t pos, nbits;
     int bad;
 } BitR;
 
 static inline uint64_t br_get(BitR *r, int n) { /* n <= 32 */
-    if (!n) return 0;
-    if (r->n < n) {
-        if (r->end - r->p >= 8 && r->n <= 0) {
-            uint64_t v;
-            memcpy(&v, r->p, 8); /* little-endian host (x86-64, aarch64) */
-            r->acc = v;
-            r->p += 8;
-            r->n = 64;
-        } else {
-            while (r->n <= 56 && r->p < r->end) {
-                r->acc |= (uint64_t)(*r->p++) << r->n;
-                r->n += 8;
-            }
-            if (r->n < n) { r->bad = 1; return 0; }
-        }
+    uint64_t w;
+    memcpy(&w, r->buf + (r->pos >> 3), 8); /* little-endian host (x86-64, aarch64) */
+    uint64_t v = (w >> (r->pos & 7)) & ((1ull << n) - 1);
+    r->pos += (uint64_t)n;
+    if (__builtin_expect(r->pos > r->nbits, 0)) {
+        r->bad = 1;
+        r->pos = r->nbits;
     }
-    uint64_t v = r->acc & ((1ull << n) - 1);
-    r->acc = n == 64 ? 0 : r->acc >> n;
-    r->n -= n;
     return v;
 }
 
 static inline uint64_t br_get64(BitR *r, int n) {
     if (n > 32) { uint64_t lo = br_get(r, 32); return lo | (br_get(r, n - 32) << 32); }
     return br_get(r, n);
+}
+
+/* every bit read, and the rest of the last byte zero */
+static int br_done(const BitR *r) {
+    if (r->bad || (r->pos + 7) >> 3 != r->nbits >> 3) return 0;
+    return (r->pos & 7) == 0 || (r->buf[r->pos >> 3] >> (r->pos & 7)) == 0;
 }
 
 /* ------------------------------------------------------------------ rANS */
@@ -505,10 +502,14 @@ static inline uint32_t rd_sym(RDec *d, Ctx *c) {
     uint32_t slot = d->x & (PTOT - 1);
     uint32_t s = c->lut[slot];
     uint32_t x = c->freq[s] * (d->x >> PB) + slot - c->cum[s];
-    if (x < RANS_L) {
-        if (d->end - d->p < 2) { d->bad = 1; return s; }
-        x = (x << 16) | (uint32_t)d->p[0] | ((uint32_t)d->p[1] << 8);
-        d->p += 2;
+    uint32_t need = x < RANS_L; /* renormalise without a branch: it is as good as random */
+    if (__builtin_expect(d->end - d->p < 2, 0)) {
+        d->bad |= (int)need;
+        need = 0;
+    } else {
+        uint32_t w = (uint32_t)d->p[0] | ((uint32_t)d->p[1] << 8);
+        x = need ? (x << 16) | w : x;
+        d->p += 2 * need;
     }
     d->x = d->y;
     d->y = x;
@@ -517,14 +518,15 @@ static inline uint32_t rd_sym(RDec *d, Ctx *c) {
 
 /* ------------------------------------------------------------------ gaps */
 
-/* Smallest k in [0, 40] with gcnt * 2^(k+2) >= gsum: u >> k then averages 2-4.  The search
- * starts from a lower bound, so it takes at most two steps. */
+/* Smallest k in [0, 40] with gcnt * 2^(k+2) >= gsum: u >> k then averages 2-4.
+ * k0 = bitlen(gsum) - bitlen(gcnt) - 2 is a lower bound and k0 + 1 an upper one
+ * (gcnt * 2^(k0+3) >= 2^bitlen(gsum) > gsum), so one comparison decides. */
 static inline int rice_k(const Model *m, int b) {
     uint64_t c = m->gcnt[b], sum = m->gsum[b];
     int k = bitlen(sum) - bitlen(c) - 2;
-    if (k < 0) k = 0;
-    while (k < 40 && (c << (k + 2)) < sum) k++;
-    return k;
+    k = k < 0 ? 0 : k;
+    k += (c << (k + 2)) < sum;
+    return k > 40 ? 40 : k;
 }
 
 static inline void gap_stats(Model *m, int b, uint64_t u) {
@@ -766,31 +768,15 @@ out:
     return rc;
 }
 
-/* Returns 0, or a negative error: -1 malformed stream, -2 allocation failure. */
-static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
-                         int64_t nnz) {
-    if (len < 12) return -1;
-    uint32_t rlen = (uint32_t)buf[0] | ((uint32_t)buf[1] << 8) | ((uint32_t)buf[2] << 16) | ((uint32_t)buf[3] << 24);
-    if (rlen < 8 || (rlen & 1) || rlen > len - 4) return -1;
-    RDec d = {0, 0, buf + 12, buf + 4 + rlen, 0};
-    d.x = (uint32_t)buf[4] | ((uint32_t)buf[5] << 8) | ((uint32_t)buf[6] << 16) | ((uint32_t)buf[7] << 24);
-    d.y = (uint32_t)buf[8] | ((uint32_t)buf[9] << 8) | ((uint32_t)buf[10] << 16) | ((uint32_t)buf[11] << 24);
-    if (d.x < RANS_L || d.y < RANS_L) return -1;
-    BitR br = {buf + 4 + rlen, buf + len, 0, 0, 0};
-    for (int i = 0; i < NB; i++) {
-        if (!m->q[i].lut_ok) ctx_lut(&m->q[i]);
-        if (!m->h[i].lut_ok) ctx_lut(&m->h[i]);
-    }
-    for (int i = 0; i <= MAXW; i++)
-        if (!m->t[i].lut_ok) ctx_lut(&m->t[i]);
+static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *pos, uint8_t *vals, int64_t nnz) {
     int64_t found = 0;
     uint64_t *basev = NULL;
     if (P->context) {
-        uint32_t active = (uint32_t)br_get(&br, 32);
+        uint32_t active = (uint32_t)br_get(br, 32);
         int64_t rem[NB];
         if ((active == 0) != (nnz == 0)) return -1;
-        for (uint32_t pr = active; pr; pr &= pr - 1) rem[__builtin_ctz(pr)] = (int64_t)dec_gap(m, &d, &br, __builtin_ctz(pr)) - 1;
-        if (d.bad || br.bad) return -1;
+        for (uint32_t pr = active; pr; pr &= pr - 1) rem[__builtin_ctz(pr)] = (int64_t)dec_gap(m, d, br, __builtin_ctz(pr)) - 1;
+        if (d->bad || br->bad) return -1;
         uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
         basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
         if (!bm || !basev) { free(bm); free(basev); return -2; }
@@ -815,8 +801,8 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
                         segev[k] |= 1ull << select_bit(mb, r);
                         evw |= 1ull << k;
                         nev++;
-                        r += (int64_t)dec_gap(m, &d, &br, b);
-                        if (d.bad || br.bad || found + nev > nnz) { free(bm); free(basev); return -1; }
+                        r += (int64_t)dec_gap(m, d, br, b);
+                        if (d->bad || br->bad || found + nev > nnz) { free(bm); free(basev); return -1; }
                     }
                     r -= c;
                 }
@@ -837,8 +823,8 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
     } else {
         int64_t prev = P->lo - 1;
         for (int64_t j = 0; j < nnz; j++) {
-            uint64_t g = dec_gap(m, &d, &br, 0);
-            if (d.bad || br.bad || g > (uint64_t)(P->hi - 1 - prev)) return -1;
+            uint64_t g = dec_gap(m, d, br, 0);
+            if (d->bad || br->bad || g > (uint64_t)(P->hi - 1 - prev)) return -1;
             prev += (int64_t)g;
             pos[j] = prev;
         }
@@ -850,16 +836,43 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
             bv = basev[j];
             b = bucket_of(P, bv);
         }
-        uint64_t v = dec_value(m, P, &d, &br, b, bv);
+        uint64_t v = dec_value(m, P, d, br, b, bv);
         if (P->context && P->op == 0) v ^= bv;
         store(vals, P->width, j, v);
     }
     free(basev);
-    if (d.bad || br.bad) return -1;
+    if (d->bad || br->bad) return -1;
     /* everything consumed, final state is the encoder's initial one, zero padding */
-    if (d.x != RANS_L || d.y != RANS_L || d.p != d.end) return -1;
-    if (br.p != br.end || br.n >= 8 || br.acc != 0) return -1;
+    if (d->x != RANS_L || d->y != RANS_L || d->p != d->end) return -1;
+    if (!br_done(br)) return -1;
     return 0;
+}
+
+/* Returns 0, or a negative error: -1 malformed stream, -2 allocation failure. */
+static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
+                         int64_t nnz) {
+    if (len < 12) return -1;
+    uint32_t rlen = (uint32_t)buf[0] | ((uint32_t)buf[1] << 8) | ((uint32_t)buf[2] << 16) | ((uint32_t)buf[3] << 24);
+    if (rlen < 8 || (rlen & 1) || rlen > len - 4) return -1;
+    RDec d = {0, 0, buf + 12, buf + 4 + rlen, 0};
+    d.x = (uint32_t)buf[4] | ((uint32_t)buf[5] << 8) | ((uint32_t)buf[6] << 16) | ((uint32_t)buf[7] << 24);
+    d.y = (uint32_t)buf[8] | ((uint32_t)buf[9] << 8) | ((uint32_t)buf[10] << 16) | ((uint32_t)buf[11] << 24);
+    if (d.x < RANS_L || d.y < RANS_L) return -1;
+    size_t rawlen = len - 4 - rlen;
+    uint8_t *raw = (uint8_t *)calloc(rawlen + 16, 1);
+    if (!raw) return -2;
+    memcpy(raw, buf + 4 + rlen, rawlen);
+    BitR br = {raw, 0, 8 * (uint64_t)rawlen, 0};
+    for (int i = 0; i < NB; i++) {
+        if (!m->q[i].lut_ok) ctx_lut(&m->q[i]);
+        if (!m->h[i].lut_ok) ctx_lut(&m->h[i]);
+    }
+    for (int i = 0; i <= MAXW; i++)
+        if (!m->t[i].lut_ok) ctx_lut(&m->t[i]);
+
+    int rc = decode_body(m, P, &d, &br, pos, vals, nnz);
+    free(raw);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ Python bindings */
