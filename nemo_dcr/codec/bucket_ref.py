@@ -411,5 +411,7 @@ def decode(state: RefState, payload, nnz: int, base, lo: int, hi: int, width: in
         if len(pos) != nnz:
             raise ValueError("range ends before nnz changed elements")
     vals = [_dec_value(state, P, r, i) for i in pos]
+    if P.op == 0 and 0 in vals:
+        raise ValueError("a zero XOR value (v1 carries none)")
     r.finish()
     return np.asarray(pos, dtype=np.int64), np.asarray(vals, dtype=np.dtype(f"<u{width}"))

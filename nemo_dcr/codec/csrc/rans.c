@@ -838,6 +838,7 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
         }
         uint64_t v = dec_value(m, P, d, br, b, bv);
         if (P->context && P->op == 0) v ^= bv;
+        if (P->op == 0 && v == 0) { free(basev); return -1; } /* v1 carries no zero XOR value */
         store(vals, P->width, j, v);
     }
     free(basev);
@@ -972,6 +973,14 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "positions must be strictly increasing inside [lo, hi)");
             goto done;
         }
+        if (op == 0 && load((const uint8_t *)vb.buf, width, j) == 0) {
+            PyErr_SetString(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
+            goto done;
+        }
+    }
+    if (hi - lo > ((Py_ssize_t)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "ranges are at most 2^40 elements");
+        goto done;
     }
     Coded c = {0};
     int rc;
