@@ -24,13 +24,9 @@ def receiver_ids(n: int) -> tuple[str, ...]:
     return tuple(f"r{i}" for i in range(n))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.run_trainer")
-    ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
-    args = ap.parse_args(argv)
-    with open(args.config) as f:
-        cfg = DemoConfig.from_dict(json.load(f))
-
+def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
+    """Collective (every rank): the megatron-core trainer of ``cfg`` and the refit hook on
+    its model, version 0 written to the store.  The hook is not registered yet."""
     par = cfg.parallel
     trainer = Trainer(cfg.model, cfg.train, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                       ep=par.expert_model_parallel_size, first_stage_layers=par.num_layers_in_first_pipeline_stage,
@@ -45,6 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg,
                                         vocab_size=cfg.model.vocab_size, verify_dense=cfg.refit.verify_dense)
     hook.export_initial()
+    return trainer, hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.run_trainer")
+    ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = DemoConfig.from_dict(json.load(f))
+
+    trainer, hook = build_trainer(cfg)
     trainer.add_post_step_hook(hook)
     rank = dist.get_rank()
     steps_path = os.path.join(cfg.run_dir, "steps.jsonl")

@@ -1,0 +1,681 @@
+"""End-to-end refit over a rate-limited link: nemo_dcr's delta refit vs a dense refit,
+through the same S3 store, the same shaped link and the same receiver process.
+
+    sudo .venv/bin/python scripts/bench_refit_link.py [--rates 50,200] [--lrs 4.5e-7,2.4e-6,4.5e-6]
+        [--steps 1] [--warmup 1] [--out-dir benchmarks/results] [hydra overrides for configs/demo.yaml ...]
+
+Needs root (network namespaces, ``tc``); refuses to run otherwise.
+
+Topology (one machine)::
+
+    root namespace                                   namespace dcrlink-<pid>
+    trainer ranks (torchrun, TP=2, gloo on lo)        moto_server (S3), <subnet>.2:5000
+    receiver (transformers), this driver
+          <subnet>.1  veth dl<pid>a ===================== veth dl<pid>b  <subnet>.2
+                      htb egress at R Mbit/s  -->     <--  htb egress at R Mbit/s
+
+The store sits behind the link, so the trainer's puts (root -> namespace, shaped on the
+root end) and the receiver's gets (namespace -> root, shaped on the namespace end) both
+cross it, each direction at R.  Gloo traffic between trainer ranks stays on loopback.
+
+One trainer run (Megatron-Core GPT, TP=2 under torchrun; by default 8 layers, hidden 1024,
+FFN 2816, 16 heads / 4 KV groups, vocabulary 32000: 155.7 M parameters, 311 MB BF16) and one
+receiver run through all cases: for each learning rate, for each link rate, ``--steps``
+optimizer steps, each followed by both refits (``nemo_dcr/testbed/link_refit.py``: nemo_dcr
+first, then the dense one; every dense refit is also the bit-exact check of the delta
+refit).  The link is reshaped between steps only, while nothing is in flight.  Version 0
+and the ``--warmup`` steps run with the link at ``--setup-mbit`` and are not cases.
+
+Writes ``<out-dir>/refit_link.{json,png}``; prints a table on stdout, progress on stderr.
+Timings are wall clock on whatever else the machine is doing.  On the project's 2-core VM
+the defaults take about 9 min and ``--steps 2`` about 16 min: a dense refit of the default
+model takes ~110 s at 50 Mbit/s (311 MB put, then got, each way at the link rate).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+MODEL = ["model.num_layers=8", "model.hidden_size=1024", "model.num_attention_heads=16",
+         "model.num_query_groups=4", "model.ffn_hidden_size=2816", "model.vocab_size=32000"]
+"""Default model: 155.7 M canonical parameters (llama family, untied embeddings)."""
+NS_PREFIX = "dcrlink-"
+S3_PORT = 5000
+BUCKET = "refit-link"
+DCR_STAGES = ("diff_s", "project_s", "encode_s", "upload_s", "rx_download_s", "rx_decode_s", "rx_apply_s")
+DCR_CPU = ("diff_s", "project_s", "encode_s", "rx_decode_s", "rx_apply_s")
+DENSE_STAGES = ("gather_s", "serialize_s", "put_s", "rx_get_s", "rx_deserialize_s", "rx_load_s")
+DENSE_CPU = ("gather_s", "serialize_s", "rx_deserialize_s", "rx_load_s")
+
+
+class BenchError(Exception):
+    """A one-line failure; ``exit_code`` 2 = bad input or environment, 1 = the run failed."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench_refit_link] {msg}", file=sys.stderr, flush=True)
+
+
+def _sh(*cmd: str, check: bool = True) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        err = " ".join((p.stderr or p.stdout).split()) or f"exit {p.returncode}"
+        raise BenchError(f"`{shlex.join(cmd)}` failed: {err}")
+    return p.stdout
+
+
+# ------------------------------------------------------------------------------ the link
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_links() -> list[str]:
+    """Delete namespaces this script left behind when it was killed (``dcrlink-<pid>`` whose
+    pid is gone), with the moto server still running in them; returns their names."""
+    removed = []
+    for line in _sh("ip", "netns", "list").splitlines():
+        m = re.match(rf"^{re.escape(NS_PREFIX)}(\d+)\b", line.strip())
+        if not m or _pid_alive(int(m.group(1))):
+            continue
+        name = f"{NS_PREFIX}{m.group(1)}"
+        for pid in _sh("ip", "netns", "pids", name, check=False).split():
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        _sh("ip", "netns", "del", name, check=False)
+        _sh("ip", "link", "del", f"dl{m.group(1)}a", check=False)
+        removed.append(name)
+    return removed
+
+
+class Link:
+    """A veth pair between the root namespace and a fresh namespace, with an htb class
+    shaping the egress of each end at the same rate (one rate per direction)."""
+
+    def __init__(self) -> None:
+        pid = os.getpid()
+        self.ns = f"{NS_PREFIX}{pid}"
+        self.host_if, self.ns_if = f"dl{pid}a", f"dl{pid}b"
+        used = set(re.findall(r"inet (10\.231\.\d+\.\d+)/", _sh("ip", "-o", "-4", "addr", "show")))
+        for k in range(16384):  # a /30 in 10.231.0.0/16 no interface uses yet
+            i = (pid + k) % 16384
+            net, host = i >> 6, (i & 63) << 2
+            a, b = f"10.231.{net}.{host + 1}", f"10.231.{net}.{host + 2}"
+            if a not in used and b not in used:
+                self.host_addr, self.ns_addr = a, b
+                break
+        else:
+            raise BenchError("no free /30 left in 10.231.0.0/16 for the link")
+        self.mbit: float | None = None
+        self.created = False
+
+    def _in_ns(self, *cmd: str) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.ns, *cmd)
+
+    def up(self, mbit: float) -> None:
+        self.created = True  # from here on, down() has something to remove
+        _sh("ip", "netns", "add", self.ns)
+        _sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+        _sh("ip", "link", "set", self.ns_if, "netns", self.ns)
+        _sh("ip", "addr", "add", f"{self.host_addr}/30", "dev", self.host_if)
+        _sh("ip", "link", "set", self.host_if, "up")
+        _sh(*self._in_ns("ip", "addr", "add", f"{self.ns_addr}/30", "dev", self.ns_if))
+        _sh(*self._in_ns("ip", "link", "set", self.ns_if, "up"))
+        _sh(*self._in_ns("ip", "link", "set", "lo", "up"))
+        for pre, dev in (((), self.host_if), (self._in_ns(), self.ns_if)):
+            _sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            _sh(*pre, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+                *self._rate_args(mbit))
+        self.mbit = mbit
+
+    @staticmethod
+    def _rate_args(mbit: float) -> tuple[str, ...]:
+        rate = f"{int(round(mbit * 1000))}kbit"
+        return ("rate", rate, "ceil", rate, "quantum", "60000")
+
+    def set_rate(self, mbit: float) -> None:
+        if mbit == self.mbit:
+            return
+        for pre, dev in (((), self.host_if), (self._in_ns(), self.ns_if)):
+            _sh(*pre, "tc", "class", "change", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+                *self._rate_args(mbit))
+        self.mbit = mbit
+
+    def exec_prefix(self) -> list[str]:
+        return list(self._in_ns())
+
+    def down(self) -> None:
+        if not self.created:
+            return
+        self.created = False
+        _sh("ip", "netns", "del", self.ns, check=False)  # takes the veth pair with it
+        _sh("ip", "link", "del", self.host_if, check=False)
+
+
+def _wait_port(host: str, port: int, proc, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if proc.poll() is not None:
+                raise BenchError(f"moto_server exited ({proc.returncode}) before listening on {host}:{port}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"moto_server not listening on {host}:{port} after {timeout_s:g}s")
+            time.sleep(0.1)
+
+
+def measure_link(store, mbit: float, nbytes: int) -> dict:
+    """Goodput of one put and one get of ``nbytes`` through the store client, over the link."""
+    data = os.urandom(nbytes)
+    t0 = time.perf_counter()
+    store.put("probe", data)
+    t1 = time.perf_counter()
+    back = store.get("probe")
+    t2 = time.perf_counter()
+    store.delete("probe")
+    if back != data:
+        raise BenchError("link probe: the store returned other bytes than were put")
+    return {"link_mbit": mbit, "probe_bytes": nbytes, "put_mbit": round(nbytes * 8 / (t1 - t0) / 1e6, 1),
+            "get_mbit": round(nbytes * 8 / (t2 - t1) / 1e6, 1)}
+
+
+# --------------------------------------------------------------------------- the results
+def _med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def refit_record(row: dict) -> dict:
+    """One refit's numbers from the trainer's row."""
+    st, dense = row["stats"], row["dense"]
+    acks = st.get("acks") or []
+    rx = lambda k: max((a["stats"].get(k, 0.0) for a in acks), default=0.0)  # noqa: E731
+    # the receiver decodes chunks on its fetch pool while later ones download: download_s runs to
+    # the last chunk's arrival, decode_cpu_s is the decoding summed over threads (decode_s, the
+    # tail after the last arrival, where a receiver without the pool reports all of it)
+    decode = rx("decode_cpu_s") if any("decode_cpu_s" in a["stats"] for a in acks) else rx("decode_s")
+    stages = {"diff_s": st["diff_s"], "project_s": st["project_s"], "encode_s": st["encode_s"],
+              "upload_s": st["upload_s"], "rx_download_s": rx("download_s"), "rx_decode_s": decode,
+              "rx_apply_s": rx("apply_s")}
+    slowest = max(stages, key=stages.get)
+    rec = {
+        "step": row["step"], "lr": row["plan"]["lr"], "link_mbit": row["plan"]["link_mbit"],
+        "loss": row["loss"], "changed": st["changed"], "canonical_numel": row["canonical_numel"],
+        "changed_pct": 100 * st["changed"] / row["canonical_numel"], "chunks": st["chunks"],
+        "wire_bytes": st["wire_bytes"], "committed": st["committed"],
+        "dcr_s": row["dcr"]["wall_s"], "stages": stages, "slowest_stage": slowest,
+        "overlap": row["dcr"]["wall_s"] / max(stages[slowest], 1e-9),
+        "publish_s": st["publish_s"], "commit_wait_s": st["commit_wait_s"],
+        "rx_decode_tail_s": rx("decode_s"), "rx_fetch_threads": rx("fetch_threads"),
+    }
+    if dense is not None:
+        da = dense["acks"]
+        dstages = {"gather_s": dense["gather_s"], "serialize_s": dense["serialize_s"], "put_s": dense["put_s"],
+                   "rx_get_s": max(a["get_s"] for a in da),
+                   "rx_deserialize_s": max(a["deserialize_s"] for a in da),
+                   "rx_load_s": max(a["load_s"] for a in da)}
+        rec.update({
+            "dense_bytes": dense["bytes"], "dense_s": dense["wall_s"], "dense_stages": dstages,
+            "dense_loaded_s": max(a["t_loaded"] for a in da) - dense["t_start"],
+            "wire_ratio": dense["bytes"] / max(st["wire_bytes"], 1),
+            "speedup": dense["wall_s"] / row["dcr"]["wall_s"],
+            "bit_exact": all(v["bit_exact"] for v in dense["verify"]),
+            "negative_control": [v["negative_control"] for v in dense["verify"] if "negative_control" in v],
+            "verify": [{k: v[k] for k in ("receiver", "bit_exact", "compared", "summary")} for v in dense["verify"]],
+        })
+        mbit = row["plan"]["link_mbit"]
+        rec["dense_link_s"] = dense["bytes"] * 8 / (mbit * 1e6)
+        rec["wire_link_s"] = st["wire_bytes"] * 8 / (mbit * 1e6)
+        cpu = [stages[k] for k in DCR_CPU] + [dstages[k] for k in DENSE_CPU]
+        rec["link_bound"] = rec["dense_link_s"] > max(cpu)
+        rec["dcr_link_bound"] = rec["wire_link_s"] > max(stages[k] for k in DCR_CPU)
+    return rec
+
+
+def case_entry(mbit: float, lr: float, refits: list[dict]) -> dict:
+    """One case (link rate, lr): medians over its refits; per-refit details kept."""
+    dense = [r for r in refits if "dense_s" in r]
+    changed = sum(r["changed"] for r in refits)
+    numel = sum(r["canonical_numel"] for r in refits)
+    stages = {k: _med([r["stages"][k] for r in refits]) for k in DCR_STAGES}
+    dstages = {k: _med([r["dense_stages"][k] for r in dense]) for k in DENSE_STAGES}
+    slowest = max(stages, key=stages.get)
+    dcr_s = _med([r["dcr_s"] for r in refits])
+    dense_s = _med([r["dense_s"] for r in dense])
+    wire = _med([r["wire_bytes"] for r in refits])
+    dense_b = _med([r["dense_bytes"] for r in dense])
+    dense_link_s = dense_b * 8 / (mbit * 1e6)
+    wire_link_s = wire * 8 / (mbit * 1e6)
+    cpu_max = max([stages[k] for k in DCR_CPU] + [dstages[k] for k in DENSE_CPU])
+    return {
+        "link_mbit": mbit, "lr": lr, "refits_n": len(refits),
+        "changed_pct": 100 * changed / numel,
+        "wire_bytes": wire, "dense_bytes": dense_b, "wire_ratio": dense_b / wire,
+        "dcr_s": dcr_s, "dense_s": dense_s, "speedup": dense_s / dcr_s,
+        "speedup_over_ratio": (dense_s / dcr_s) / (dense_b / wire),
+        "dense_link_s": dense_link_s, "wire_link_s": wire_link_s,
+        "link_bound": dense_link_s > cpu_max,
+        "dcr_link_bound": wire_link_s > max(stages[k] for k in DCR_CPU),
+        "stages": stages, "dense_stages": dstages, "slowest_stage": slowest,
+        "overlap": dcr_s / stages[slowest],
+        "bit_exact": f"{sum(r['bit_exact'] for r in dense)}/{len(dense)}",
+        "committed": f"{sum(r['committed'] for r in refits)}/{len(refits)}",
+        "refits": refits,
+    }
+
+
+def print_table(cases: list[dict]) -> None:
+    cols = [("link Mbit/s", 11), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
+            ("nemo_dcr s", 10), ("dense s", 8), ("speedup", 8), ("spd/ratio", 9), ("link-bound", 10),
+            ("overlap", 7), ("slowest stage", 13), ("bit-exact", 9)]
+    print(" ".join(n.rjust(w) for n, w in cols), flush=True)
+    for c in cases:
+        cells = [f"{c['link_mbit']:g}", f"{c['lr']:g}", f"{c['changed_pct']:.2f}", f"{c['wire_bytes']:.0f}",
+                 f"{c['dense_bytes']:.0f}", f"{c['wire_ratio']:.1f}x", f"{c['dcr_s']:.2f}", f"{c['dense_s']:.1f}",
+                 f"{c['speedup']:.1f}x", f"{c['speedup_over_ratio']:.2f}", "yes" if c["link_bound"] else "no",
+                 f"{c['overlap']:.2f}", c["slowest_stage"].removesuffix("_s"), c["bit_exact"]]
+        print(" ".join(v.rjust(w) for v, (_, w) in zip(cells, cols)), flush=True)
+
+
+def plot(cases: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 1.2, 1.2]})
+    rates = sorted({c["link_mbit"] for c in cases})
+    for i, mbit in enumerate(rates):
+        cs = [c for c in cases if c["link_mbit"] == mbit]
+        a1.plot([c["wire_ratio"] for c in cs], [c["speedup"] for c in cs], "o", color=f"C{i}", label=f"{mbit:g} Mbit/s")
+        for c in cs:
+            a1.annotate(f"{c['changed_pct']:.1f}%", (c["wire_ratio"], c["speedup"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 2))
+    lo = min(min(c["speedup"] for c in cases), min(c["wire_ratio"] for c in cases)) / 1.5
+    hi = max(c["wire_ratio"] for c in cases) * 1.5
+    a1.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="speedup = wire ratio")
+    a1.plot([lo, hi], [0.8 * lo, 0.8 * hi], "k--", lw=0.8, label="0.8 x wire ratio")
+    a1.set(xscale="log", yscale="log", xlabel="wire ratio (dense bytes / nemo_dcr wire bytes)",
+           ylabel="speedup (dense wall / nemo_dcr wall)", title="end-to-end speedup vs byte ratio")
+    a1.grid(alpha=0.3, which="both")
+
+    labels = [f"{c['link_mbit']:g} Mbit/s\n{c['changed_pct']:.1f}% chg" for c in cases]
+    for ax, key, names, wall, title in (
+        (a2, "stages", DCR_STAGES, "dcr_s", "nemo_dcr refit: stage times (medians) and e2e wall"),
+        (a3, "dense_stages", DENSE_STAGES, "dense_s", "dense refit: stage times (medians) and e2e wall"),
+    ):
+        left = [0.0] * len(cases)
+        for j, name in enumerate(names):
+            vals = [c[key][name] for c in cases]
+            ax.barh(range(len(cases)), vals, left=left, color=f"C{j}", label=name.removesuffix("_s"))
+            left = [a + b for a, b in zip(left, vals)]
+        ax.plot([c[wall] for c in cases], range(len(cases)), "kD", ms=6, label="end-to-end wall")
+        ax.set_yticks(range(len(cases)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set(xlabel="seconds (stages stacked; they overlap where the wall is shorter)", title=title)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4)
+        ax.grid(alpha=0.3, axis="x")
+    a1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- the run
+def _parse_floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--{what} must be comma-separated numbers, got {text!r}", 2) from None
+    if not vals or any(not v > 0 for v in vals):
+        raise BenchError(f"--{what} must list positive numbers, got {text!r}", 2)
+    return vals
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_rows(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]  # complete lines only
+
+
+class Run:
+    def __init__(self, args, cfg, run_dir: str):
+        from nemo_dcr.testbed.demo import _Children
+
+        self.args, self.cfg, self.run_dir = args, cfg, run_dir
+        self.children = _Children()
+        self.link = Link()
+        self.moto = None
+        self.procs: dict[str, tuple[object, str]] = {}  # name -> (Popen, log path)
+        self._cleaned = False
+
+    def cleanup(self) -> None:
+        """Stop every process this run started, then remove the namespace; idempotent."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        try:
+            self.children.stop(grace_s=5.0)
+        finally:
+            self.link.down()
+
+    def _start(self, name: str, cmd: list[str], env: dict):
+        log_path = os.path.join(self.run_dir, f"{name}.log")
+        log = open(log_path, "w")
+        p = self.children.start(cmd, log, env)
+        self.procs[name] = (p, log_path)
+        return p
+
+    def _check_alive(self, names=None) -> None:
+        from nemo_dcr.testbed.demo import _last_error
+
+        for name, (p, log) in self.procs.items():
+            if (names is None or name in names) and p.poll() is not None and (p.returncode != 0 or name == "moto"):
+                raise BenchError(f"{name} exited ({p.returncode}): {_last_error(log)} -- log: {log}")
+
+    def execute(self) -> dict:
+        args, cfg = self.args, self.cfg
+        from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
+        from nemo_dcr.testbed.run_trainer import receiver_ids
+
+        t_start = time.monotonic()
+        self.link.up(args.setup_mbit)
+        _progress(f"link: {self.link.host_if} {self.link.host_addr} (root) <-> {self.link.ns_if} "
+                  f"{self.link.ns_addr} (namespace {self.link.ns}), htb both directions")
+        endpoint = f"http://{self.link.ns_addr}:{S3_PORT}"
+        s3_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                  "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": self.link.ns_addr, "no_proxy": self.link.ns_addr}
+        os.environ.update(s3_env)  # this driver's own store client (bucket, link probe)
+        moto_exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.moto = self._start("moto", [*self.link.exec_prefix(), moto_exe, "-H", self.link.ns_addr,
+                                         "-p", str(S3_PORT)], dict(os.environ))
+        _wait_port(self.link.ns_addr, S3_PORT, self.moto)
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+        from nemo_dcr.transport.store import open_store
+
+        probe_store = open_store(f"s3://{BUCKET}/linkprobe")
+        link_checks = []
+        for mbit in args.rates:
+            self.link.set_rate(mbit)
+            link_checks.append(measure_link(probe_store, mbit, args.probe_mib << 20))
+            _progress(f"link probe at {mbit:g} Mbit/s: put {link_checks[-1]['put_mbit']} Mbit/s, "
+                      f"get {link_checks[-1]['get_mbit']} Mbit/s through S3")
+        self.link.set_rate(args.setup_mbit)
+
+        cfg_path = os.path.join(self.run_dir, "config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        key_path = os.path.join(self.run_dir, "refit.key")
+        new_key_file(key_path)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: key_path})
+        go_dir = os.path.join(self.run_dir, "go")
+        os.makedirs(go_dir)
+        self._start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc-per-node={cfg.parallel.world_size}", "-m", "nemo_dcr.testbed.link_refit",
+                                "trainer", "--config", cfg_path, "--dir", self.run_dir,
+                                "--driver-pid", str(os.getpid())], env)
+        rdirs = {}
+        for rid in receiver_ids(cfg.refit.receivers):
+            rdirs[rid] = os.path.join(self.run_dir, f"receiver-{rid}")
+            os.makedirs(rdirs[rid])
+            self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr.testbed.link_refit", "receiver",
+                                            "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.model_id,
+                                            "--dir", rdirs[rid], "--timeout-s", str(args.step_timeout_s),
+                                            "--driver-pid", str(os.getpid())], env)
+        _progress(f"trainer ({cfg.parallel.world_size} ranks, TP={cfg.parallel.tensor_model_parallel_size}) and "
+                  f"{len(rdirs)} receiver(s) starting; logs in {self.run_dir}")
+        deadline = time.monotonic() + args.step_timeout_s
+        while not all(os.path.exists(os.path.join(d, "ready")) for d in rdirs.values()):
+            self._check_alive()
+            self.children.refresh()
+            if time.monotonic() > deadline:
+                raise BenchError(f"receivers not ready after {args.step_timeout_s:g}s (version 0 not loaded)")
+            time.sleep(0.2)
+        _progress(f"version 0 written and loaded ({time.monotonic() - t_start:.0f}s)")
+
+        plan = [{"lr": args.lrs[len(args.lrs) // 2], "link_mbit": args.setup_mbit, "dense": True, "warmup": True}
+                for _ in range(args.warmup)]
+        plan += [{"lr": lr, "link_mbit": mbit, "dense": True, "warmup": False}
+                 for lr in args.lrs for mbit in args.rates for _ in range(args.steps)]
+        steps_path = os.path.join(self.run_dir, "steps.jsonl")
+        rows: list[dict] = []
+        for step, p in enumerate(plan, 1):
+            self.link.set_rate(p["link_mbit"])
+            _write_json_atomic(os.path.join(go_dir, f"{step}.json"), p)
+            t0 = time.monotonic()
+            while len(rows) < step:
+                rows = _read_rows(steps_path)
+                if len(rows) >= step:
+                    break
+                self._check_alive()
+                self.children.refresh()
+                if time.monotonic() - t0 > args.step_timeout_s:
+                    raise BenchError(f"step {step} not finished after {args.step_timeout_s:g}s -- "
+                                     f"logs in {self.run_dir}")
+                time.sleep(0.2)
+            r = refit_record(rows[step - 1])
+            tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s"
+            _progress(f"step {step}/{len(plan)} ({tag}, lr {p['lr']:g}): changed {r['changed_pct']:.2f}%, "
+                      f"wire {r['wire_bytes']} B, nemo_dcr {r['dcr_s']:.2f}s, dense {r['dense_s']:.1f}s "
+                      f"({r['speedup']:.1f}x; wire ratio {r['wire_ratio']:.0f}x), "
+                      f"bit-exact {'yes' if r['bit_exact'] else 'NO'}, {time.monotonic() - t_start:.0f}s elapsed")
+            if not (r["committed"] and r["bit_exact"]):
+                raise BenchError(f"step {step}: refit committed={r['committed']} bit_exact={r['bit_exact']} "
+                                 f"({r['verify']}) -- logs in {self.run_dir}")
+        trainer, log = self.procs["trainer"]
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"trainer still running 120s after its last step -- log: {log}") from None
+        self._check_alive(["trainer"])
+        for d in rdirs.values():
+            open(os.path.join(d, "stop"), "w").close()
+        for rid in rdirs:
+            p, log = self.procs[f"receiver-{rid}"]
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
+            self._check_alive([f"receiver-{rid}"])
+        return {"records": [refit_record(row) for row in rows], "plan": plan, "link_checks": link_checks,
+                "wall_s": time.monotonic() - t_start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="50,200", help="link rates in Mbit/s (each direction)")
+    ap.add_argument("--lrs", default="4.5e-7,2.4e-6,4.5e-6",
+                    help="learning rates, one case each (the defaults change ~1%%, ~3%%, ~5%% of BF16 elements "
+                         "per step on the default model; the measured changed_pct is reported)")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps (= refit pairs) per case")
+    ap.add_argument("--warmup", type=int, default=1, help="steps at --setup-mbit before the cases (not reported "
+                    "as cases: the first refits pay one-time costs)")
+    ap.add_argument("--setup-mbit", type=float, default=10000.0,
+                    help="link rate while version 0 and the warm-up steps cross it")
+    ap.add_argument("--probe-mib", type=int, default=16, help="size of the link probe at each rate (MiB)")
+    ap.add_argument("--step-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--out-dir", default=RESULTS, help="where refit_link.json / .png go")
+    ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for configs/demo.yaml (after the defaults: "
+                    + " ".join(MODEL) + ")")
+    args = ap.parse_args(argv)
+    from nemo_dcr.errors import DcrError
+
+    try:
+        return _main(args)
+    except BenchError as e:
+        _progress(f"error: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        _progress("interrupted; stopped every process and removed the link")
+        return 130
+    except (DcrError, OSError, TimeoutError) as e:  # e.g. the store failing after its retries
+        _progress(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1
+
+
+def _git_state() -> dict | None:
+    """HEAD and the paths changed against it when the run started (others may be changing
+    the tree concurrently; the numbers belong to this state)."""
+    try:
+        head = _sh("git", "-C", ROOT, "rev-parse", "--short", "HEAD").strip()
+        status = _sh("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
+        changed = [ln[3:] for ln in status.splitlines()]
+    except (BenchError, OSError):
+        return None
+    return {"head": head, "modified": changed}
+
+
+def _main(args) -> int:
+    if os.geteuid() != 0:
+        raise BenchError("needs root (network namespace, veth pair, tc shaping); run it with sudo", 2)
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise BenchError(f"`{tool}` (iproute2) not found on PATH", 2)
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "moto_server")):
+        raise BenchError(f"moto_server not found next to {sys.executable} (pip install 'moto[server]')", 2)
+    args.rates = _parse_floats(args.rates, "rates")
+    args.lrs = _parse_floats(args.lrs, "lrs")
+    if args.steps < 1 or args.warmup < 0:
+        raise BenchError("--steps must be >= 1 and --warmup >= 0", 2)
+    run_dir = os.path.abspath(args.run_dir or os.path.join(ROOT, "runs", "link", time.strftime("%Y%m%d-%H%M%S")))
+    if os.path.exists(run_dir) and os.listdir(run_dir):
+        raise BenchError(f"run dir {run_dir} is not empty; choose another --run-dir", 2)
+
+    from nemo_dcr.testbed.config import describe_config_error, load_demo_config
+
+    total = args.warmup + args.steps * len(args.rates) * len(args.lrs)
+    try:
+        cfg = load_demo_config([*MODEL, f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/run", f"steps={total}",
+                                "model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900",
+                                *args.overrides])
+    except Exception as e:  # noqa: BLE001 - a configuration error is the user's: one line
+        raise BenchError(f"invalid configuration: {describe_config_error(e)}", 2) from None
+    if cfg.receiver.runtime != "hf" or cfg.refit.verify_dense:
+        raise BenchError("this benchmark runs the transformers receiver (receiver.runtime=hf) and does its own "
+                         "dense verification (refit.verify_dense=false)", 2)
+    os.makedirs(run_dir, exist_ok=True)
+
+    stale = remove_stale_links()
+    if stale:
+        _progress(f"removed namespaces left by killed runs: {', '.join(stale)}")
+    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
+
+    load0 = os.getloadavg()
+    git = _git_state()
+    run = Run(args, cfg, run_dir)
+    atexit.register(run.cleanup)
+    restore = _interrupt_on_sigterm()
+    try:
+        out = run.execute()
+    finally:
+        try:
+            run.cleanup()
+        finally:
+            restore()
+
+    records = out["records"]
+    cases = []
+    for lr in args.lrs:
+        for mbit in args.rates:
+            mine = [r for r, p in zip(records, out["plan"])
+                    if not p["warmup"] and r["lr"] == lr and r["link_mbit"] == mbit]
+            cases.append(case_entry(mbit, lr, mine))
+    cases.sort(key=lambda c: (c["link_mbit"], c["lr"]))
+    m = cfg.model
+    result = {
+        "meta": {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "git": git,
+            "machine": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load0],
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+            "topology": ("store (moto_server, S3 API) in network namespace "
+                         f"{run.link.ns} at {run.link.ns_addr}; trainer ranks, receiver and driver in the root "
+                         f"namespace at {run.link.host_addr}; one veth pair, htb egress shaping on both ends at "
+                         "the case's rate (trainer puts and receiver gets both cross it); gloo on loopback"),
+            "link": {"namespace": run.link.ns, "host_if": run.link.host_if, "ns_if": run.link.ns_if,
+                     "host_addr": run.link.host_addr, "ns_addr": run.link.ns_addr, "shaping": "htb, both ends"},
+            "link_probe": out["link_checks"],
+            "model": {**cfg.to_dict()["model"], "canonical_params": records[0]["canonical_numel"]},
+            "tp": cfg.parallel.tensor_model_parallel_size,
+            "receivers": cfg.refit.receivers,
+            "context": cfg.refit.context,
+            "chunk_bytes": cfg.refit.chunk_bytes,
+            "rates_mbit": args.rates, "lrs": args.lrs, "steps_per_case": args.steps, "warmup_steps": args.warmup,
+            "setup_mbit": args.setup_mbit, "overrides": args.overrides,
+            "wall_s": round(out["wall_s"], 1), "run_dir": run_dir,
+            "verification": {
+                "bit_exact_refits": f"{sum(r['bit_exact'] for r in records)}/{len(records)}",
+                "how": "after each dense refit the receiver compares its delta-refit model with the densely "
+                       "loaded one, every parameter and buffer as integer views (compare_modules)",
+                "negative_control": [c for r in records for c in r["negative_control"]],
+            },
+            "definitions": {
+                "dcr_s": "end of optimizer.step() -> the trainer's joint commit decision recorded (rank 0)",
+                "dense_s": "start of the trainer's gather of the canonical state -> the trainer has read every "
+                           "receiver's ack that it loaded the dense checkpoint (gather, safetensors serialise, "
+                           "put; receiver get, deserialise, load_state_dict into a second transformers model)",
+                "stages": "nemo_dcr: slowest trainer rank's diff/project/encode/upload (encode and upload summed "
+                          "over chunks, which run on the upload threads); the receiver's download (to the last "
+                          "chunk's arrival), decode (CPU seconds summed over its fetch threads, which decode while "
+                          "later chunks download) and apply",
+                "overlap": "dcr_s / slowest nemo_dcr stage",
+                "link_bound": "dense_bytes at the link rate (one crossing) takes longer than every CPU stage of "
+                              "both refits (nemo_dcr diff/project/encode/decode/apply, dense "
+                              "gather/serialize/deserialize/load)",
+                "dcr_link_bound": "nemo_dcr wire bytes at the link rate take longer than every nemo_dcr CPU stage",
+                "speedup_over_ratio": "speedup / wire_ratio",
+            },
+        },
+        "cases": cases,
+        "warmup": [r for r, p in zip(records, out["plan"]) if p["warmup"]],
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, "refit_link.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(cases)
+    plot(cases, os.path.join(args.out_dir, "refit_link.png"))
+    _progress(f"wrote {json_path} and refit_link.png ({out['wall_s']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
