@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from nemo_dcr.codec.format import ChunkFormatError
-from nemo_dcr.codec.model import ModelStates, choose_e_lo, coder_params
+from nemo_dcr.codec.model import ModelStates, coder_params
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
 try:
@@ -58,7 +58,7 @@ def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | N
     keeps the payload, so a trial encoding that loses leaves no trace."""
     width, eshift, ebits = coder_params(spec.dtype)
     context = base is not None
-    e_lo = choose_e_lo(spec.dtype, base[spec.lo : spec.hi]) if context else 0
+    e_lo = _crans.choose_e_lo(base, spec.lo, spec.hi, width, eshift, ebits) if context else 0
     state = states.get_bucket(spec.dtype, context, _init_state).copy()
     payload = _crans.encode(
         state, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values),

@@ -216,3 +216,22 @@ def test_decoding_in_threads_matches(rng):
         t.join()
     for a, b in zip(serial, got):
         assert np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
+
+
+def test_native_e_lo_matches_the_numpy_definition(rng):
+    """The encoder's one-pass e_lo (``_crans.choose_e_lo``) equals ``model.choose_e_lo`` on
+    every float width, sub-ranges, constant ranges and Inf/NaN exponents."""
+    from nemo_dcr.codec.model import choose_e_lo, coder_params
+
+    for dtype in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int32"):
+        bits = BITS_DTYPE[dtype]
+        for trial in range(40):
+            n = int(rng.integers(0, 3000))
+            b = random_bits(rng, dtype, n)
+            if trial % 3 == 0 and n:
+                b[:] = b[0]
+            lo = int(rng.integers(0, n + 1))
+            hi = int(rng.integers(lo, n + 1))
+            w, es, eb = coder_params(dtype)
+            assert bucket._crans.choose_e_lo(b, lo, hi, w, es, eb) == choose_e_lo(dtype, b[lo:hi]), (dtype, trial)
+        assert bits is not None

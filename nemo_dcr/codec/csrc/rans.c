@@ -1045,6 +1045,48 @@ done:
     return res;
 }
 
+/* e_lo of a context-mode record: the largest finite exponent in base[lo, hi) minus NB - 1,
+ * at least 0 (an all-ones exponent is Inf/NaN and does not count); 0 for integers.  One
+ * branch-free pass, which the compiler vectorises; the numpy version made two. */
+static PyObject *py_choose_e_lo(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer bb;
+    Py_ssize_t lo, hi;
+    int width, eshift, ebits;
+    if (!PyArg_ParseTuple(args, "y*nniii", &bb, &lo, &hi, &width, &eshift, &ebits)) return NULL;
+    if ((width != 1 && width != 2 && width != 4 && width != 8) || lo < 0 || hi < lo || bb.len < hi * width ||
+        ebits < 0 || ebits > 16 || eshift < 0 || eshift + ebits > 8 * width) {
+        PyBuffer_Release(&bb);
+        PyErr_SetString(PyExc_ValueError, "bad base buffer or parameters");
+        return NULL;
+    }
+    uint32_t top = 0;
+    if (ebits) {
+        const uint32_t emax = (1u << ebits) - 1;
+        const uint8_t *p = (const uint8_t *)bb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (width == 2) {
+            const uint16_t *q = (const uint16_t *)p;
+            uint16_t m = 0;
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                uint16_t e = (uint16_t)((q[i] >> eshift) & emax);
+                e = e == emax ? 0 : e;
+                m = e > m ? e : m;
+            }
+            top = m;
+        } else {
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                uint32_t e = (uint32_t)((load(p, width, i) >> eshift) & emax);
+                e = e == emax ? 0 : e;
+                top = e > top ? e : top;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&bb);
+    return PyLong_FromLong(top > NB - 1 ? (long)(top - (NB - 1)) : 0);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -1060,6 +1102,7 @@ static PyMethodDef methods[] = {
      "decode(state, payload, nnz, base_or_None, lo, hi, width, eshift, ebits, e_lo, op, positions_out, "
      "values_out) -> None; updates state; ValueError if the payload is not a valid coding"},
     {"simd", py_simd, METH_NOARGS, "simd() -> the block-scan path in use"},
+    {"choose_e_lo", py_choose_e_lo, METH_VARARGS, "choose_e_lo(base, lo, hi, width, eshift, ebits) -> e_lo"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_crans", "BUCKET record coder (see rans.c)", -1, methods,
