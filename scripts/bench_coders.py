@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs:
         names = [n for n in names if n in args.pairs.split(",")]
     rows = []
+    load_start = os.getloadavg()[0]
     print(f"{'pair':18s} {'chg%':>5s}  {'coder mode':16s} {'x bound':>8s} {'enc GB/s':>9s} {'dec GB/s':>9s}")
     for n in names:
         r = bench_pair(pathlib.Path(args.data) / n, args.repeat)
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:18s} {r['changed_pct']:5.2f}  {key:16s} {r[key + '_x_bound']:8.4f} "
                   f"{r[key + '_encode_gbps']:9.3f} {r[key + '_decode_gbps']:9.3f}", flush=True)
     meta = {"command": "scripts/bench_coders.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": platform.machine(), "simd": bucket.simd(), "python": platform.python_version()}
+            "machine": platform.machine(), "simd": bucket.simd(), "python": platform.python_version(),
+            "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "coders.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

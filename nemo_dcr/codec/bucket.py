@@ -46,10 +46,16 @@ def max_entries(payload_len: int) -> int:
     return (8 * payload_len) * _MIN_BITS_DEN // _MIN_BITS_NUM + 1
 
 
-def _init_state(dtype: str, context: bool) -> np.ndarray:
-    st = np.empty(_crans.MODEL_BYTES, dtype=np.uint8)
+def _init_state(dtype: str, context: bool, nbytes: int | None = None) -> np.ndarray:
+    """A fresh state: decoders need ``MODEL_BYTES`` (with the decode tables); an encoder's
+    ``ENC_BYTES`` leaves them out, so its per-record trial copy is small."""
+    st = np.empty(_crans.MODEL_BYTES if nbytes is None else nbytes, dtype=np.uint8)
     _crans.model_init(st, BITS_DTYPE[dtype].itemsize, int(context))
     return st
+
+
+def _init_encoder_state(dtype: str, context: bool) -> np.ndarray:
+    return _init_state(dtype, context, _crans.ENC_BYTES)
 
 
 def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | None,
@@ -59,7 +65,7 @@ def encode(spec, positions: np.ndarray, values: np.ndarray, base: np.ndarray | N
     width, eshift, ebits = coder_params(spec.dtype)
     context = base is not None
     e_lo = _crans.choose_e_lo(base, spec.lo, spec.hi, width, eshift, ebits) if context else 0
-    state = states.get_bucket(spec.dtype, context, _init_state).copy()
+    state = states.get_bucket(spec.dtype, context, _init_encoder_state).copy()
     payload = _crans.encode(
         state, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values),
         None if base is None else np.ascontiguousarray(base),

@@ -76,8 +76,10 @@ typedef struct {
     uint16_t cum[MAXA + 1];
     uint32_t cnt[MAXA];
     uint32_t A, seen, next, lut_ok;
-    uint8_t lut[PTOT];
+    int64_t lut_rel; /* the decode table, at (uint8_t *)ctx + lut_rel in the same state buffer */
 } Ctx;
+
+#define CLUT(c) ((uint8_t *)(c) + (c)->lut_rel)
 
 typedef struct {
     uint32_t magic, width_mode;
@@ -86,7 +88,12 @@ typedef struct {
     Ctx q[NB];
     Ctx h[NB];
     Ctx t[MAXW + 1];
+    /* decode tables, one per context: only a decoder's state has them (ENC_BYTES stops
+     * here), so an encoder's trial copy of its state is ~70 KB, not ~600 KB */
+    uint8_t lut[2 * NB + MAXW + 1][PTOT];
 } Model;
+
+#define ENC_BYTES offsetof(Model, lut)
 
 static uint64_t RCP_M[PTOT + 1];
 static uint8_t RCP_S[PTOT + 1];
@@ -134,7 +141,7 @@ static void init_tables(void) {
 /* ------------------------------------------------------------------ adaptive contexts */
 
 static void ctx_init(Ctx *c, uint32_t A) {
-    memset(c, 0, offsetof(Ctx, lut));
+    memset(c, 0, sizeof(*c));
     c->A = A;
     c->next = 16;
     uint32_t each = PTOT / A, extra = PTOT - each * A;
@@ -145,7 +152,7 @@ static void ctx_init(Ctx *c, uint32_t A) {
 }
 
 static void ctx_lut(Ctx *c) {
-    for (uint32_t s = 0; s < c->A; s++) memset(c->lut + c->cum[s], (int)s, c->freq[s]);
+    for (uint32_t s = 0; s < c->A; s++) memset(CLUT(c) + c->cum[s], (int)s, c->freq[s]);
     c->lut_ok = 1;
 }
 
@@ -187,10 +194,13 @@ static void model_init(Model *m, int width, int context) {
         m->gcnt[b] = 1;
         ctx_init(&m->q[b], QA);
         ctx_init(&m->h[b], (uint32_t)W + 1);
+        m->q[b].lut_rel = (int64_t)((uint8_t *)m->lut[b] - (uint8_t *)&m->q[b]);
+        m->h[b].lut_rel = (int64_t)((uint8_t *)m->lut[NB + b] - (uint8_t *)&m->h[b]);
     }
     for (int h = 0; h <= MAXW; h++) {
         int tb = h - 1 < TOPB ? h - 1 : TOPB;
         ctx_init(&m->t[h], tb > 0 ? (1u << tb) : 1);
+        m->t[h].lut_rel = (int64_t)((uint8_t *)m->lut[2 * NB + h] - (uint8_t *)&m->t[h]);
     }
 }
 
@@ -500,7 +510,7 @@ typedef struct {
 
 static inline uint32_t rd_sym(RDec *d, Ctx *c) {
     uint32_t slot = d->x & (PTOT - 1);
-    uint32_t s = c->lut[slot];
+    uint32_t s = CLUT(c)[slot];
     uint32_t x = c->freq[s] * (d->x >> PB) + slot - c->cum[s];
     uint32_t need = x < RANS_L; /* renormalise without a branch: it is as good as random */
     if (__builtin_expect(d->end - d->p < 2, 0)) {
@@ -917,9 +927,9 @@ static int get_base(PyObject *base_obj, Py_buffer *bb, Params *P) {
     return 1;
 }
 
-static int get_model(Py_buffer *mb, Model **m, const Params *P) {
-    if (mb->len != (Py_ssize_t)sizeof(Model)) {
-        PyErr_SetString(PyExc_ValueError, "model state buffer has the wrong size");
+static int get_model(Py_buffer *mb, Model **m, const Params *P, int decoding) {
+    if (mb->len != (Py_ssize_t)sizeof(Model) && (decoding || mb->len != (Py_ssize_t)ENC_BYTES)) {
+        PyErr_SetString(PyExc_ValueError, "model state buffer has the wrong size (decoding needs MODEL_BYTES)");
         return -1;
     }
     *m = (Model *)mb->buf;
@@ -935,7 +945,8 @@ static PyObject *py_model_init(PyObject *self, PyObject *args) {
     Py_buffer mb;
     int width, context;
     if (!PyArg_ParseTuple(args, "w*ii", &mb, &width, &context)) return NULL;
-    if (mb.len != (Py_ssize_t)sizeof(Model) || (width != 1 && width != 2 && width != 4 && width != 8)) {
+    if ((mb.len != (Py_ssize_t)sizeof(Model) && mb.len != (Py_ssize_t)ENC_BYTES) ||
+        (width != 1 && width != 2 && width != 4 && width != 8)) {
         PyBuffer_Release(&mb);
         PyErr_SetString(PyExc_ValueError, "bad model state buffer or width");
         return NULL;
@@ -961,7 +972,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
     have_base = get_base(base_obj, &bb, &P);
     if (have_base < 0) goto done;
-    if (get_model(&mb, &m, &P) < 0) goto done;
+    if (get_model(&mb, &m, &P, 0) < 0) goto done;
     Py_ssize_t nnz = pb.len / 8;
     if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
         PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
@@ -1017,7 +1028,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
     have_base = get_base(base_obj, &bb, &P);
     if (have_base < 0) goto done;
-    if (get_model(&mb, &m, &P) < 0) goto done;
+    if (get_model(&mb, &m, &P, 1) < 0) goto done;
     if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
         PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
         goto done;
@@ -1094,7 +1105,8 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"model_init", py_model_init, METH_VARARGS, "model_init(state, width, context) -> None"},
+    {"model_init", py_model_init, METH_VARARGS,
+     "model_init(state, width, context) -> None; state: MODEL_BYTES (decoder) or ENC_BYTES (encoder only)"},
     {"encode", py_encode, METH_VARARGS,
      "encode(state, positions_i64, values, base_or_None, lo, hi, width, eshift, ebits, e_lo, op) -> bytes;"
      " updates state"},
@@ -1112,6 +1124,7 @@ PyMODINIT_FUNC PyInit__crans(void) {
     init_tables();
     PyObject *m = PyModule_Create(&mod);
     if (m && (PyModule_AddIntConstant(m, "MODEL_BYTES", (long)sizeof(Model)) < 0 ||
+              PyModule_AddIntConstant(m, "ENC_BYTES", (long)ENC_BYTES) < 0 ||
               PyModule_AddIntConstant(m, "NB", NB) < 0)) {
         Py_DECREF(m);
         return NULL;
