@@ -6,12 +6,14 @@ the tests check them against each other.
 """
 from setuptools import Extension, setup
 
+_RECORD_H = ["nemo_dcr/codec/csrc/record.h"]
 _COMMON = dict(extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"])
 
 setup(
     ext_modules=[
         Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], **_COMMON),
-        Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], **_COMMON),
-        Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"], **_COMMON),
+        # the MODEL and BUCKET record coders share record.h
+        Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], depends=_RECORD_H, **_COMMON),
+        Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"], depends=_RECORD_H, **_COMMON),
     ]
 )

@@ -136,14 +136,21 @@ INCLUSIVE = 2
 
 
 @triton.jit
-def _count_kernel(a_ptr, b_ptr, tile_counts_ptr, numel, TILE: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
+def _tile_xor(a_ptr, b_ptr, tile, numel, TILE: tl.constexpr):
+    """(element indices, XOR, changed mask) of one tile; lanes past ``numel`` read as equal."""
     offs = tile * TILE + tl.arange(0, TILE)
     inside = offs < numel
     a = tl.load(a_ptr + offs, mask=inside, other=0)
     b = tl.load(b_ptr + offs, mask=inside, other=0)
-    changed = ((a ^ b) != 0).to(tl.int32)
-    tl.store(tile_counts_ptr + tile, tl.sum(changed, axis=0))
+    x = a ^ b
+    return offs, x, x != 0
+
+
+@triton.jit
+def _count_kernel(a_ptr, b_ptr, tile_counts_ptr, numel, TILE: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    _, _, changed = _tile_xor(a_ptr, b_ptr, tile, numel, TILE)
+    tl.store(tile_counts_ptr + tile, tl.sum(changed.to(tl.int32), axis=0))
 
 
 @triton.jit(do_not_specialize=["done_below"])
@@ -156,12 +163,7 @@ def _fill_kernel(
     count = tl.load(tile_counts_ptr + tile)
     start = tl.load(tile_offsets_ptr + tile)
     if (count > 0) & (start + count > done_below):
-        offs = tile * TILE + tl.arange(0, TILE)
-        inside = offs < numel
-        a = tl.load(a_ptr + offs, mask=inside, other=0)
-        b = tl.load(b_ptr + offs, mask=inside, other=0)
-        x = a ^ b
-        changed = x != 0
+        offs, x, changed = _tile_xor(a_ptr, b_ptr, tile, numel, TILE)
         rank = tl.cumsum(changed.to(tl.int32), axis=0) - 1
         dst = start + rank.to(tl.int64)
         tl.store(pos_ptr + dst, offs, mask=changed)
@@ -213,12 +215,7 @@ def _single_pass_kernel(
     module docstring.  Hot path, per tile: 2*TILE*w bytes read once, its outputs written once."""
     tile = tl.atomic_add(ctrl_ptr, 1, sem="relaxed").to(tl.int64)  # dynamic tile id (ticket)
     status_ptr = ctrl_ptr + 1
-    offs = tile * TILE + tl.arange(0, TILE)
-    inside = offs < numel
-    a = tl.load(a_ptr + offs, mask=inside, other=0)
-    b = tl.load(b_ptr + offs, mask=inside, other=0)
-    x = a ^ b
-    changed = x != 0
+    offs, x, changed = _tile_xor(a_ptr, b_ptr, tile, numel, TILE)
     count = tl.sum(changed.to(tl.int32), axis=0).to(tl.int64)
     _publish(status_ptr + tile, count * 4 + 1, ATOMIC_LOAD)  # AGGREGATE(count)
     hi = tile - 1

@@ -47,8 +47,7 @@
  * Both entry points release the GIL; a scan over base bits uses AVX-512BW where the CPU has
  * it (2- and 4-byte dtypes), a scalar loop otherwise: both produce the same bytes.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "record.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,42 +205,7 @@ static void model_init(Model *m, int width, int context) {
 
 /* ------------------------------------------------------------------ element helpers */
 
-typedef struct {
-    int width, W, eshift, ebits, e_lo, is_float, op, context;
-    uint64_t mask, signbit;
-    int64_t lo, hi;
-    const uint8_t *base;
-} Params;
-
-static inline uint64_t load(const uint8_t *p, int width, int64_t i) {
-    switch (width) {
-    case 1: return p[i];
-    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
-    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
-    }
-}
-
-static inline void store(uint8_t *p, int width, int64_t i, uint64_t v) {
-    switch (width) {
-    case 1: p[i] = (uint8_t)v; break;
-    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
-    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
-    default: memcpy(p + 8 * i, &v, 8); break;
-    }
-}
-
-static inline int bitlen(uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; }
-
-static inline uint64_t ord_of(const Params *P, uint64_t b) {
-    if (!P->is_float) return b;
-    return (b & P->signbit) ? (~b & P->mask) : (b | P->signbit);
-}
-
-static inline uint64_t iord_of(const Params *P, uint64_t o) {
-    if (!P->is_float) return o;
-    return (o & P->signbit) ? (o & ~P->signbit) : (~o & P->mask);
-}
+/* Params, load, store, bitlen, ord_of, iord_of: record.h */
 
 static inline int bucket_of(const Params *P, uint64_t b) {
     int e = P->ebits ? (int)((b >> P->eshift) & ((1u << P->ebits) - 1)) - P->e_lo : bitlen(b);
@@ -888,44 +852,7 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
 
 /* ------------------------------------------------------------------ Python bindings */
 
-static int parse_params(Params *P, int width, int eshift, int ebits, int e_lo, int op, Py_ssize_t lo,
-                        Py_ssize_t hi) {
-    if (width != 1 && width != 2 && width != 4 && width != 8) {
-        PyErr_SetString(PyExc_ValueError, "width must be 1, 2, 4 or 8");
-        return -1;
-    }
-    if (lo < 0 || hi < lo || op < 0 || op > 1 || ebits < 0 || ebits > 16 || eshift < 0 ||
-        eshift + ebits > 8 * width || e_lo < 0 || e_lo > 255) {
-        PyErr_SetString(PyExc_ValueError, "bad record parameters");
-        return -1;
-    }
-    memset(P, 0, sizeof(*P));
-    P->width = width;
-    P->W = 8 * width;
-    P->eshift = eshift;
-    P->ebits = ebits;
-    P->e_lo = e_lo;
-    P->is_float = ebits > 0;
-    P->op = op;
-    P->mask = P->W == 64 ? ~0ull : ((1ull << P->W) - 1);
-    P->signbit = 1ull << (P->W - 1);
-    P->lo = lo;
-    P->hi = hi;
-    return 0;
-}
-
-static int get_base(PyObject *base_obj, Py_buffer *bb, Params *P) {
-    if (base_obj == Py_None) return 0;
-    if (PyObject_GetBuffer(base_obj, bb, PyBUF_CONTIG_RO) < 0) return -1;
-    if (bb->len < P->hi * P->width) {
-        PyBuffer_Release(bb);
-        PyErr_SetString(PyExc_ValueError, "base buffer shorter than the record's range");
-        return -1;
-    }
-    P->base = (const uint8_t *)bb->buf;
-    P->context = 1;
-    return 1;
-}
+/* parse_params, get_base, check_positions: record.h */
 
 static int get_model(Py_buffer *mb, Model **m, const Params *P, int decoding) {
     if (mb->len != (Py_ssize_t)sizeof(Model) && (decoding || mb->len != (Py_ssize_t)ENC_BYTES)) {
@@ -979,11 +906,8 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *pos = (const int64_t *)pb.buf;
+    if (check_positions(pos, nnz, lo, hi) < 0) goto done;
     for (Py_ssize_t j = 0; j < nnz; j++) {
-        if (pos[j] < lo || pos[j] >= hi || (j && pos[j] <= pos[j - 1])) {
-            PyErr_SetString(PyExc_ValueError, "positions must be strictly increasing inside [lo, hi)");
-            goto done;
-        }
         if (op == 0 && load((const uint8_t *)vb.buf, width, j) == 0) {
             PyErr_SetString(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
             goto done;
