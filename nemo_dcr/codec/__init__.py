@@ -3,13 +3,24 @@
 Encode: ``encode_chunk(deltas, meta=..., base=...) -> bytes``.  Decode:
 ``decode_chunk(data, base=..., limits=..., expect=..., budget=...) -> DecodedChunk``
 (returns arrays, writes nothing; ``expect`` and a per-version ``DecodeBudget`` admit an
-untrusted chunk before any payload is decoded).  Apply: ``apply_delta_(bits, delta)``.
+untrusted chunk before any payload is decoded); ``stream_chunk`` admits the same way and
+decodes one record at a time.  Apply: ``apply_delta_(bits, delta)``.
 A manifest names a chunk by ``chunk_digest(data)``.
 """
 from nemo_dcr.codec import bucket
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
-from nemo_dcr.codec.chunk import DecodedChunk, RecordInfo, chunk_digest, decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec.chunk import (
+    ChunkStream,
+    DecodedChunk,
+    RecordInfo,
+    StreamedRecord,
+    chunk_digest,
+    decode_chunk,
+    encode_chunk,
+    read_chunk_index,
+    stream_chunk,
+)
 from nemo_dcr.codec.format import (
     BaseMismatchError,
     ChunkFormatError,
@@ -26,6 +37,7 @@ __all__ = [
     "BaseMismatchError",
     "ChunkFormatError",
     "ChunkLimits",
+    "ChunkStream",
     "ChunkValidationError",
     "Coding",
     "ContentMismatchError",
@@ -34,6 +46,7 @@ __all__ = [
     "DeltaOp",
     "MissingBaseError",
     "RecordInfo",
+    "StreamedRecord",
     "TensorDelta",
     "apply_delta_",
     "bucket",
@@ -41,4 +54,5 @@ __all__ = [
     "decode_chunk",
     "encode_chunk",
     "read_chunk_index",
+    "stream_chunk",
 ]

@@ -9,12 +9,13 @@ against what it declares -> context bases present -> the version's
 ``DecodeBudget`` -> payload section (CRC, lengths) -> each record (decode, content CRC).
 Up to the budget, memory is proportional to the header (``nemo_dcr.codec.admit``).  It only
 returns arrays; applying them is ``apply_delta_``'s job, so a chunk that fails anywhere has
-written nothing.
+written nothing.  ``stream_chunk`` validates the same way, then decodes one record per step,
+so a caller that needs each record only briefly (``nemo-dcr delta inspect``) holds one.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +77,37 @@ class DecodedChunk:
     """Directory facts of every record, in chunk order."""
     size: int = 0
     """Bytes of the chunk."""
+
+
+@dataclass(frozen=True)
+class StreamedRecord:
+    """One record of a ``ChunkStream``: its directory facts, and its delta unless skipped."""
+
+    info: RecordInfo
+    delta: TensorDelta | None
+    """None where the record was not decoded (``skipped`` says why)."""
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class ChunkStream:
+    """A validated and admitted chunk whose records decode one at a time (``stream_chunk``).
+
+    Iterating it (once) yields a ``StreamedRecord`` per record in chunk order, decoding each
+    as it is reached; the stream keeps no reference to what it yielded, so a caller that
+    drops each record before taking the next holds one record's arrays at a time."""
+
+    meta: dict[str, str]
+    records: list[RecordInfo]
+    """Directory facts of every record, in chunk order."""
+    skipped: list[str | None]
+    """Per record, why it will not be decoded (None: it will), fixed from the directory."""
+    size: int
+    """Bytes of the chunk."""
+    _decoded: Iterator[StreamedRecord] = field(repr=False)
+
+    def __iter__(self) -> Iterator[StreamedRecord]:
+        return self._decoded
 
 
 _DEFAULT_LIMITS = ChunkLimits()
@@ -378,8 +410,9 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
 
 
 def _admit(entries: list[_Entry], base: Mapping[str, np.ndarray] | None, expect: Mapping | None,
-           budget: DecodeBudget | None, *, decode: bool) -> None:
-    """Everything checkable from the directory, before any payload is decoded."""
+           budget: DecodeBudget | None, skipped: Sequence[str | None] | None) -> None:
+    """Everything checkable from the directory, before any payload is decoded.  ``skipped``
+    is the decode plan (None: nothing will be decoded); only records it decodes need a base."""
     infos = [e.info for e in entries]
     if expect is not None:
         check_expected(infos, expect)
@@ -388,17 +421,64 @@ def _admit(entries: list[_Entry], base: Mapping[str, np.ndarray] | None, expect:
             check_payload_size(e.spec, e.info.coding, e.info.payload_bytes)
         except ChunkFormatError as err:
             raise ChunkFormatError(f"record {e.info.name!r}: {err}") from None
-    if decode:
-        for i in infos:
-            if i.context and (base is None or i.name not in base):
+    if skipped is not None:
+        for i, why in zip(infos, skipped):
+            if why is None and i.context and (base is None or i.name not in base):
                 raise MissingBaseError(f"{i.name}: context-mode record; decoding needs its base bits")
     if budget is not None:
         budget.charge(infos)
 
 
-def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] | None,
+def _plan(infos: Sequence[RecordInfo], skip: Callable[[RecordInfo], str | None] | None) -> list[str | None]:
+    """Why each record will not be decoded (None: it will), from the directory alone: the
+    records ``skip`` names, and every later record coded from the same adaptive state
+    (MODEL or BUCKET, same dtype and mode, ``ModelStates``) as one of them, whose state
+    would be unknown."""
+    out: list[str | None] = []
+    broken: dict[tuple[Coding, str, bool], str] = {}  # state -> the first record skipped in it
+    for i in infos:
+        why = skip(i) if skip is not None else None
+        key = (i.coding, i.dtype, i.context)
+        if why is None and key in broken:
+            why = (f"record {i.name!r}: its {i.coding.name} coder state follows record {broken[key]!r}, "
+                   "which is not decoded")
+        if why is not None and i.coding in (Coding.MODEL, Coding.BUCKET):
+            broken.setdefault(key, i.name)
+        out.append(why)
+    return out
+
+
+def _decode_each(entries: list[_Entry], skipped: list[str | None], payloads: memoryview,
+                 base: Mapping[str, np.ndarray] | None) -> Iterator[StreamedRecord]:
+    """Decode the records in order (MODEL and BUCKET records share their adaptive state along
+    the chunk), one per step; nothing decoded stays referenced here once it is yielded."""
+    states = ModelStates()
+    off = 0
+    for e, why in zip(entries, skipped):
+        n = e.info.payload_bytes
+        if why is None:
+            yield StreamedRecord(e.info, _decode_record(e, payloads[off : off + n], base, states))
+        else:
+            yield StreamedRecord(e.info, None, why)
+        off += n
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A chunk validated and admitted up to its payloads, which are not decoded yet."""
+
+    meta: dict[str, str]
+    entries: list[_Entry]
+    payloads: memoryview
+    size: int
+    skipped: list[str | None] | None
+    """The decode plan (``_plan``); None when nothing is to be decoded."""
+
+
+def _open(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] | None,
           limits: ChunkLimits, *, decode: bool, expect: Mapping | None = None,
-          budget: DecodeBudget | None = None) -> DecodedChunk:
+          budget: DecodeBudget | None = None,
+          skip: Callable[[RecordInfo], str | None] | None = None) -> _Opened:
     buf = memoryview(data).cast("B")
     h = _parse_header(buf, limits)
     r = _Reader(buf, HEADER.size, len(buf) - TRAILER.size)
@@ -410,18 +490,11 @@ def _walk(data: bytes | bytearray | memoryview, base: Mapping[str, np.ndarray] |
         raise ChunkFormatError(f"{dr.end - dr.pos} trailing bytes in the directory")
     if sum(e.info.payload_bytes for e in entries) != h.payloads_len:
         raise ChunkFormatError("directory payload lengths do not add up to the payload section")
-    _admit(entries, base, expect, budget, decode=decode)
+    skipped = _plan([e.info for e in entries], skip) if decode else None
+    _admit(entries, base, expect, budget, skipped)
     payloads = r.section(h.payloads_len, "payloads")
     assert r.pos == r.end
-    deltas = []
-    if decode:
-        states = ModelStates()
-        off = 0
-        for e in entries:
-            n = e.info.payload_bytes
-            deltas.append(_decode_record(e, payloads[off : off + n], base, states))
-            off += n
-    return DecodedChunk(deltas=deltas, meta=meta, records=[e.info for e in entries], size=len(buf))
+    return _Opened(meta=meta, entries=entries, payloads=payloads, size=len(buf), skipped=skipped)
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, *, base: Mapping[str, np.ndarray] | None = None,
@@ -439,7 +512,29 @@ def decode_chunk(data: bytes | bytearray | memoryview, *, base: Mapping[str, np.
     ``ChunkValidationError`` (a ``ValidationError``) having allocated memory proportional
     to its header only.  Without them, a record may allocate up to ``limits`` allows.
     """
-    return _walk(data, base, limits, decode=True, expect=expect, budget=budget)
+    stream = stream_chunk(data, base=base, limits=limits, expect=expect, budget=budget)
+    deltas = [r.delta for r in stream]
+    return DecodedChunk(deltas=deltas, meta=stream.meta, records=stream.records, size=stream.size)
+
+
+def stream_chunk(data: bytes | bytearray | memoryview, *, base: Mapping[str, np.ndarray] | None = None,
+                 limits: ChunkLimits = ChunkLimits(), expect: Mapping | None = None,
+                 budget: DecodeBudget | None = None,
+                 skip: Callable[[RecordInfo], str | None] | None = None) -> ChunkStream:
+    """``decode_chunk`` one record at a time: validate and admit the chunk (as
+    ``decode_chunk`` does, raising the same errors before any payload is decoded), then
+    decode each record as the returned ``ChunkStream`` is iterated.
+
+    ``skip(info)`` returns why a record should not be decoded, or None; such a record is
+    yielded without a delta, and so is every later record that continues its adaptive coder
+    state (``ChunkStream.skipped`` gives the reasons up front).  Only records to be decoded
+    need a base.  Memory: one record's arrays at a time, if the caller drops each record
+    before taking the next; ``skip`` on ``RecordInfo.nnz`` bounds that (a record allocates
+    about ``nnz * (8 + width)`` bytes).  The decoded arrays are the stream's only copy: a
+    caller may modify them."""
+    o = _open(data, base, limits, decode=True, expect=expect, budget=budget, skip=skip)
+    return ChunkStream(meta=o.meta, records=[e.info for e in o.entries], skipped=o.skipped, size=o.size,
+                       _decoded=_decode_each(o.entries, o.skipped, o.payloads, base))
 
 
 def read_chunk_index(data: bytes | bytearray | memoryview, *, limits: ChunkLimits = ChunkLimits(),
@@ -447,4 +542,5 @@ def read_chunk_index(data: bytes | bytearray | memoryview, *, limits: ChunkLimit
     """Validate a chunk's structure and checksums and list its records without decoding
     payloads (``deltas`` is empty); needs no base.  With ``expect`` (as for
     ``decode_chunk``), records that do not fit raise ``ChunkValidationError``."""
-    return _walk(data, None, limits, decode=False, expect=expect)
+    o = _open(data, None, limits, decode=False, expect=expect)
+    return DecodedChunk(deltas=[], meta=o.meta, records=[e.info for e in o.entries], size=o.size)

@@ -8,8 +8,13 @@ A delta file is one v1 chunk.  Its metadata records the digest of the base it wa
 against and of the target it produces; ``apply`` refuses a different base and verifies the
 result before writing, and writes nothing on any error (the output appears atomically).
 A delta file is untrusted input: ``apply`` (and ``inspect --base``) admit its records
-against the base's tensors before decoding any payload, and ``inspect`` without a base
-decodes only up to ``--max-decode`` declared entries.  ``--out`` may not name an input.
+against the base's tensors before decoding any payload.  ``inspect`` reports the table and
+totals from the record headers; only the i.i.d. bound needs the XOR values, so it decodes
+the records one at a time (``stream_chunk``), folds each into the report and drops it, and
+skips (bound n/a, with the reason) a record declaring more than ``--max-decode`` changed
+elements (default 2**24), and any later record that continues its coder state: memory is
+one record's arrays at most (``nnz * (8 + width)`` bytes), whatever the file claims.
+``--out`` may not name an input.
 Errors are one line on stderr: exit 2 for a usage error, 1 for anything else.
 """
 from __future__ import annotations
@@ -28,16 +33,16 @@ import numpy as np
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.bound import iid_bound_bytes
-from nemo_dcr.codec.chunk import decode_chunk, encode_chunk, read_chunk_index
-from nemo_dcr.codec.format import ChunkValidationError
+from nemo_dcr.codec.chunk import RecordInfo, decode_chunk, encode_chunk, read_chunk_index, stream_chunk
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 from nemo_dcr.errors import DcrError, ValidationError
 
 META_FORMAT = "nemo-dcr delta file v1"
 
-#: ``inspect --max-decode`` default: declared entries decoded for the i.i.d. bound when no
-#: base bounds them (2**27 entries: ~1.3 GiB of bf16 positions and values).
-INSPECT_MAX_DECODE = 1 << 27
+#: ``inspect --max-decode`` default: most changed elements a record may declare and still be
+#: decoded for the i.i.d. bound.  Records decode one at a time, so this bounds inspect's
+#: memory: 2**24 entries are 160 MiB of bf16 positions and values, 256 MiB of int64 ones.
+INSPECT_MAX_DECODE = 1 << 24
 
 
 class DeltaCliError(ValidationError):
@@ -65,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--base", help="base .safetensors, needed to decode context-mode records for the bound")
     ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ins.add_argument("--max-decode", type=int, default=INSPECT_MAX_DECODE, metavar="N",
-                     help="without --base, decode (for the bound) only if the records declare at most N "
-                          f"changed elements in all (default {INSPECT_MAX_DECODE})")
+                     help="decode a record (for its bound) only if it declares at most N changed elements; "
+                          f"records are decoded one at a time (default {INSPECT_MAX_DECODE})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -219,45 +224,54 @@ def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None, *, exp
                  max_decode: int = INSPECT_MAX_DECODE) -> dict:
     """Per-record and total sizes and bounds of a chunk (the ``inspect`` report).
 
-    Payloads are decoded (for the bound) only after the records are admitted: against
-    ``expect`` and its budget when given (a misfit raises), else against ``max_decode``
-    declared entries in all (over it, the bounds are n/a and ``total["not_decoded"]`` says
-    why), so memory is bounded by the header, not by what the records claim."""
-    index = read_chunk_index(data, expect=expect)
-    not_decoded = None
-    if base_bits is None and any(r.context for r in index.records):
-        not_decoded = "context-mode records need the base (--base)"
-    deltas = [None] * len(index.records)
-    if not_decoded is None:
-        budget = DecodeBudget.for_tensors(expect) if expect is not None else DecodeBudget(max_decode)
-        try:
-            deltas = decode_chunk(data, base=base_bits, expect=expect, budget=budget).deltas
-        except ChunkValidationError as e:
-            if expect is not None:
-                raise
-            not_decoded = f"not decoded: {e} (--max-decode)"
+    Everything but the bound comes from the record headers.  The records are admitted
+    first (against ``expect`` and its budget when given: a misfit raises), then decoded one
+    at a time for the bound, each folded into its row and dropped before the next; a record
+    declaring more than ``max_decode`` entries, a context-mode record without ``base_bits``,
+    and a later record continuing the coder state of either are not decoded (their bound is
+    n/a, ``not_decoded`` says why).  Memory: one record of at most ``max_decode`` entries."""
+
+    def skip(info: RecordInfo) -> str | None:
+        if info.context and base_bits is None:
+            return f"record {info.name!r}: context-mode record needs the base (--base)"
+        if info.nnz > max_decode:
+            return f"record {info.name!r}: nnz {info.nnz} is over --max-decode {max_decode} entries per record"
+        return None
+
+    budget = DecodeBudget.for_tensors(expect) if expect is not None else None
+    stream = stream_chunk(data, base=base_bits, expect=expect, budget=budget, skip=skip)
     rows = []
-    for info, d in zip(index.records, deltas):
+    for rec in stream:
+        info, why = rec.info, rec.skipped
         lo, hi = info.element_range
         n = hi - lo
-        bound = iid_bound_bytes(n, d.values) if (d is not None and info.op is DeltaOp.XOR) else None
+        values = rec.delta.values if (rec.delta is not None and info.op is DeltaOp.XOR) else None
+        del rec  # frees the positions before the bound, and the values after it
+        # The stream's arrays are its only copy: the bound may sort the values in place.
+        bound = iid_bound_bytes(n, values, overwrite=True) if values is not None else None
+        del values
         rows.append({
             "name": info.name, "dtype": info.dtype, "shape": list(info.shape), "op": info.op.value,
             "range": [lo, hi], "changed": info.nnz, "changed_pct": 100 * info.nnz / n if n else 0.0,
             "coding": info.coding.name, "context": info.context, "bytes": info.payload_bytes,
             "bytes_per_changed": info.payload_bytes / info.nnz if info.nnz else None,
             "bound_bytes": bound, "ratio_to_bound": info.payload_bytes / bound if bound else None,
+            "not_decoded": why,
         })
     nnz = sum(r["changed"] for r in rows)
     numel = sum(r["range"][1] - r["range"][0] for r in rows)
     bounds = [r["bound_bytes"] for r in rows]
     bound = sum(bounds) if rows and all(b is not None for b in bounds) else None
+    reasons = [r["not_decoded"] for r in rows if r["not_decoded"] is not None]
+    not_decoded = None
+    if reasons:
+        not_decoded = f"not decoded: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else "")
     total = {"records": len(rows), "chunk_bytes": len(data), "changed": nnz,
              "changed_pct": 100 * nnz / numel if numel else 0.0,
              "bytes_per_changed": len(data) / nnz if nnz else None,
              "bound_bytes": bound, "ratio_to_bound": len(data) / bound if bound else None,
              "not_decoded": not_decoded}
-    return {"meta": index.meta, "records": rows, "total": total}
+    return {"meta": stream.meta, "records": rows, "total": total}
 
 
 def _inspect(args) -> int:

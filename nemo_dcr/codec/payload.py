@@ -204,44 +204,25 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
                    base: np.ndarray | None, states: model.ModelStates) -> tuple[np.ndarray, np.ndarray]:
     """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError."""
     bits = BITS_DTYPE[spec.dtype]
-    w = spec.width
     check_payload_size(spec, coding, len(payload))
     if coding is Coding.DENSE_RAW:
-        dense = np.frombuffer(payload, dtype=_le(bits)).astype(bits)
+        dense = np.frombuffer(payload, dtype=_le(bits))  # a view: the range is not copied
         if spec.op is DeltaOp.OVERWRITE:
-            return np.arange(spec.lo, spec.hi, dtype=np.int64), dense
-        rel = np.flatnonzero(dense)
-        if rel.size != spec.nnz:
-            raise ChunkFormatError(f"dense XOR has {rel.size} changed elements, header says {spec.nnz}")
-        return rel.astype(np.int64) + spec.lo, dense[rel]
+            return np.arange(spec.lo, spec.hi, dtype=np.int64), dense.astype(bits)
+        changed = int(np.count_nonzero(dense))
+        if changed != spec.nnz:  # before allocating: the output is then nnz entries
+            raise ChunkFormatError(f"dense XOR has {changed} changed elements, header says {spec.nnz}")
+        rel = np.flatnonzero(dense).astype(np.int64, copy=False)
+        val = dense[rel].astype(bits, copy=False)
+        rel += spec.lo
+        return rel, val
     if coding is Coding.SPARSE_RAW:
         pos = np.frombuffer(payload, dtype="<i8", count=spec.nnz).astype(np.int64)
         val = np.frombuffer(payload, dtype=_le(bits), offset=8 * spec.nnz).astype(bits)
         _check_positions(spec, pos)
         return pos, val
     if coding is Coding.SPARSE_ZSTD:
-        gd = _gap_dtype(spec)
-        want = spec.nnz * (gd.itemsize + w)
-        try:
-            params = zstandard.get_frame_parameters(payload)
-        except zstandard.ZstdError as e:
-            raise ChunkFormatError(f"bad zstd frame: {e}") from None
-        if params.content_size not in (want, zstandard.CONTENTSIZE_UNKNOWN):
-            raise ChunkFormatError(f"zstd frame declares {params.content_size} bytes, record needs {want}")
-        try:
-            # max_output_size bounds the allocation when the frame omits its content size.
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=want)
-        except zstandard.ZstdError as e:
-            raise ChunkFormatError(f"bad zstd frame: {e}") from None
-        if len(raw) != want:
-            raise ChunkFormatError(f"zstd frame holds {len(raw)} bytes, record needs {want}")
-        gaps = np.frombuffer(raw, dtype=gd, count=spec.nnz).astype(np.uint64)
-        val = np.frombuffer(raw, dtype=_le(bits), offset=gd.itemsize * spec.nnz).astype(bits)
-        if spec.nnz and int(gaps.max()) >= spec.range_len:
-            raise ChunkFormatError("gap outside the record's range")
-        pos = (np.cumsum(gaps + np.uint64(1), dtype=np.uint64).astype(np.int64) - 1) + spec.lo
-        _check_positions(spec, pos)
-        return pos, val
+        return _decode_zstd_sparse(spec, payload)
     if coding is Coding.MODEL:
         if not model.available():
             raise ChunkFormatError("record needs the native range coder (nemo_dcr.codec._cans), not built")
@@ -251,6 +232,84 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
             raise ChunkFormatError("record needs the native rANS coder (nemo_dcr.codec._crans), not built")
         return bucket.decode(spec, payload, base, states)
     raise ChunkFormatError(f"unknown coding {coding!r}")
+
+
+#: Frame bytes ``_inflate_into`` feeds the decompressor at a time: each step inflates to at
+#: most ``ZSTD_MAX_RATIO`` times this (8 MiB), whatever the frame.
+_ZSTD_FEED = 256
+
+#: Entries converted at a time when gaps become positions in place.
+_GAP_BLOCK = 1 << 20
+
+
+def _inflate_into(payload: memoryview, targets: list[memoryview]) -> None:
+    """Inflate the zstd frame at the start of ``payload`` into ``targets``, in order, filling
+    them exactly (bytes after the frame are ignored, as ``ZstdDecompressor.decompress``
+    ignores them).  Memory beyond the targets: one step's output, at most
+    ``_ZSTD_FEED * ZSTD_MAX_RATIO`` bytes."""
+    want = sum(len(t) for t in targets)
+    dec = zstandard.ZstdDecompressor().decompressobj()
+    got, ti, off = 0, 0, 0
+    try:
+        for i in range(0, len(payload), _ZSTD_FEED):
+            out = memoryview(dec.decompress(payload[i : i + _ZSTD_FEED]))
+            if got + len(out) > want:
+                raise ChunkFormatError(f"zstd frame holds more than the {want} bytes the record needs")
+            got += len(out)
+            while len(out):
+                t = targets[ti]
+                k = min(len(t) - off, len(out))
+                t[off : off + k] = out[:k]
+                out, off = out[k:], off + k
+                if off == len(t):
+                    ti, off = ti + 1, 0
+            if dec.eof:
+                break
+    except zstandard.ZstdError as e:
+        raise ChunkFormatError(f"bad zstd frame: {e}") from None
+    if not dec.eof:
+        raise ChunkFormatError("bad zstd frame: truncated")
+    if got != want:
+        raise ChunkFormatError(f"zstd frame holds {got} bytes, record needs {want}")
+
+
+def _decode_zstd_sparse(spec: RecordSpec, payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, values) of a SPARSE_ZSTD record, inflated straight into the output arrays:
+    the gaps into the front of the positions array, turned into positions there, so memory
+    is the ``nnz * (8 + width)`` bytes of the output plus O(``_GAP_BLOCK``)."""
+    bits = BITS_DTYPE[spec.dtype]
+    gd, n = _gap_dtype(spec), spec.nnz
+    want = n * (gd.itemsize + spec.width)
+    try:
+        params = zstandard.get_frame_parameters(payload)
+    except zstandard.ZstdError as e:
+        raise ChunkFormatError(f"bad zstd frame: {e}") from None
+    if params.content_size not in (want, zstandard.CONTENTSIZE_UNKNOWN):
+        raise ChunkFormatError(f"zstd frame declares {params.content_size} bytes, record needs {want}")
+    pos = np.empty(n, dtype=np.int64)
+    val = np.empty(n, dtype=_le(bits))
+    raw = memoryview(pos).cast("B")
+    _inflate_into(payload, [raw[: n * gd.itemsize], memoryview(val).cast("B")])
+    gaps = pos.view(np.uint8)[: n * gd.itemsize].view(gd)
+    if n and int(gaps.max()) >= spec.range_len:
+        raise ChunkFormatError("gap outside the record's range")
+    if gd.itemsize < 8:
+        # Widen in place, last block first: a block's positions never cover the gaps of the
+        # blocks before it, only its own, which it copies first (numpy does not order a
+        # widening copy between overlapping arrays).
+        for start in range((n - 1) // _GAP_BLOCK * _GAP_BLOCK, -1, -_GAP_BLOCK):
+            pos[start : start + _GAP_BLOCK] = gaps[start : start + _GAP_BLOCK].copy()
+    # position = lo - 1 + the sum of (gap + 1) up to it.  A step adds at most range_len, so a
+    # sum past int64 wraps into a decrease, which _check_positions refuses.
+    carry = spec.lo - 1
+    for start in range(0, n, _GAP_BLOCK):
+        block = pos[start : start + _GAP_BLOCK]
+        block += 1
+        np.cumsum(block, out=block)
+        block += carry
+        carry = int(block[-1])
+    _check_positions(spec, pos)
+    return pos, val.astype(bits, copy=False)
 
 
 def _check_positions(spec: RecordSpec, pos: np.ndarray) -> None:

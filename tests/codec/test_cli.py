@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_dcr.cli import main
+from nemo_dcr.codec import BITS_DTYPE, Coding, DeltaOp, TensorDelta, decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec.bound import _entropy_bits, symbol_counts
+from nemo_dcr.codec.cli import INSPECT_MAX_DECODE
 
 from codec_helpers import entry_fields, forge_chunk, needs_native
 
@@ -214,21 +220,30 @@ def test_hostile_delta_is_refused_by_apply_before_decoding(files, capsys, monkey
     _one_line_error(capsys.readouterr().err, code, 1, needle)
 
 
-def test_inspect_without_base_decodes_only_within_max_decode(files, capsys):
+def test_inspect_decodes_only_records_within_max_decode(files, capsys):
+    """``--max-decode`` caps each record (it capped the sum before inspect streamed): the
+    biggest record over it loses its bound, the others keep theirs."""
     tmp, p, base, target = files
     d = tmp / "d.dcr"
     assert main(["delta", "encode", "--base", str(p["base"]), "--target", str(p["target"]), "--out", str(d)]) == 0
     capsys.readouterr()
     assert main(["delta", "inspect", str(d), "--json"]) == 0
-    full = json.loads(capsys.readouterr().out)["total"]
+    rep = json.loads(capsys.readouterr().out)
+    full = rep["total"]
     assert full["not_decoded"] is None and full["ratio_to_bound"] is not None
     changed = full["changed"]
-    assert main(["delta", "inspect", str(d), "--json", "--max-decode", str(changed)]) == 0
+    biggest = max(rep["records"], key=lambda r: r["changed"])
+    assert main(["delta", "inspect", str(d), "--json", "--max-decode", str(biggest["changed"])]) == 0
     assert json.loads(capsys.readouterr().out)["total"]["ratio_to_bound"] == full["ratio_to_bound"]
-    assert main(["delta", "inspect", str(d), "--json", "--max-decode", str(changed - 1)]) == 0
-    limited = json.loads(capsys.readouterr().out)["total"]
-    assert limited["ratio_to_bound"] is None and "--max-decode" in limited["not_decoded"]
-    assert limited["changed"] == changed  # the header facts are still reported
+    assert main(["delta", "inspect", str(d), "--json", "--max-decode", str(biggest["changed"] - 1)]) == 0
+    limited = json.loads(capsys.readouterr().out)
+    assert limited["total"]["ratio_to_bound"] is None and "--max-decode" in limited["total"]["not_decoded"]
+    assert limited["total"]["changed"] == changed  # the header facts are still reported
+    for r, f in zip(limited["records"], rep["records"]):
+        if r["name"] == biggest["name"]:
+            assert r["bound_bytes"] is None and biggest["name"] in r["not_decoded"]
+        else:  # its own coder state (one record per dtype here): still decoded
+            assert r["not_decoded"] is None and r["bound_bytes"] == f["bound_bytes"] is not None
     # a hostile file claiming 2**29 entries of a 2**30-element tensor (a MODEL stream of 32
     # bytes could code that many): listed, not decoded
     hostile = tmp / "h.dcr"
@@ -236,3 +251,121 @@ def test_inspect_without_base_decodes_only_within_max_decode(files, capsys):
     assert main(["delta", "inspect", str(hostile)]) == 0
     outp = capsys.readouterr().out
     assert "i.i.d. bound n/a: not decoded: record 'evil': nnz 536870912" in outp
+
+
+# ----------------------------------------------------------------- inspect: streaming, bounded memory
+
+HERE = pathlib.Path(__file__).parent
+
+#: Peak-RSS growth ``inspect`` may reach on any file: one record of ``INSPECT_MAX_DECODE``
+#: int64 entries is 256 MiB of positions and values; these files stay far below.
+RSS_LIMIT = 300 * 10**6
+
+
+def _inspect_probe(*args) -> dict:
+    """``nemo-dcr delta inspect *args`` in a fresh process (inspect_probe.py)."""
+    argv = [sys.executable, str(HERE / "inspect_probe.py"), *map(str, args)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=HERE)
+    return json.loads(out.stdout)
+
+
+def _old_bound(n: int, values: np.ndarray) -> float:
+    """The bound as inspect computed it before it streamed (``symbol_counts``, one dict)."""
+    return _entropy_bits(np.fromiter(symbol_counts(n, values).values(), dtype=np.int64)) / 8
+
+
+def test_inspect_of_a_tiny_file_claiming_1e8_changes_is_bounded(files):
+    """The issue's file: a few hundred bytes whose one record claims 10**8 changed elements.
+    inspect lists it from its header and does not decode it (it used to take 1.6 GB and
+    5.6 s decoding it for the bound); asked to decode it, it fails in one line."""
+    tmp, p, base, target = files
+    d, hostile = tmp / "d.dcr", tmp / "h.dcr"
+    assert main(["delta", "encode", "--base", str(p["base"]), "--target", str(p["target"]), "--out", str(d)]) == 0
+    n = 10**8
+    hostile.write_bytes(_hostile_delta(d.read_bytes(), [_rec("evil", (n,), n, b"\0" * 32, coding=3)]))
+    assert hostile.stat().st_size < 400
+    got = _inspect_probe(hostile)
+    assert got["rc"] == 0 and got["stderr"] == ""
+    assert "100000000 changed (100.000%)" in got["stdout"]
+    assert ("i.i.d. bound n/a: not decoded: record 'evil': nnz 100000000 is over --max-decode "
+            f"{INSPECT_MAX_DECODE} entries per record") in got["stdout"]
+    assert got["rss_growth_bytes"] < RSS_LIMIT
+    got = _inspect_probe(hostile, "--max-decode", n)  # the user's knob: decode it anyway
+    _one_line_error(got["stderr"], got["rc"], 1, "record 'evil'")
+    assert got["rss_growth_bytes"] < RSS_LIMIT
+
+
+@needs_native
+def test_inspect_decodes_one_record_at_a_time(tmp_path):
+    """Six real records of 2**22 entries (42 MB decoded each, all under --max-decode): inspect
+    holds one at a time (all at once, as before, is 250 MB), and each bound is the one the
+    all-at-once computation gives."""
+    n, k = 1 << 22, 6
+    pos = np.arange(n, dtype=np.int64)
+    values = [(np.arange(n) % (i + 2) + 1).astype(np.uint16) for i in range(k)]
+    deltas = [TensorDelta(name=f"w{i}", dtype="bfloat16", shape=(n,), op=DeltaOp.XOR, positions=pos, values=v)
+              for i, v in enumerate(values)]
+    path = tmp_path / "big.dcr"
+    path.write_bytes(encode_chunk(deltas))
+    got = _inspect_probe(path, "--json")
+    assert got["rc"] == 0, got["stderr"]
+    rep = json.loads(got["stdout"])
+    assert [r["bound_bytes"] for r in rep["records"]] == [_old_bound(n, v) for v in values]
+    assert rep["total"]["changed"] == n * k and rep["total"]["not_decoded"] is None
+    per_record = n * (8 + 2)
+    assert got["rss_growth_bytes"] < 2 * per_record, got["rss_growth_bytes"]
+
+
+@pytest.mark.parametrize("context", [False, pytest.param(True, marks=needs_native)])
+def test_inspect_report_matches_the_all_at_once_computation(files, capsys, context):
+    """Positive control: on an honest file the streamed report's bounds and totals are, to
+    the bit, what decoding the whole chunk and counting symbols per record gives."""
+    from nemo_dcr.codec import cli as delta_cli
+
+    tmp, p, base, target = files
+    d = tmp / "d.dcr"
+    argv = ["delta", "encode", "--base", str(p["base"]), "--target", str(p["target"]), "--out", str(d)]
+    assert main(argv + (["--context"] if context else [])) == 0
+    capsys.readouterr()
+    assert main(["delta", "inspect", str(d), "--json"] + (["--base", str(p["base"])] if context else [])) == 0
+    rep = json.loads(capsys.readouterr().out)
+    data = d.read_bytes()
+    decoded = decode_chunk(data, base=delta_cli._bits(base) if context else None)
+    want = [_old_bound(hi - lo, dl.values) for dl in decoded.deltas for lo, hi in [dl.element_range]]
+    assert [r["bound_bytes"] for r in rep["records"]] == want
+    assert [r["changed"] for r in rep["records"]] == [dl.nnz for dl in decoded.deltas]
+    assert [r["bytes"] for r in rep["records"]] == [i.payload_bytes for i in decoded.records]
+    assert rep["total"]["bound_bytes"] == sum(want)
+    assert rep["total"]["ratio_to_bound"] == len(data) / sum(want)
+    assert rep["total"]["changed"] == sum(dl.nnz for dl in decoded.deltas)
+    assert any(r["context"] for r in rep["records"]) == context
+    # negative control: the comparison sees two symbols of one record merged into one
+    dl = max(decoded.deltas, key=lambda x: x.nnz)
+    lo, hi = dl.element_range
+    merged = dl.values.copy()
+    merged[merged == merged[0]] = merged[merged != merged[0]][0]
+    assert _old_bound(hi - lo, merged) != _old_bound(hi - lo, dl.values)
+
+
+def test_inspect_skips_what_continues_a_skipped_coder_state(tmp_path, capsys):
+    """Two records of one dtype share their adaptive coder state: when the first is over
+    --max-decode, the second cannot be decoded either; a record of another dtype can."""
+    rng = np.random.default_rng(3)
+    deltas = []
+    for name, dtype, nnz in [("a", "bfloat16", 300), ("b", "bfloat16", 100), ("c", "float32", 100)]:
+        deltas.append(TensorDelta(name=name, dtype=dtype, shape=(4096,), op=DeltaOp.XOR,
+                                  positions=np.sort(rng.choice(4096, nnz, replace=False)).astype(np.int64),
+                                  values=np.full(nnz, 1 + np.arange(nnz) % 5, dtype=BITS_DTYPE[dtype])))
+    path = tmp_path / "s.dcr"
+    path.write_bytes(encode_chunk(deltas))
+    codings = [r.coding for r in read_chunk_index(path.read_bytes()).records]
+    assert codings[0] == codings[1] and codings[0] in (Coding.MODEL, Coding.BUCKET, Coding.SPARSE_ZSTD)
+    assert main(["delta", "inspect", str(path), "--json", "--max-decode", "200"]) == 0
+    rows = json.loads(capsys.readouterr().out)["records"]
+    assert "nnz 300 is over --max-decode 200" in rows[0]["not_decoded"]
+    if codings[0] is Coding.SPARSE_ZSTD:  # no native coders: no shared state
+        assert rows[1]["not_decoded"] is None
+    else:
+        assert "coder state follows record 'a'" in rows[1]["not_decoded"]
+        assert rows[1]["bound_bytes"] is None
+    assert rows[2]["not_decoded"] is None and rows[2]["bound_bytes"] is not None
