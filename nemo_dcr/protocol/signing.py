@@ -24,14 +24,18 @@ import hmac
 import json
 import os
 import secrets
+import shlex
+import stat
 import sys
 
 from nemo_dcr.errors import FormatError, ProtocolError
+from nemo_dcr.protocol.jsondoc import parse_document
 
 KEY_ENV = "NEMO_DCR_KEY_FILE"
 """Environment variable naming the key file when no path is configured."""
 MIN_KEY_BYTES = 16
 MAX_DOC_BYTES = 64 << 20
+_MAX_KEY_FILE_CHARS = 4096
 _PREFIX = "hmac-sha256:"
 UNSIGNED = "none"
 
@@ -41,7 +45,8 @@ class SignatureError(ProtocolError):
 
 
 def canonical_bytes(doc: dict) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    # allow_nan=False: a NaN would seal into a document every reader refuses (jsondoc)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 def new_key_file(path: str) -> str:
@@ -55,8 +60,9 @@ def new_key_file(path: str) -> str:
 def load_key(path: str | None = None, *, log=None) -> bytes | None:
     """The shared key from ``path``, else from the file named by ``$NEMO_DCR_KEY_FILE``;
     ``None`` (with one warning on ``log``) when neither is set.  The file holds the key as
-    hex (at least 16 bytes).  A path that is set but unreadable or malformed is an error,
-    never a silent fall-back to unsigned."""
+    hex (at least 16 bytes) and must be private to its owner (no group or other
+    permission bits, as ssh demands of its keys).  A path that is set but unreadable,
+    malformed or too open is an error, never a silent fall-back to unsigned."""
     path = path or os.environ.get(KEY_ENV) or None
     if path is None:
         if log is not None:
@@ -64,10 +70,21 @@ def load_key(path: str | None = None, *, log=None) -> bytes | None:
                 "protocol documents are not authenticated; integrity against accidents only")
         return None
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise SignatureError(f"signing key {path!r}: {e.strerror or e}") from None
+    with os.fdopen(fd) as f:
+        mode = os.fstat(fd).st_mode  # the file that is read, not whatever the path names later
+        if mode & 0o077:
+            raise SignatureError(f"signing key {path!r}: permissions {stat.S_IMODE(mode):04o} are too open "
+                                 f"({_who(mode)}); run: chmod 600 {shlex.quote(path)}")
+        try:
+            text = f.read(_MAX_KEY_FILE_CHARS + 1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise SignatureError(f"signing key {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    if len(text) > _MAX_KEY_FILE_CHARS:
+        raise SignatureError(f"signing key {path!r}: more than {_MAX_KEY_FILE_CHARS} characters")
+    text = text.strip()
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -75,6 +92,16 @@ def load_key(path: str | None = None, *, log=None) -> bytes | None:
     if len(key) < MIN_KEY_BYTES:
         raise SignatureError(f"signing key {path!r}: {len(key)} bytes, at least {MIN_KEY_BYTES} needed")
     return key
+
+
+def _who(mode: int) -> str:
+    """``readable by group and others``, ``writable by group``, ...: who may do what."""
+    parts = []
+    for verb, bit in (("readable", 4), ("writable", 2), ("executable", 1)):
+        who = [name for name, shift in (("group", 3), ("others", 0)) if mode & (bit << shift)]
+        if who:
+            parts.append(f"{verb} by {' and '.join(who)}")
+    return ", ".join(parts)
 
 
 def _stderr(msg: str) -> None:
@@ -99,20 +126,14 @@ class Sealer:
         if "signature" in doc:
             raise ValueError("document already carries a signature field")
         sig = self._mac(kind, canonical_bytes(doc)) if self.key is not None else UNSIGNED
-        return json.dumps({**doc, "signature": sig}, indent=1, sort_keys=True).encode()
+        return json.dumps({**doc, "signature": sig}, indent=1, sort_keys=True, allow_nan=False).encode()
 
-    def open(self, kind: str, data: bytes, what: str) -> dict:
-        """Parse ``data`` (a JSON object of at most 64 MiB) and check its signature; returns
+    def open(self, kind: str, data: bytes, what: str, *, max_bytes: int = MAX_DOC_BYTES) -> dict:
+        """Parse ``data`` (a JSON object of at most ``max_bytes``, see
+        :func:`~nemo_dcr.protocol.jsondoc.parse_document`) and check its signature; returns
         the document without the ``signature`` field.  Raises ``FormatError`` for bytes that
         are not such a document and ``SignatureError`` for a bad or missing signature."""
-        if len(data) > MAX_DOC_BYTES:
-            raise FormatError(f"{what}: {len(data)} bytes exceeds {MAX_DOC_BYTES}")
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{what}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise FormatError(f"{what}: top level must be an object")
+        obj = parse_document(data, what, max_bytes=max_bytes)
         sig = obj.pop("signature", None)
         if not isinstance(sig, str):
             raise SignatureError(f"{what}: no signature field")
@@ -123,3 +144,14 @@ class Sealer:
         if not hmac.compare_digest(sig, self._mac(kind, canonical_bytes(obj))):
             raise SignatureError(f"{what}: bad signature (written without the run's key, or altered)")
         return obj
+
+
+def signature_of(data: bytes) -> str | None:
+    """The ``signature`` field of a sealed document, unchecked (None if it does not parse):
+    a side without a key uses it to notice that a run IS signed."""
+    try:
+        obj = parse_document(data, "document", max_bytes=MAX_DOC_BYTES)
+    except FormatError:
+        return None
+    sig = obj.get("signature")
+    return sig if isinstance(sig, str) else None

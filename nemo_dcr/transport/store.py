@@ -11,7 +11,7 @@ URIs stay strings: ``pathlib.Path`` would mangle ``s3://bucket``.
 
 Bounded calls
 -------------
-Every call (put / get / exists / list / delete) is bounded by the store's
+Every call (put / get / stat / exists / list / delete) is bounded by the store's
 :class:`StorePolicy`: each attempt has a timeout, transient failures (connection
 errors, timeouts, HTTP 5xx and throttling) are retried a bounded number of times with
 exponential backoff and jitter, and anything else (not found, permission, validation)
@@ -39,9 +39,19 @@ What bounds an attempt, per back end (each was checked against a stopped server)
 A timed-out request may still complete on the server later; keys are written once per
 version, so a late duplicate of a put carries the same bytes.
 
+Bounded reads and versions
+--------------------------
+``get(key, max_bytes=N)`` learns the object's size before reading its body (local: the
+opened descriptor's ``fstat``; fsspec: ``info``) and refuses an object over ``N`` with
+:class:`ObjectTooLarge` without reading it; the read itself stops after ``N + 1`` bytes,
+so an object that grows in between is refused too.  ``stat(key)`` gives an
+:class:`ObjectInfo` whose ``tag`` changes whenever the object's bytes may have changed
+(what each back end offers is listed at :class:`ObjectInfo`), and
+``get_with_info`` returns the bytes with the tag of the version they were read from.
+
 The local store follows no symbolic link below its root: a key whose path crosses one
 is refused (:class:`SymlinkRefused`), so nothing planted in the directory can make a
-put, get, exists or list reach outside it.
+put, get, stat, exists or list reach outside it.
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from nemo_dcr.errors import TransportError
+from nemo_dcr.errors import FormatError, TransportError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 _log = logging.getLogger(__name__)
@@ -129,6 +139,41 @@ class ObjectNotFound(StoreError, KeyError):
 
 class SymlinkRefused(StoreError):
     """A local store key whose path crosses a symbolic link below the store's root."""
+
+
+class ObjectTooLarge(FormatError):
+    """An object over the ``max_bytes`` a read allows; its body was not read (beyond
+    ``limit + 1`` bytes when it grew during the read).  A format error, not a store
+    failure: never retried, never wrapped into :class:`StoreError`."""
+
+    def __init__(self, uri: str, key: str, size: int, limit: int, *, grew: bool = False):
+        self.uri, self.key, self.size, self.limit = uri, key, size, limit
+        what = f"grew to at least {size} bytes while read" if grew else f"is {size} bytes"
+        super().__init__(f"{uri}: {key!r} {what}, over the limit of {limit}")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One version of one object: its size, and a ``tag`` that differs between versions.
+
+    Equal tags mean "the same bytes" as far as the back end can tell; a reader may keep
+    what it parsed from a version until the tag changes.  What a tag is made of:
+
+    - local directory: ``inode-size-mtime_ns-ctime_ns``.  A put renames a new file into
+      place (new inode and ctime); an in-place rewrite changes ctime, which no writer can
+      set (``os.utime`` restores mtime, not ctime).  Blind spot: a rewrite of the same
+      inode and size within the file system's ctime tick (a few ms on ext4).
+    - S3 (s3fs ``info`` = HEAD): ``ETag`` (MD5 of the bytes for plain uploads),
+      ``LastModified`` (1 s resolution), ``VersionId`` on a versioned bucket, size.
+    - memory:// : ``created`` (set by every put, microseconds) and size; no ETag.
+    - other fsspec back ends: whichever of ``ETag``/``etag``, ``VersionId``,
+      ``generation``, ``LastModified``, ``mtime``, ``updated``, ``created`` their ``info``
+      gives, and size.
+    """
+
+    key: str
+    size: int
+    tag: str
 
 
 def check_key(key: str) -> str:
@@ -265,6 +310,8 @@ class _BoundedStore:
                 where = dict(uri=self.uri, op=op, key=key, attempts=attempt, elapsed_s=elapsed)
                 if isinstance(e, FileNotFoundError) and op == "get":
                     raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object", **where) from None
+                if isinstance(e, ObjectTooLarge):  # the answer, not a failure of the store
+                    raise e
                 if isinstance(e, SymlinkRefused):
                     raise SymlinkRefused(f"{self.uri}: {op} {key!r} refused: {e}", **where) from None
                 transient = is_transient(e)
@@ -287,8 +334,15 @@ class ObjectStore(Protocol):
     def put(self, key: str, data: bytes) -> None:
         """Atomically create or replace ``key``."""
 
-    def get(self, key: str) -> bytes:
-        """Whole object; ``ObjectNotFound`` if absent."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Whole object; ``ObjectNotFound`` if absent; ``ObjectTooLarge`` (body unread)
+        if over ``max_bytes``."""
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
+        """``get`` plus the identity of the version read (never newer than the bytes)."""
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and version tag; ``None`` if absent."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -311,6 +365,10 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def _local_tag(st: os.stat_result) -> str:
+    return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
 
 
 class LocalDirStore(_BoundedStore):
@@ -386,10 +444,17 @@ class LocalDirStore(_BoundedStore):
 
         self._call("put", key, attempt, nbytes=len(data))
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.get_with_info(key, max_bytes=max_bytes)[0]
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
+        """The size check, the read and the version's identity all come from one opened
+        descriptor (``fstat`` before and after the read), so they cannot race a rename.
+        An object written in place during the read (its tag or length changes) fails
+        the attempt transiently; the next attempt sees the new version."""
         parts = check_key(key).split("/")
 
-        def attempt(att: _Attempt) -> bytes:
+        def attempt(att: _Attempt) -> tuple[bytes, ObjectInfo]:
             try:
                 fd = self._open_dir(parts[:-1], create=False)
             except NotADirectoryError:
@@ -408,30 +473,42 @@ class LocalDirStore(_BoundedStore):
                 st = os.fstat(fh.fileno())
                 if not stat.S_ISREG(st.st_mode):
                     raise FileNotFoundError(key)
+                if max_bytes is not None and st.st_size > max_bytes:
+                    raise ObjectTooLarge(self.uri, key, st.st_size, max_bytes)
                 att.add_bytes(st.st_size)
-                return fh.read()
+                data = fh.read(st.st_size + 1)  # never more than fstat said, plus one byte to see growth
+                tag = _local_tag(st)
+                if len(data) != st.st_size or _local_tag(os.fstat(fh.fileno())) != tag:
+                    raise OSError(errno.EAGAIN, "the object changed while it was read")
+                return data, ObjectInfo(key, st.st_size, tag)
 
         return self._call("get", key, attempt)
 
-    def exists(self, key: str) -> bool:
+    def _lstat_attempt(self, key: str) -> Callable[[_Attempt], ObjectInfo | None]:
         parts = check_key(key).split("/")
 
-        def attempt(att: _Attempt) -> bool:
+        def attempt(att: _Attempt) -> ObjectInfo | None:
             try:
                 fd = self._open_dir(parts[:-1], create=False)
             except (FileNotFoundError, NotADirectoryError):
-                return False
+                return None
             try:
                 st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError):
-                return False
+                return None
             finally:
                 os.close(fd)
             if stat.S_ISLNK(st.st_mode):
                 raise SymlinkRefused(f"{key!r} is a symbolic link (the local store follows no link below its root)")
-            return stat.S_ISREG(st.st_mode)
+            return ObjectInfo(key, st.st_size, _local_tag(st)) if stat.S_ISREG(st.st_mode) else None
 
-        return self._call("exists", key, attempt)
+        return attempt
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self._call("stat", key, self._lstat_attempt(key))
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, self._lstat_attempt(key)) is not None
 
     def list(self, prefix: str) -> list[str]:
         parts = check_key(prefix.strip("/")).split("/") if prefix.strip("/") else []
@@ -524,18 +601,18 @@ class FsspecStore(_BoundedStore):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def _fs_call(self, name: str, att: _Attempt, *args, watchdog: bool = True) -> Any:
-        """``fs.<name>(*args)`` for one attempt.  On an async file system the coroutine
-        runs on fsspec's loop under ``sync(timeout=...)``, which cancels it at the
+    def _fs_call(self, name: str, att: _Attempt, *args, watchdog: bool = True, **kwargs) -> Any:
+        """``fs.<name>(*args, **kwargs)`` for one attempt.  On an async file system the
+        coroutine runs on fsspec's loop under ``sync(timeout=...)``, which cancels it at the
         deadline; ``watchdog=False`` leaves the bound to the client's socket timeouts."""
         if not self._async:
-            return getattr(self.fs, name)(*args)
+            return getattr(self.fs, name)(*args, **kwargs)
         from fsspec.asyn import sync
         from fsspec.exceptions import FSTimeoutError
 
         try:
             return sync(self.fs.loop, getattr(self.fs, "_" + name), *args,
-                        timeout=att.budget_s if watchdog else None)
+                        timeout=att.budget_s if watchdog else None, **kwargs)
         except FSTimeoutError:
             raise att.timed_out() from None
 
@@ -546,10 +623,51 @@ class FsspecStore(_BoundedStore):
         path = self._path(key)
         self._call("put", key, lambda att: self._fs_call("pipe_file", att, path, data), nbytes=len(data))
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            return self.get_with_info(key, max_bytes=max_bytes)[0]
         path = self._path(key)
         return self._call("get", key, lambda att: self._fs_call(
             "cat_file", att, path, watchdog=not self._socket_timeouts))
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
+        """``info`` (S3: HEAD) first, then the body: with ``max_bytes`` a ranged read of at
+        most ``max_bytes + 1`` bytes, so an object that grew in between is caught too.
+        Race: a put between the two calls gives the new bytes with the old version's
+        info.  The info is thus never newer than the bytes, and a reader that re-reads
+        when ``stat`` shows another tag reads once too often at worst, never misses a
+        version."""
+        path = self._path(key)
+
+        def attempt(att: _Attempt) -> tuple[bytes, ObjectInfo]:
+            info = self._fs_call("info", att, path, watchdog=not self._socket_timeouts)
+            if info.get("type") != "file":
+                raise FileNotFoundError(path)
+            size = int(info["size"])
+            if max_bytes is not None and size > max_bytes:
+                raise ObjectTooLarge(self.uri, key, size, max_bytes)
+            if size == 0:  # that version's bytes; S3 answers a range on an empty object with 416
+                return b"", ObjectInfo(key, 0, _fsspec_tag(info))
+            att.add_bytes(size)
+            ranged = {} if max_bytes is None else {"start": 0, "end": max_bytes + 1}
+            data = self._fs_call("cat_file", att, path, watchdog=not self._socket_timeouts, **ranged)
+            if max_bytes is not None and len(data) > max_bytes:
+                raise ObjectTooLarge(self.uri, key, len(data), max_bytes, grew=True)
+            return data, ObjectInfo(key, size, _fsspec_tag(info))
+
+        return self._call("get", key, attempt)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+
+        def attempt(att: _Attempt) -> ObjectInfo | None:
+            try:
+                info = self._fs_call("info", att, path, watchdog=not self._socket_timeouts)
+            except FileNotFoundError:
+                return None
+            return ObjectInfo(key, int(info["size"]), _fsspec_tag(info)) if info.get("type") == "file" else None
+
+        return self._call("stat", key, attempt)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
@@ -579,6 +697,15 @@ class FsspecStore(_BoundedStore):
                 pass
 
         self._call("delete", key, attempt)
+
+
+# What identifies a version in the ``info`` of the fsspec back ends (see ObjectInfo).
+_VERSION_FIELDS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "updated", "created")
+
+
+def _fsspec_tag(info: dict) -> str:
+    return ";".join([f"{k}={info[k]}" for k in _VERSION_FIELDS if info.get(k) not in (None, "")]
+                    + [f"size={info['size']}"])
 
 
 def _s3_options(options: dict, policy: StorePolicy) -> dict:

@@ -99,6 +99,10 @@ def planted(tmp_path):
     ("list", "", lambda s: s.list("")),
     ("get", "a/f", lambda s: s.get("a/f")),
     ("exists", "a/f", lambda s: s.exists("a/f")),
+    ("stat", "v/secret", lambda s: s.stat("v/secret")),
+    ("stat", "a/f", lambda s: s.stat("a/f")),
+    ("get", "a/f", lambda s: s.get("a/f", max_bytes=100)),
+    ("get", "v/secret", lambda s: s.get_with_info("v/secret")),
 ])
 def test_local_store_refuses_paths_through_symlinks(planted, op, key, call):
     s, outside = planted
@@ -114,6 +118,7 @@ def test_local_store_without_links_answers_the_same_calls(planted):
     s, _ = planted  # control for the refusals above: the same operations on a real directory
     s.put("w/x", b"1")
     assert s.get("w/secret") == b"inside" and s.exists("w/secret") and s.list("w") == ["w/secret", "w/x"]
+    assert s.stat("w/secret").size == 6 and s.get_with_info("w/secret", max_bytes=6)[0] == b"inside"
 
 
 def test_unusable_store_uris_are_one_line_store_errors(tmp_path):
