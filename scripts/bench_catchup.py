@@ -88,7 +88,7 @@ def main() -> int:
         state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         store = LocalDirStore(os.path.join(tmp, "store"))
         sender, params = _sender(store, state, key)
-        write_checkpoint(store, model.config.to_dict(), state, sealer=sealer, run_id=sender.claim())
+        sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sealer, run_id=sender.claim()))
         init_dir = os.path.join(tmp, "store", "init")
         numel = sum(t.numel() for t in state.values())
         rng = np.random.default_rng(0)
@@ -99,10 +99,14 @@ def main() -> int:
         for v in range(1, max(ns) + 1):
             _step(params, rng, args.changed)
             refs, _ = sender.publish(v)
-            m = Manifest(run_id=sender.run_id, model_id="bench", version=v, base_version=v - 1, chunks=tuple(refs))
+            m = Manifest(run_id=sender.run_id, model_id="bench", version=v, base_version=v - 1,
+                         base_digest=sender.committed_digest, chunks=tuple(refs))
             store.put(manifest_key(v), m.to_json(sealer))
-            store.put(decision_key(v), Decision(sender.run_id, v, v - 1, True, ("r0",), manifest_digest=doc_digest(store.get(manifest_key(v)))).to_json(sealer))
+            decision = Decision(sender.run_id, v, v - 1, True, ("r0",),
+                                manifest_digest=doc_digest(store.get(manifest_key(v)))).to_json(sealer)
+            store.put(decision_key(v), decision)
             sender.baseline.commit(v)
+            sender.committed_digest = doc_digest(decision)
         manifests = [Manifest.from_json(store.get(manifest_key(v)), sealer) for v in range(1, max(ns) + 1)]
         rows = []
         for n in ns:
@@ -116,9 +120,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 if mode == "replay":
                     for m in manifests[:n]:
-                        rx.apply_committed(m)
+                        rx.apply_committed(m, "")
                 else:
-                    rx.apply_chain(manifests[:n])
+                    rx.apply_chain(manifests[:n], "")
                 result[f"{mode}_s"] = round(time.perf_counter() - t0, 4)
                 got = {k: v.view(torch.int16).clone() for k, v in adapter.module.state_dict().items() if k in state}
                 want[mode] = got

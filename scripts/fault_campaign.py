@@ -49,11 +49,20 @@ import uuid
 import numpy as np
 
 CLASSES = ("none", "apply_exception", "receiver_kill", "trainer_kill", "store_stall", "store_error",
-           "chunk_tamper", "manifest_tamper", "decision_tamper", "ack_tamper", "one_refuses")
+           "chunk_tamper", "manifest_tamper", "decision_tamper", "ack_tamper", "one_refuses",
+           "pointer_attack", "hostile_doc")
 # relative frequency in a random campaign (trainer kills restart everything: rare)
 WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill": 0.5, "store_stall": 4,
            "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
-           "ack_tamper": 10, "one_refuses": 6}
+           "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8}
+# what a key-less writer plants in hostile_doc trials (the oversized one is over every cap but
+# the manifest's: 2 MiB of whitespace around an empty object)
+HOSTILE_DOCS = {
+    "deep_nesting": b"[" * 200_000,
+    "huge_int": b'{"version": ' + b"9" * 5000 + b', "signature": "none"}',
+    "duplicate_keys": b'{"version": 1, "version": 2, "signature": "none"}',
+    "oversize": b" " * (2 << 20) + b"{}",
+}
 FOREVER = 1_000_000
 RECEIVERS = ("r0", "r1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +122,12 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
             f = [{"kind": "tamper", "target": "rank0", "obj": "ack", "receiver": r, "mode": mode, "reads": reads}]
     elif cls == "one_refuses":
         f = [{"kind": "refuse", "target": r}]
+    elif cls == "pointer_attack":  # the driver, as a store writer without the key
+        f = [{"kind": "pointer", "target": "driver", "receiver": r,
+              "mode": rng.choice(["replay_head", "delete_pointers", "replay_committed", "aborted_head_restart"])}]
+    elif cls == "hostile_doc":
+        f = [{"kind": "hostile", "target": "driver", "receiver": r, "at": rng.choice(["head", "ack", "decision"]),
+              "mode": rng.choice(sorted(HOSTILE_DOCS))}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -301,6 +316,8 @@ class Epoch:
                 time.sleep(0.1)
         self.version = 0
         self.committed = 0
+        self.heads: dict[int, bytes] = {}  # HEAD.json bytes after each trial (genuine, signed)
+        self.aborted: set[int] = set()
         self.rows_seen = 0
         self.setup_s = time.monotonic() - t0
 
@@ -335,6 +352,88 @@ def _tail(path: str, n: int = 40) -> str:
         return ""
 
 
+# ----------------------------------------------------------------------------- store attacks
+class StoreAttacker:
+    """The driver as a store writer WITHOUT the key (pointer_attack, hostile_doc): it can
+    replay, delete and plant objects.  ``before_go`` acts before the trainer takes the step,
+    the thread (``start``/``join``) once the step's manifest is published."""
+
+    def __init__(self, ep: "Epoch", version: int, plan: dict):
+        self.ep, self.v = ep, version
+        self.fault = next((f for f in plan["faults"] if f["kind"] in ("pointer", "hostile")), None)
+        self.thread: threading.Thread | None = None
+        self.done = ""
+
+    def before_go(self) -> None:
+        f, ep, v = self.fault, self.ep, self.v
+        if f is None:
+            return
+        from nemo_dcr.protocol.manifest import COMMITTED_KEY, HEAD_KEY, ack_key, decision_key
+
+        if f["kind"] == "hostile" and f["at"] in ("ack", "decision"):
+            key = ack_key(f["receiver"], v) if f["at"] == "ack" else decision_key(v)
+            ep.store.put(key, HOSTILE_DOCS[f["mode"]])  # the real object replaces it later
+            self.done = f"planted {f['mode']} at {key}"
+        elif f["kind"] == "pointer" and f["mode"] == "replay_committed" and ep.heads:
+            try:
+                ep.store.put(COMMITTED_KEY, ep.store.get(COMMITTED_KEY))  # rewrite (new identity)
+                self.done = "rewrote COMMITTED.json"
+            except KeyError:
+                ep.store.delete(COMMITTED_KEY)
+                self.done = "deleted COMMITTED.json"
+        elif f["kind"] == "pointer" and f["mode"] == "aborted_head_restart":
+            aborted = [w for w in sorted(ep.heads) if w in ep.aborted]
+            if not aborted:
+                return
+            w = aborted[-1]
+            ep.store.delete(decision_key(w))
+            ep.store.put(HEAD_KEY, ep.heads[w])
+            rx = ep.receivers[f["receiver"]]
+            before = rx.log_count(f'"version": {w}, "ok": true')
+            _kill(rx.proc)
+            rx.start()  # from scratch: catches up, then applies the replayed aborted version
+            deadline = time.monotonic() + 90
+            while rx.log_count(f'"version": {w}, "ok": true') <= before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            applied = rx.log_count(f'"version": {w}, "ok": true') > before
+            self.done = f"HEAD of aborted v{w} restored, its decision deleted, {f['receiver']} restarted " \
+                        f"({'applied it' if applied else 'did not apply it'})"
+
+    def start(self) -> None:
+        f = self.fault
+        if f is None or not ((f["kind"] == "hostile" and f["at"] == "head")
+                             or (f["kind"] == "pointer" and f["mode"] in ("replay_head", "delete_pointers"))):
+            return
+        self.thread = threading.Thread(target=self._after_publish, daemon=True)
+        self.thread.start()
+
+    def _after_publish(self) -> None:
+        from nemo_dcr.protocol.manifest import COMMITTED_KEY, HEAD_KEY, manifest_key
+
+        f, ep, v = self.fault, self.ep, self.v
+        deadline = time.monotonic() + 30
+        while not ep.store.exists(manifest_key(v)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        time.sleep(0.01)  # the trainer writes HEAD right after the manifest
+        if f["kind"] == "hostile":
+            ep.store.put(HEAD_KEY, HOSTILE_DOCS[f["mode"]])
+            self.done = f"planted {f['mode']} at {HEAD_KEY}"
+        elif f["mode"] == "delete_pointers":
+            ep.store.delete(HEAD_KEY)
+            ep.store.delete(COMMITTED_KEY)
+            self.done = "deleted HEAD.json and COMMITTED.json"
+        elif ep.heads:
+            old = random.Random(v).choice(sorted(ep.heads))
+            ep.store.put(HEAD_KEY, ep.heads[old])
+            self.done = f"replayed HEAD.json of v{old}"
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+
 # ----------------------------------------------------------------------------- one trial
 def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
     """Returns (record, epoch_must_end)."""
@@ -351,8 +450,11 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
            "epoch": ep.index, "version": v, "base_version": base, "violations": [], "hang": False,
            "unplanned_restarts": 0, "planned_restarts": 0}
+    attacker = StoreAttacker(ep, v, plan)
+    attacker.before_go()
     t_go = time.time()
     open(os.path.join(ep.dir, "go", str(v)), "w").close()
+    attacker.start()
     stall = next((f for f in plan["faults"] if f["kind"] == "stall"), None)
     staller = None
     if stall:
@@ -374,6 +476,8 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
         time.sleep(0.02)
     if staller:
         staller.join()
+    attacker.join()
+    rec["attack"] = attacker.done
     rec["t_go"] = t_go
     end_epoch = False
     if row is None:
@@ -408,6 +512,8 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
         allowed_tentative = {None}
     if rec["committed"]:
         ep.committed = v
+    else:
+        ep.aborted.add(v)
     # ---- every receiver settles, then its served bits are compared
     rec["receivers"] = {}
     dense_cache: dict[int, dict] = {}
@@ -452,6 +558,12 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     ignored_after = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
     refused_after = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
     rec["receiver_ignored"] = ignored_after - ignored_before
+    if rec["receiver_ignored"] > 40:  # each planted object is logged once per identity, not per poll
+        rec["violations"].append(f"log flood: {rec['receiver_ignored']} ignored-object lines in one trial")
+    try:
+        ep.heads[v] = ep.store.get("HEAD.json")  # what a later pointer_attack may replay
+    except KeyError:
+        pass
     rec["receiver_refused"] = refused_after - refused_before
     rec["detected"] = bool(not rec["committed"] or rec["receiver_ignored"] or rec["receiver_refused"]
                            or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch)
@@ -494,6 +606,8 @@ def summarize(records: list[dict]) -> dict:
         }
     return {
         "trials": len(records),
+        "classes": {c: {k: by_class[c][k] for k in ("trials", "aborted", "detected", "recovered", "silent", "hangs")}
+                    for c in by_class},
         "silent_corruptions": sum(1 for r in records if r["silent"]),
         "hangs": sum(1 for r in records if r["hang"]),
         "violations": [f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
@@ -508,6 +622,8 @@ def _modes(rs: list[dict]) -> dict:
     for r in rs:
         for f in r["faults"]:
             m = f.get("mode") or f.get("point") or f.get("key_kind") or f["kind"]
+            if "at" in f:
+                m = f"{m}@{f['at']}"
             name = f"{f['kind']}:{f.get('obj', '') + ':' if 'obj' in f else ''}{m}@{f['target']}"
             out[name] = out.get(name, 0) + 1
     return dict(sorted(out.items()))

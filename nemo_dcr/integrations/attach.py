@@ -3,6 +3,11 @@ trains, then publish a version after optimizer steps.  The framework adapters
 (``integrations/nemo.py``, ``integrations/bridge.py``) only translate their callback
 signatures into :class:`RefitAttachment` calls.
 
+Run state lives in the training checkpoint: :meth:`RefitAttachment.state_dict` is what a
+framework saves with the model (the Lightning / NeMo callback's ``state_dict``), and
+:meth:`load_state_dict` (on restore, before training starts) makes ``attach`` continue that
+run -- checked against the store's signed history -- instead of starting a new one.
+
 Failing early and everywhere: ``attach`` runs when training starts (or at the first
 step), before training time is spent.  Bad settings, a store that cannot be reached and a
 model the hook cannot map raise :class:`RefitSetupError` with one message on EVERY rank
@@ -13,8 +18,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from nemo_dcr.errors import ProtocolError
+from nemo_dcr.errors import DcrError, ProtocolError
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise
+from nemo_dcr.protocol.run import RunState
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
 from nemo_dcr.layout.families import UnsupportedModelError
 from nemo_dcr.transport.store import ObjectStore, open_store
@@ -29,7 +35,7 @@ def _reachable_store(uri: str) -> ObjectStore:
         store.put(_PROBE_KEY, b"ok")
     if dist.is_initialized():
         dist.barrier()
-    if store.get(_PROBE_KEY) != b"ok":
+    if store.get(_PROBE_KEY, max_bytes=2) != b"ok":
         raise OSError(f"{_PROBE_KEY} did not read back")
     return store
 
@@ -43,6 +49,45 @@ class RefitAttachment:
         self.settings = settings
         self.hook: MegatronRefitHook | None = None
         self._last_step: int | None = None
+        self._restored: RunState | None = None
+        self._skipped_logged = False
+
+    STATE_FORMAT = "nemo-dcr-refit-state/1"
+
+    def state_dict(self) -> dict:
+        """The run state for the trainer's checkpoint ({} before a run exists)."""
+        state = self.hook.run_state() if self.hook is not None and self.hook.run_id else self._restored
+        return {} if state is None else {"format": self.STATE_FORMAT, **state.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the run state a checkpoint carried (before ``attach``); {} = none."""
+        if not state:
+            return
+        if not isinstance(state, dict) or state.get("format") != self.STATE_FORMAT:
+            raise RefitSetupError(f"refit state in the checkpoint is not {self.STATE_FORMAT}: "
+                                  f"{str(state)[:200]}")
+        try:
+            restored = RunState.from_dict({k: v for k, v in state.items() if k != "format"})
+        except DcrError as e:
+            raise RefitSetupError(f"refit state in the checkpoint: {e}") from None
+        if self.hook is not None:
+            raise RefitSetupError("refit state restored after the refit attached (a new run already started)")
+        self._restored = restored
+
+    def _resume_state(self) -> RunState | None:
+        s = self.settings
+        if self._restored is not None:
+            if s.resume_run_id and s.resume_run_id != self._restored.run_id:
+                raise RefitSetupError(f"refit.resume_run_id={s.resume_run_id} but the checkpoint continues run "
+                                      f"{self._restored.run_id}")
+            return self._restored
+        if s.resume_run_id:
+            return RunState(run_id=s.resume_run_id, committed_version=s.resume_version, committed_digest="",
+                            published_version=s.resume_version)
+        if not s.export_initial:
+            raise RefitSetupError("refit.export_initial=false, and there is nothing to resume: the checkpoint "
+                                  "holds no refit run state and refit.resume_run_id is not set")
+        return None
 
     @property
     def attached(self) -> bool:
@@ -68,10 +113,11 @@ class RefitAttachment:
         except UnsupportedModelError as e:
             raise RefitSetupError(f"the refit cannot map this model: {e}") from None
         try:
-            if s.export_initial:
+            resume = self._resume_state()
+            if resume is None:
                 self.hook.export_initial()
             else:
-                self.hook.resume(s.resume_run_id)
+                self.hook.resume(resume)
         except ProtocolError as e:  # raised on every rank alike (the sender broadcasts it)
             raise RefitSetupError(str(e)) from None
         return self.hook
@@ -83,4 +129,13 @@ class RefitAttachment:
         if step % self.settings.every_n_steps or step == self._last_step:
             return
         self._last_step = step
+        floor = self.hook.run_state().published_version
+        if step <= floor:
+            # a restarted job re-runs steps whose numbers an earlier incarnation published:
+            # never reuse one; the first step past them carries these steps' changes too
+            if not self._skipped_logged and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(f"nemo_dcr: step {step} is not published: version numbers up to {floor} are already in "
+                      f"use on the store; the next version is {floor + 1} or later", flush=True)
+                self._skipped_logged = True
+            return
         self.hook(step=step)

@@ -22,6 +22,14 @@ class RefitBridgeCallback:
             raise ValueError("give settings or overrides, not both")
         self.refit = RefitAttachment(settings)
 
+    def state_dict(self) -> dict:
+        """The refit's run state, to keep with the training checkpoint (see
+        ``RefitAttachment.state_dict``)."""
+        return self.refit.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.refit.load_state_dict(state_dict)
+
     def on_train_start(self, context) -> None:
         self.refit.attach(context.model)
 

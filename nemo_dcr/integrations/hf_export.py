@@ -19,6 +19,9 @@ from nemo_dcr.protocol.run import write_init_record
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectStore
 
+MAX_INIT_BYTES = 1 << 42
+"""Largest version-0 file a receiver downloads (4 TiB: a 1T-parameter BF16 checkpoint is
+2 TB); the files are then checked against the signed ``init/INIT.json``."""
 CONFIG_KEY = f"{INIT_PREFIX}/config.json"
 WEIGHTS_KEY = f"{INIT_PREFIX}/model.safetensors"
 
@@ -41,16 +44,15 @@ def hf_config(family: ModelFamily, dims: ModelDims) -> dict:
 
 
 def write_checkpoint(store: ObjectStore, config: dict, state: dict[str, torch.Tensor], *, sealer: Sealer,
-                     run_id: str) -> int:
+                     run_id: str) -> str:
     """Write ``init/config.json``, ``init/model.safetensors``, then ``init/INIT.json`` with
     their digests (whose presence readers take as "version 0 is complete"); returns the
-    weight bytes."""
+    digest of ``INIT.json``, the root of the run's chain of versions."""
     cfg = json.dumps(config, indent=1, sort_keys=True).encode()
     blob = save_safetensors({k: v.contiguous() for k, v in sorted(state.items())})
     store.put(CONFIG_KEY, cfg)
     store.put(WEIGHTS_KEY, blob)
-    write_init_record(store, sealer, run_id, {"config.json": cfg, "model.safetensors": blob})
-    return len(blob)
+    return write_init_record(store, sealer, run_id, {"config.json": cfg, "model.safetensors": blob})
 
 
 def download_checkpoint(store: ObjectStore, directory: str) -> str:
@@ -58,5 +60,5 @@ def download_checkpoint(store: ObjectStore, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     for key in (CONFIG_KEY, WEIGHTS_KEY):
         with open(os.path.join(directory, key.split("/")[-1]), "wb") as f:
-            f.write(store.get(key))
+            f.write(store.get(key, max_bytes=MAX_INIT_BYTES))
     return directory

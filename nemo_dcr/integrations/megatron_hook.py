@@ -41,6 +41,7 @@ from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
 from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
 from nemo_dcr.protocol.manifest import dense_key
+from nemo_dcr.protocol.run import RunState
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -166,18 +167,25 @@ class MegatronRefitHook:
         run_id = self.sender.claim()
         state = self.dense_state()
         error = None
+        root = ""
         if _rank() == 0:
             try:
-                write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
+                root = write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
             except Exception as e:  # noqa: BLE001 - every rank must learn it (no rank left in a collective)
                 error = f"writing version 0 to {self.store.uri} failed: {type(e).__name__}: {e}"
         agree_or_raise(error, ProtocolError)
+        self.sender.set_root(root)
         return run_id
 
-    def resume(self, run_id: str) -> None:
-        """Collective: continue run ``run_id`` whose version 0 is already on the store
-        (the trainer's baseline must be that run's committed version)."""
-        self.sender.claim(resume_run_id=run_id)
+    def resume(self, state: RunState) -> None:
+        """Collective: continue the run of ``state`` (restored from the trainer's checkpoint,
+        together with the weights it describes), checked against the store's signed history."""
+        self.sender.claim(resume=state)
+        self._published = self.sender.run_state().published_version
+
+    def run_state(self) -> RunState:
+        """The refit's run state, for the trainer's checkpoint (``RunState.to_dict()``)."""
+        return self.sender.run_state()
 
     def __call__(self, trainer=None, step: int | None = None) -> None:
         """Publish a version (collective): ``step`` (the optimizer step just taken) if

@@ -9,7 +9,8 @@ distributed optimizer's deferred all-gather, if any, is forced by the hook).  Th
 is NeMo's ``trainer.strategy.megatron_parallel``: one NeMo model per virtual pipeline stage,
 each leading along ``.module`` (NeMo DDP -> Float16Module) to a megatron-core ``GPTModel``
 chunk; without a NeMo strategy (plain Lightning), ``pl_module`` itself.  The version number
-is ``trainer.global_step``.
+is ``trainer.global_step``.  The refit's run state is the callback's ``state_dict``, so it
+is saved and restored with the training checkpoint and a resumed job continues its run.
 
 Framework-tested: ``tests/nemo/test_nemo_recipe.py`` runs ``llm.llama3_8b.pretrain_recipe``
 (tiny) with this callback under torchrun (``examples/nemo_llama3_refit.py``).
@@ -45,6 +46,15 @@ class RefitCallback(_Base):
         elif overrides:
             raise ValueError("give settings or overrides, not both")
         self.refit = RefitAttachment(settings)
+
+    def state_dict(self) -> dict:
+        """Saved by Lightning with the checkpoint: the refit's run state (run id, committed
+        version and its decision digest, highest version published)."""
+        return self.refit.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restored by Lightning before training starts: ``attach`` continues that run."""
+        self.refit.load_state_dict(state_dict)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.refit.attach(_model_chunks(trainer, pl_module))

@@ -32,7 +32,7 @@ from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
 from nemo_dcr.protocol.manifest import ChunkRef, Manifest, chunk_key
-from nemo_dcr.protocol.run import claim_store, run_position
+from nemo_dcr.protocol.run import RunState, claim_store, resume_position
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.transport.store import ObjectStore
 
@@ -157,6 +157,7 @@ class RefitSender:
         self.baseline = Baseline(params, version=committed_version)
         self.sealer = Sealer(load_key(cfg.key_file or None, log=_log if _rank() == 0 else None))
         self.run_id: str | None = None
+        self.committed_digest = ""  # the committed version's decision digest (INIT.json's for v0)
         self._floor = 0  # highest version published so far (by this or an earlier incarnation)
         self._failures = FailureBudget(cfg.on_refusal, cfg.max_consecutive_failures)
         # canonical inventory (union over ranks): what a dense refit would send
@@ -185,32 +186,52 @@ class RefitSender:
         self.dense_bytes = sum(shape_numel(c.shape) * BITS_DTYPE[c.dtype].itemsize for c in self.canonical.values())
 
     # ------------------------------------------------------------------ run
-    def claim(self, *, resume_run_id: str | None = None) -> str:
-        """Collective: rank 0 claims the store for a new run (or checks it is the run
-        being resumed) and every rank learns the run id; a refusal (another run's prefix,
-        unreachable store) raises the same error on every rank.  Resuming, the baseline
-        becomes the run's committed version -- the parameters must hold exactly its bits
-        (the checkpoint of that step) -- and version numbers continue above every one
-        published before, so a receiver never sees one number with two contents."""
-        result: tuple[str | None, tuple[int, int], str | None] = (None, (0, 0), None)
+    def claim(self, *, resume: RunState | None = None) -> str:
+        """Collective: rank 0 claims the store for a new run, or checks the run ``resume``
+        (the trainer checkpoint's run state) against the store's signed history; every rank
+        learns the run id and position, and a refusal (another run's prefix, a checkpoint the
+        history does not confirm, an unreachable store) raises the same error on every rank.
+
+        Resuming, the baseline is the checkpoint's committed version -- the parameters hold
+        exactly its bits, since they come from the same checkpoint -- and version numbers
+        continue above every one in use, so a receiver never sees one number with two
+        contents.  A new run's chain starts at version 0 once :meth:`set_root` names it."""
+        result: tuple = (None, 0, "", 0, None)
         if _rank() == 0:
             try:
-                run_id = claim_store(self.store, self.sealer, self.cfg.model_id, resume_run_id=resume_run_id).run_id
-                result = (run_id, run_position(self.store, self.sealer, run_id) if resume_run_id else (0, 0), None)
+                run_id = claim_store(self.store, self.sealer, self.cfg.model_id,
+                                     resume_run_id=resume.run_id if resume else None).run_id
+                if resume is not None:
+                    digest, floor = resume_position(self.store, self.sealer, resume)
+                    result = (run_id, resume.committed_version, digest, floor, None)
+                else:
+                    result = (run_id, 0, "", 0, None)
             except Exception as e:  # noqa: BLE001 - every rank must learn the outcome
-                result = (None, (0, 0), f"{type(e).__name__}: {e}")
-        run_id, (committed, published), error = _broadcast(result)
+                result = (None, 0, "", 0, f"{type(e).__name__}: {e}")
+        run_id, committed, digest, floor, error = _broadcast(result)
         if error is not None:
             raise ProtocolError(f"cannot start the run: {error}")
         self.run_id = run_id
-        # resuming: the weights this trainer holds now must be the committed version's
-        # (restart from the checkpoint of that step); later versions are diffed against them
         self.baseline.version = committed
-        self._floor = published
+        self.committed_digest = digest
+        self._floor = floor
         if _rank() == 0:
             self.coordinator = CommitCoordinator(self.store, self.sealer, run_id, self.cfg.receivers,
                                                  ack_timeout_s=self.cfg.ack_timeout_s, poll_s=self.cfg.ack_poll_s)
         return run_id
+
+    def set_root(self, init_digest: str) -> None:
+        """Collective: version 0 is published; ``init_digest`` (rank 0's ``init/INIT.json``
+        digest) is the root every version-1 manifest names as its base."""
+        self.committed_digest = _broadcast(init_digest)
+
+    def run_state(self) -> RunState:
+        """What the trainer's checkpoint must carry to resume this run (see ``claim``)."""
+        if self.run_id is None:
+            raise ProtocolError("run_state before claim(): the sender has no run id")
+        return RunState(run_id=self.run_id, committed_version=self.baseline.version,
+                        committed_digest=self.committed_digest, published_version=max(self._floor,
+                                                                                      self.baseline.version))
 
     # ------------------------------------------------------------------ publish
     def _deltas_for_param(self, name: str, positions: np.ndarray, xor: np.ndarray, stats: PublishStats):
@@ -279,6 +300,9 @@ class RefitSender:
         stats = PublishStats(version=version, base_version=base)
         if self.run_id is None:
             raise ProtocolError("publish before claim(): the sender has no run id")
+        if not self.committed_digest:
+            raise ProtocolError("publish before the chain's root is known (version 0 not exported)")
+        self._floor = version  # used from here on, whatever happens to this version
         meta = {"run_id": self.run_id, "model_id": self.cfg.model_id, "version": str(version),
                 "base_version": str(base), "rank": str(_rank())}
         t_start = time.perf_counter()
@@ -347,9 +371,10 @@ class RefitSender:
         decision = None
         if _rank() == 0:
             decision = self._decide(version, stats, gathered, before_manifest)
-        commit, reason, stop = _broadcast(decision)
+        commit, reason, stop, digest = _broadcast(decision)
         if commit:
             self.baseline.commit(version)
+            self.committed_digest = digest
         else:
             self.baseline.discard()
         stats.committed, stats.reason = commit, reason
@@ -361,7 +386,7 @@ class RefitSender:
                  f"against version {self.baseline.version}: {reason}")
         return stats
 
-    def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool]:
+    def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool, str]:
         """Rank 0: totals, manifest, acks, decision record.  Never raises: any failure is
         an abort with its reason (the policy decides whether training stops)."""
         errors = [e for _, _, e in gathered if e is not None]
@@ -382,7 +407,8 @@ class RefitSender:
         try:
             if not errors:
                 manifest = Manifest(run_id=self.run_id, model_id=self.cfg.model_id, version=version,
-                                    base_version=stats.base_version, chunks=all_refs,
+                                    base_version=stats.base_version, base_digest=self.committed_digest,
+                                    chunks=all_refs,
                                     stats={"changed": float(stats.changed)})
                 if before_manifest is not None:
                     before_manifest(manifest)
@@ -396,8 +422,9 @@ class RefitSender:
         except Exception as e:  # noqa: BLE001 - e.g. the store failed: abort, never half-commit
             commit, reason = False, (reason + "; " if reason else "") + f"rank 0: {type(e).__name__}: {e}"
         stats.commit_wait_s = time.perf_counter() - t0
+        decision_digest = ""
         try:
-            self.coordinator.decide(version, stats.base_version, commit, reason, digest)
+            decision_digest = self.coordinator.decide(version, stats.base_version, commit, reason, digest)
         except Exception as e:  # noqa: BLE001
             if commit:
                 # the commit record may have landed (receivers would then hold v as committed)
@@ -405,7 +432,7 @@ class RefitSender:
                 self._failures.record(False)
                 return False, (f"the commit decision on version {version} could not be recorded "
                                f"({type(e).__name__}: {e}); receivers may hold it as committed: stop, then "
-                               "resume the run, which reads the decision records"), True
-            # an unrecorded abort is safe: receivers infer it from the next HEAD (older base)
+                               "resume the run, which reads the decision records"), True, ""
+            # an unrecorded abort is safe: receivers infer it from the chain of the next HEAD
             reason += f"; decision record not written ({type(e).__name__}: {e})"
-        return commit, reason, self._failures.record(commit)
+        return commit, reason, self._failures.record(commit), decision_digest

@@ -41,7 +41,9 @@ class RefitSettings:
     family: str = ""
     """Layout family (``llama``, ``qwen3``, ``qwen3_moe``); '' = chosen from the model."""
     export_initial: bool = True
-    """Write version 0 (the initial HF checkpoint) when the refit attaches."""
+    """Start a new run when the refit attaches: claim the store and write version 0 (the
+    initial HF checkpoint).  Ignored when the trainer's checkpoint restored the refit's run
+    state (the framework callbacks save it with the model): that run continues."""
     every_n_steps: int = 1
     """Publish a version after every n-th optimizer step."""
     key_file: str = ""
@@ -53,8 +55,12 @@ class RefitSettings:
     max_consecutive_failures: int = 3
     """With ``on_refusal=retry``: stop after this many aborted versions in a row."""
     resume_run_id: str = ""
-    """With ``export_initial=false``: the run (``RUN.json`` on the store) this training
-    continues; its committed version must be what the trainer's weights hold."""
+    """With ``export_initial=false``, for a loop whose checkpoint does not carry the refit's
+    run state: the run (``RUN.json`` on the store) to continue.  With a restored run state it
+    must name the same run."""
+    resume_version: int = -1
+    """With ``resume_run_id``: the committed version the trainer's weights hold (the step of
+    the checkpoint it restarted from); checked against the store's signed decisions."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "receivers", tuple(self.receivers))
@@ -74,8 +80,11 @@ class RefitSettings:
             self.sender_config()
         except ValueError as e:
             raise RefitSetupError(f"refit: {e}") from None
-        if not self.export_initial and not self.resume_run_id:
-            raise RefitSetupError("refit.export_initial=false needs refit.resume_run_id (the run to continue)")
+        if self.resume_run_id and self.resume_version < 0:
+            raise RefitSetupError("refit.resume_run_id needs refit.resume_version (the committed version the "
+                                  "trainer's weights hold)")
+        if self.resume_version >= 0 and not self.resume_run_id:
+            raise RefitSetupError("refit.resume_version needs refit.resume_run_id")
         if self.vocab_size < 0:
             raise RefitSetupError(f"refit.vocab_size must be >= 0, got {self.vocab_size}")
 

@@ -23,9 +23,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import DcrError, FormatError
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
+    DOC_LIMITS,
     HEAD_KEY,
     Ack,
     Committed,
@@ -83,22 +84,29 @@ class CommitCoordinator:
         deadline = time.monotonic() + self.ack_timeout_s
         valid: dict[str, Ack] = {}
         rejected: dict[str, str] = {}
-        seen: dict[str, bytes] = {}
+        seen: dict[str, str] = {}  # receiver -> identity (stat tag) of the object last judged
         ignored: list[str] = []
         while True:
             for rid in self.receivers:
                 if rid in valid:
                     continue
+                key = ack_key(rid, version)
                 try:
-                    data = self.store.get(ack_key(rid, version))
+                    info = self.store.stat(key)
+                    if info is None or seen.get(rid) == info.tag:
+                        continue
+                    data, info = self.store.get_with_info(key, max_bytes=DOC_LIMITS["ack"])
                 except ObjectNotFound:
+                    continue
+                except FormatError as e:  # over the cap: judged by its size, never read
+                    seen[rid] = info.tag
+                    rejected[rid] = f"ack rejected: {e}"
+                    ignored.append(f"{rid}: {e}")
                     continue
                 except DcrError as e:  # a failing store: read again at the next poll, until the deadline
                     rejected.setdefault(rid, f"store error reading its ack: {e}")
                     continue
-                if seen.get(rid) == data:
-                    continue
-                seen[rid] = data
+                seen[rid] = info.tag
                 try:
                     valid[rid] = self._check(rid, version, manifest_digest, data)
                 except (DcrError, ValueError) as e:
@@ -116,21 +124,23 @@ class CommitCoordinator:
                           ignored=ignored)
 
     def decide(self, version: int, base_version: int, commit: bool, reason: str, manifest_digest: str = ""
-               ) -> Decision:
-        """Write the decision record (and, on commit, ``COMMITTED.json``)."""
+               ) -> str:
+        """Write the decision record (and, on commit, ``COMMITTED.json``); returns the
+        record's digest, which the next manifest names as its ``base_digest`` on commit."""
         d = Decision(run_id=self.run_id, version=version, base_version=base_version, commit=commit,
-                     receivers=self.receivers, reason=reason, manifest_digest=manifest_digest)
+                     receivers=self.receivers, reason=reason[:4096], manifest_digest=manifest_digest)
         # A put that raised may still have landed (a lost response): receivers would then act
         # on a record the trainer believes unwritten.  So the put is retried (same bytes,
         # idempotent) until it succeeds or the record reads back; only then is it decided.
-        self._put_confirmed(decision_key(version), d.to_json(self.sealer))
+        data = d.to_json(self.sealer)
+        self._put_confirmed(decision_key(version), data)
         if commit:
             try:  # a pointer for people and tools; the decision record above is authoritative
                 self._put_confirmed(COMMITTED_KEY, Committed(self.run_id, version, self.receivers).to_json(self.sealer))
             except DcrError as e:
                 print(f"nemo_dcr: version {version} committed, but {COMMITTED_KEY} was not updated: {e}",
                       file=sys.stderr, flush=True)
-        return d
+        return doc_digest(data)
 
     def _put_confirmed(self, key: str, data: bytes, attempts: int = 4) -> None:
         for i in range(attempts):
@@ -140,7 +150,7 @@ class CommitCoordinator:
             except DcrError as e:
                 error = e
             try:
-                if self.store.get(key) == data:
+                if self.store.get(key, max_bytes=len(data)) == data:
                     return
             except DcrError:
                 pass

@@ -1,25 +1,35 @@
 """Receiver side of the protocol: the version state machine (``protocol/commit.py`` is the
 trainer's half).
 
-A receiver holds a **committed** version ``c`` and at most one **tentative** version ``t``
-(applied, acknowledged, waiting for the trainer's decision).  One ``step``:
+A receiver holds a **committed** version ``c`` -- with ``D(c)``, the digest of the signed
+commit decision it settled on (of ``init/INIT.json`` for version 0) -- and at most one
+**tentative** version ``t`` (applied, acknowledged, waiting for the trainer's decision).
+The signed documents form a chain: every manifest names its base version AND that base's
+decision digest, every commit decision names its manifest's digest.  ``HEAD.json`` is only
+a hint of which version to look at next; what the receiver does is settled by the chain.
+One ``step``:
 
-1. A version acknowledged (or refused) and not yet decided: read its ``DECISION.json``.
-   Commit: ``c = t``.  Abort: roll ``t`` back in place (undo journal) to ``c``, bit-exact.
-   No decision yet: wait (the runtime keeps serving ``t``; it never serves a version after
-   learning it was aborted).
-2. Read ``HEAD.json``.  Nothing newer than what was handled: wait.
-3. ``HEAD.base > c`` (the receiver restarted or fell behind): catch up by replaying the
-   committed versions ``c -> ... -> HEAD.base``, found by walking the decision chain back
-   from ``HEAD.base`` (each decision names its base).  Catch-up versions are committed
-   already; the trainer does not wait for them.
-4. ``HEAD.base == c``: fetch, check and apply ``HEAD.version`` tentatively; write a sealed
-   ack (``ok`` only if applied and, when verifying, bit-exact) or a refusal.
+1. A version answered and not yet decided: read its ``DECISION.json``.  Commit: ``c = t``.
+   Abort: roll ``t`` back in place (undo journal) to ``c``, bit-exact.  No decision (not
+   yet written, or deleted): if a newer version's manifest and the decisions below it
+   lead to a base older than ``t`` without passing through ``t``, ``t`` is not on the
+   chain and never will be (versions are never reused): roll it back as aborted.
+   Otherwise wait; the runtime keeps serving ``t``, never after learning it was aborted.
+2. ``HEAD.json`` names a version not handled yet: open its manifest (base ``b``).
+3. ``b > c`` (the receiver restarted or fell behind): walk the signed decisions back from
+   ``b`` to ``c``, checking every digest link, and replay those committed versions
+   (catch-up; the trainer does not wait for it).
+4. ``b == c`` and the manifest's base digest is ``D(c)``: fetch, check and apply the
+   version tentatively; write a sealed ack (``ok`` only if applied and, when verifying,
+   bit-exact) or a refusal.
+5. Anything else (``b < c``, a base digest that is not ``D(c)``, a chain that skips ``c``)
+   does not extend what this receiver committed: it writes a refusal that names both
+   versions and keeps serving ``c``.  A store document never makes a receiver exit.
 
-Every document is opened with the run's key and must name the run this receiver
-follows; anything else is logged and ignored (it may be a forgery; the real object may
-still arrive), so a store writer without the key can delay a receiver but not make it
-apply or roll back anything.
+Every document is read through ``protocol/reader.py`` (bounded, cached by object
+identity) and must open with the run's key and name the run this receiver follows;
+anything else is logged once and ignored, so a store writer without the key can delay a
+receiver but not make it apply, keep or roll back anything.
 """
 from __future__ import annotations
 
@@ -36,18 +46,20 @@ from nemo_dcr.protocol.manifest import (
     Manifest,
     ack_key,
     decision_key,
-    doc_digest,
     manifest_key,
 )
+from nemo_dcr.protocol.reader import DocReader
 from nemo_dcr.protocol.run import read_run
 from nemo_dcr.protocol.signing import Sealer
-from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
+from nemo_dcr.transport.store import ObjectStore
 
 
 @dataclass
 class FollowerState:
     run_id: str
     committed: int = 0
+    committed_digest: str = ""
+    """Digest of the signed decision that committed ``committed`` (``init/INIT.json``'s for 0)."""
     tentative: int | None = None
     tentative_digest: str = ""
     """Digest of the manifest applied as ``tentative``."""
@@ -60,12 +72,13 @@ class FollowerState:
 
 
 def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, timeout_s: float | None,
-                 poll_s: float = 0.1) -> str:
+                 poll_s: float = 0.1, allow_unverified: bool = False) -> str:
     """The run id of the store's ``RUN.json`` (waiting for it to appear); refuses a run other
-    than ``run_id`` when one is given."""
+    than ``run_id`` when one is given, and a record that does not open with the key (or a
+    signed one, without a key unless ``allow_unverified``) naming what it claims to be."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        rec = read_run(store, sealer)
+        rec = read_run(store, sealer, allow_unverified=allow_unverified)
         if rec is not None:
             if run_id and rec.run_id != run_id:
                 raise ProtocolError(f"store {store.uri} holds run {rec.run_id}, this receiver follows run {run_id}")
@@ -75,86 +88,92 @@ def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, time
         time.sleep(poll_s)
 
 
+class _Broken(ProtocolError):
+    """The chain from a manifest does not lead to what this receiver committed."""
+
+
 class Follower:
     """Drives a ``Receiver`` (``receiver/worker.py``: fetch, apply, rollback) through the
     protocol.  ``log(dict)`` gets one JSON-able event per acknowledged, refused, decided,
-    rolled-back or replayed version."""
+    rolled-back or replayed version, and per ignored object identity."""
 
     def __init__(self, receiver, store: ObjectStore, sealer: Sealer, run_id: str, *, receiver_id: str,
-                 committed: int = 0, compose_after: int = 4, log=None):
-        """``compose_after``: catching up through more committed versions than this applies
+                 committed: int = 0, committed_digest: str, compose_after: int = 4, log=None):
+        """``committed_digest``: the chain's link for ``committed`` (``init/INIT.json``'s
+        digest for version 0: ``protocol.run.verify_init_dir`` returns it).
+        ``compose_after``: catching up through more committed versions than this applies
         them as one composed delta (``receiver/catchup.py``) instead of one by one."""
         self.rx = receiver
         self.store = store
         self.sealer = sealer
         self.receiver_id = receiver_id
         self.compose_after = compose_after
-        self.state = FollowerState(run_id=run_id, committed=committed, handled=committed, decided=committed)
+        self.state = FollowerState(run_id=run_id, committed=committed, committed_digest=committed_digest,
+                                   handled=committed, decided=committed)
         self._log = log or (lambda event: print(json.dumps(event), flush=True))
-        self._ignored: set[tuple[str, bytes]] = set()
+        self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
 
     # ------------------------------------------------------------------ reads
-    def _open(self, key: str, cls, what: str):
-        """The sealed document at ``key`` if present, authentic and of this run; else None
-        (a forged or foreign one is logged once and ignored)."""
-        try:
-            data = self.store.get(key)
-        except ObjectNotFound:
-            return None
-        except TransportError as e:  # a failing or stalled store: look again at the next poll
-            self._log({"receiver": self.receiver_id, "store_error": key, "error": str(e)})
-            return None
-        try:
-            doc = cls.from_json(data, self.sealer)
-            if doc.run_id != self.state.run_id:
-                raise ProtocolError(f"{what} of run {doc.run_id}, not {self.state.run_id}")
-        except DcrError as e:
-            if (key, data) not in self._ignored:
-                self._ignored.add((key, data))
-                self._log({"receiver": self.receiver_id, "ignored": key, "error": str(e)})
-            return None
-        return doc, data
-
-    def _decision(self, version: int) -> Decision | None:
-        got = self._open(decision_key(version), Decision, f"decision v{version}")
+    def _decision(self, version: int) -> tuple[Decision, str] | None:
+        """(decision, digest of its bytes) of ``version``, if present and authentic."""
+        got = self.docs.read(decision_key(version), Decision)
         if got is None:
             return None
-        d = got[0]
-        if d.version != version:
-            self._log({"receiver": self.receiver_id, "ignored": decision_key(version),
-                       "error": f"names version {d.version}"})
+        if got.doc.version != version:
+            self.docs.reject(decision_key(version), f"names version {got.doc.version}")
             return None
-        return d
+        return got.doc, got.digest
 
     def _manifest(self, version: int) -> tuple[Manifest, str] | None:
-        got = self._open(manifest_key(version), Manifest, f"manifest v{version}")
+        got = self.docs.read(manifest_key(version), Manifest)
         if got is None:
             return None
-        m, data = got
-        if m.version != version:
-            self._log({"receiver": self.receiver_id, "ignored": manifest_key(version),
-                       "error": f"names version {m.version}"})
+        if got.doc.version != version:
+            self.docs.reject(manifest_key(version), f"names version {got.doc.version}")
             return None
-        return m, doc_digest(data)
+        return got.doc, got.digest
 
     # ------------------------------------------------------------------ steps
+    def _below(self, version: int, floor: int) -> bool | None:
+        """Walking commit decisions down from ``version``: True when the chain passes below
+        ``floor`` without touching it, False when it reaches ``floor``, None while a
+        decision on the way cannot be read (missing, or not yet written)."""
+        v = version
+        while v > floor:
+            got = self._decision(v)
+            if got is None or not got[0].commit:
+                return None
+            v = got[0].base_version
+        return v < floor
+
     def _settle(self) -> bool:
-        """Step 1; True when the awaited decision arrived."""
+        """Step 1; True when the awaited version was decided."""
         st = self.state
-        d = self._decision(st.awaiting)
-        if d is None:
-            # No decision record (the trainer may have failed before writing it).  A newer HEAD
-            # whose base is older than the awaited version proves it was not committed
-            # (versions are never reused): roll it back rather than wait forever.
-            got = self._open(HEAD_KEY, Head, "head")
-            if got is None or got[0].version <= st.awaiting or got[0].base_version >= st.awaiting:
+        got = self._decision(st.awaiting)
+        digest = ""
+        if got is not None:
+            d, digest = got
+        else:
+            # No decision record (the trainer failed before writing it, or it was deleted).
+            # A signed manifest of a later version whose chain passes below the awaited one
+            # proves it was not committed and never will be (numbers are never reused).
+            head = self.docs.read(HEAD_KEY, Head)
+            if head is None or head.doc.version <= st.awaiting:
                 return False
-            d = Decision(run_id=st.run_id, version=st.awaiting, base_version=got[0].base_version, commit=False,
-                         receivers=(), reason=f"no decision record; HEAD v{got[0].version} has base "
-                                              f"v{got[0].base_version}")
+            newer = self._manifest(head.doc.version)
+            if newer is None:
+                return False
+            m = newer[0]
+            skipped = m.base_version < st.awaiting or (m.base_version > st.awaiting
+                                                       and self._below(m.base_version, st.awaiting))
+            if not skipped:
+                return False
+            d = Decision(run_id=st.run_id, version=st.awaiting, base_version=min(st.committed, st.awaiting - 1),
+                         commit=False, receivers=(),
+                         reason=f"no decision record; v{m.version}'s chain does not pass through v{st.awaiting}")
         if d.commit and st.tentative == d.version and d.manifest_digest != st.tentative_digest:
-            # committed bytes other than the ones applied under this number (a restarted
-            # trainer reused it): what this receiver applied was not committed
+            # committed bytes other than the ones applied under this number: what this
+            # receiver applied was not committed
             self.rx.rollback()
             self._log({"receiver": self.receiver_id, "version": d.version, "event": "rolled back",
                        "reason": "the committed manifest is not the one applied"})
@@ -162,8 +181,8 @@ class Follower:
             return True
         if d.commit:
             if st.tentative == d.version:
-                self.rx.settle()
-                st.committed, st.tentative = d.version, None
+                self.rx.settle(digest)
+                st.committed, st.committed_digest, st.tentative = d.version, digest, None
             event = "committed"
         else:
             if st.tentative == d.version:
@@ -179,90 +198,113 @@ class Follower:
         st.awaiting = None
         return True
 
-    def _chain(self, target: int) -> list[Decision] | None:
-        """Commit decisions after ``committed`` up to ``target``, oldest first (None while
-        the chain is not complete or not this run's)."""
+    def _chain(self, target: int, target_digest: str) -> list[Manifest] | None:
+        """The committed manifests after ``committed`` up to ``target`` (whose decision must
+        hash to ``target_digest``), oldest first, every link checked: each decision is a
+        signed commit with the digest the next manifest names, each manifest the one its
+        decision committed, and the walk ends exactly at the held version and digest.
+        None while a link cannot be read yet; raises ``_Broken`` when the links disagree."""
+        st = self.state
         out = []
-        v = target
-        while v > self.state.committed:
-            d = self._decision(v)
-            if d is None or not d.commit:
-                return None
-            out.append(d)
-            v = d.base_version
-        return out[::-1] if v == self.state.committed else None
-
-    def _catch_up(self, target: int) -> bool:
-        chain = self._chain(target)
-        if chain is None:
-            return False
-        manifests = []
-        for d in chain:
-            got = self._manifest(d.version)
+        v, want = target, target_digest
+        while v > st.committed:
+            got = self._decision(v)
             if got is None:
-                return False
-            if got[1] != d.manifest_digest:
-                self._log({"receiver": self.receiver_id, "ignored": manifest_key(d.version),
-                           "error": "not the manifest the trainer committed (digest differs)"})
-                return False
-            manifests.append(got[0])
+                return None
+            d, digest = got
+            if digest != want:
+                raise _Broken(f"v{v}'s decision is not the one the next version names")
+            if not d.commit:
+                raise _Broken(f"v{v} was aborted, yet a later version is based on it")
+            mgot = self._manifest(v)
+            if mgot is None:
+                return None
+            m, mdigest = mgot
+            if mdigest != d.manifest_digest:
+                raise _Broken(f"v{v}'s manifest is not the one its decision committed")
+            out.append(m)
+            v, want = m.base_version, m.base_digest
+        if v != st.committed or want != st.committed_digest:
+            raise _Broken(f"the chain reaches v{v}, not the v{st.committed} this receiver committed"
+                          if v != st.committed else f"its v{v} is not the v{v} this receiver committed")
+        return out[::-1]
+
+    def _catch_up(self, head: Manifest) -> bool:
+        try:
+            manifests = self._chain(head.base_version, head.base_digest)
+        except _Broken as e:
+            return self._refuse(head, str(e))
+        if manifests is None:
+            return False
+        target = manifests[-1].version
         t0 = time.perf_counter()
+        versions = [m.version for m in manifests]
+        digest = head.base_digest
         try:
             if len(manifests) > self.compose_after:
-                stats = self.rx.apply_chain(manifests)
+                stats = self.rx.apply_chain(manifests, digest)
                 mode = "composed"
             else:
-                for m in manifests:
-                    self.rx.apply_committed(m)
                 stats, mode = {}, "replayed"
+                for m, next_base in zip(manifests, [*(n.base_digest for n in manifests[1:]), digest]):
+                    self.rx.apply_committed(m, next_base)
+                    self.state.committed, self.state.committed_digest = m.version, next_base
+                    self.state.handled = max(self.state.handled, m.version)
+                    self.state.decided = max(self.state.decided, m.version)
         except TransportError as e:
             # chunks are fetched before a version's writes: keep what was replayed, retry the rest
-            held = getattr(self.rx, "held_version", None)
-            if held in chain:
-                self.state.committed = self.state.handled = held
-                self.state.decided = max(self.state.decided, held)
             self._log({"receiver": self.receiver_id, "event": "catch-up interrupted", "held": self.state.committed,
                        "store_error": str(e)})
             return False
         except DcrError as e:
-            raise ProtocolError(f"receiver {self.receiver_id}: cannot catch up from v{self.state.committed} to "
-                                f"v{target} ({type(e).__name__}: {e}); reload from a newer checkpoint") from None
+            # committed versions that do not apply: this receiver cannot follow the run any
+            # further from here (a store writer deleted or broke a committed chunk); it says
+            # so and keeps serving what it holds
+            return self._refuse(head, f"cannot catch up from v{self.state.committed} to v{target} "
+                                      f"({type(e).__name__}: {e}); reload from a newer checkpoint")
         st = self.state
-        st.committed = st.handled = target
+        st.committed, st.committed_digest = target, digest
+        st.handled = max(st.handled, target)
         st.decided = max(st.decided, target)
-        self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode,
-                   "versions": [d.version for d in chain],
+        self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode, "versions": versions,
                    "seconds": round(time.perf_counter() - t0, 4),
                    **{k: v for k, v in stats.items() if k in ("composed_changed", "changed", "wire_bytes")}})
         return True
 
-    def _answer(self, head: Head) -> bool:
-        st = self.state
-        got = self._manifest(head.version)
-        if got is None:
-            return False
-        manifest, digest = got
-        if manifest.base_version != st.committed:
-            ack = Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
-                      held_version=st.committed,
-                      error=f"manifest v{manifest.version} has base version {manifest.base_version}, "
-                            f"this receiver holds version {st.committed}")
-        else:
-            try:
-                ack = self.rx.apply_tentative(manifest, digest, run_id=st.run_id)
-            except TransportError as e:  # the store failed while fetching: a refusal, not a crash
-                if getattr(self.rx, "held_version", st.committed) == manifest.version:
-                    self.rx.rollback()  # failed after the writes (e.g. fetching the dense reference)
-                ack = Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
-                          held_version=st.committed, error=f"store error: {e}")
-            if ack.ok:
-                st.tentative, st.tentative_digest = manifest.version, digest
+    def _put_ack(self, ack: Ack) -> None:
         try:
-            self.store.put(ack_key(self.receiver_id, manifest.version), ack.to_json(self.sealer))
+            self.store.put(ack_key(self.receiver_id, ack.version), ack.to_json(self.sealer))
         except TransportError as e:
             # the trainer misses this ack and aborts at its timeout; the decision settles us
-            self._log({"receiver": self.receiver_id, "version": manifest.version, "store_error": "ack put",
+            self._log({"receiver": self.receiver_id, "version": ack.version, "store_error": "ack put",
                        "error": str(e)})
+
+    def _refuse(self, manifest: Manifest, why: str) -> bool:
+        """Answer a version that does not extend what this receiver committed: a refusal
+        naming both versions; the receiver keeps serving ``committed``."""
+        st = self.state
+        error = (f"v{manifest.version} (base v{manifest.base_version}) does not extend v{st.committed}, which "
+                 f"this receiver committed: {why}")
+        self._put_ack(Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
+                          held_version=st.committed, error=error))
+        st.handled = max(st.handled, manifest.version)
+        st.awaiting = manifest.version  # its decision (an abort) is logged like any other
+        self._log({"receiver": self.receiver_id, "version": manifest.version, "ok": False, "held": st.committed,
+                   "tentative": st.tentative, "error": error})
+        return True
+
+    def _answer(self, manifest: Manifest, digest: str) -> bool:
+        st = self.state
+        try:
+            ack = self.rx.apply_tentative(manifest, digest, run_id=st.run_id)
+        except TransportError as e:  # the store failed while fetching: a refusal, not a crash
+            if getattr(self.rx, "held_version", st.committed) == manifest.version:
+                self.rx.rollback()  # failed after the writes (e.g. fetching the dense reference)
+            ack = Ack(run_id=st.run_id, receiver=self.receiver_id, version=manifest.version, ok=False,
+                      held_version=st.committed, error=f"store error: {e}")
+        if ack.ok:
+            st.tentative, st.tentative_digest = manifest.version, digest
+        self._put_ack(ack)
         st.handled = manifest.version
         st.awaiting = manifest.version
         self._log({"receiver": self.receiver_id, "version": manifest.version, "ok": ack.ok,
@@ -274,20 +316,21 @@ class Follower:
         st = self.state
         if st.awaiting is not None:
             return self._settle()
-        got = self._open(HEAD_KEY, Head, "head")
+        head = self.docs.read(HEAD_KEY, Head)
+        if head is None or head.doc.version <= st.handled:
+            return False
+        got = self._manifest(head.doc.version)
         if got is None:
             return False
-        head = got[0]
-        if head.version <= st.handled:
-            return False
-        if head.base_version > st.committed:
-            return self._catch_up(head.base_version)
-        if head.base_version < st.committed:
-            # the trainer's base is older than what we committed: impossible unless the
-            # store was rewritten; refuse this version loudly rather than apply it
-            raise ProtocolError(f"HEAD v{head.version} has base {head.base_version}, older than the version "
-                                f"{st.committed} this receiver committed")
-        return self._answer(head)
+        manifest, digest = got
+        if manifest.base_version > st.committed:
+            return self._catch_up(manifest)
+        if manifest.base_version < st.committed:
+            return self._refuse(manifest, f"its base v{manifest.base_version} is older")
+        if manifest.base_digest != st.committed_digest:
+            return self._refuse(manifest, f"its base v{manifest.base_version} is another v{st.committed} "
+                                          f"({manifest.base_digest} is not {st.committed_digest})")
+        return self._answer(manifest, digest)
 
     def run(self, *, until_version: int | None = None, timeout_s: float | None = None, poll_s: float = 0.05) -> int:
         """Follow the run until the decision on a version >= ``until_version`` is known.

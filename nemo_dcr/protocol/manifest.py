@@ -26,16 +26,23 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from nemo_dcr.errors import FormatError
 from nemo_dcr.protocol.signing import Sealer
 
 FORMAT = "nemo-dcr-manifest"
-FORMAT_VERSION = 2
-"""2: run identity and signatures (version 1 had neither; refused)."""
+FORMAT_VERSION = 3
+"""3: ``base_digest`` chains each manifest to its base's decision (2 had run identity and
+signatures but no chain; 1 had neither; both refused)."""
 MAX_JSON_BYTES = 64 << 20
+DOC_LIMITS = {"run": 64 << 10, "init": 64 << 10, "head": 64 << 10, "ack": 1 << 20, "decision": 1 << 20,
+              "committed": 1 << 20, "manifest": MAX_JSON_BYTES}
+"""Byte cap per document kind, known before an object is read (``get(max_bytes=...)``) and
+checked again by the parser: what a key-less writer plants under a document's key can
+cost a reader at most this much memory."""
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CHUNK_KEY = re.compile(r"^v/([0-9]{8})/chunks/r[0-9]{3,6}-[0-9]{5,9}\.dcr$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _UNSIGNED = Sealer(None)
@@ -93,10 +100,17 @@ def doc_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def check_digest(digest: str, what: str) -> str:
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise ManifestError(f"{what}: bad digest {digest!r} (sha256:<64 hex>)")
+    return digest
+
+
 def _load(data: bytes, what: str, kind: str, sealer: Sealer | None) -> dict:
-    """Open a sealed document (signature checked when ``sealer`` has a key)."""
+    """Open a sealed document (signature checked when ``sealer`` has a key), parsed by the
+    bounded parser under ``DOC_LIMITS[kind]``."""
     try:
-        return (sealer or _UNSIGNED).open(kind, data, what)
+        return (sealer or _UNSIGNED).open(kind, data, what, max_bytes=DOC_LIMITS[kind])
     except FormatError as e:
         raise ManifestError(str(e)) from None
 
@@ -130,6 +144,10 @@ class ChunkRef:
     changed: int
 
     def __post_init__(self) -> None:
+        # the exact shape chunk_key() writes: no '..', no absolute path, nothing a store
+        # back end could resolve outside the version's chunks/ prefix
+        if not _CHUNK_KEY.match(self.key):
+            raise ManifestError(f"chunk key {self.key[:120]!r} is not v/<version>/chunks/r<rank>-<seq>.dcr")
         if not _DIGEST.match(self.digest):
             raise ManifestError(f"chunk {self.key}: bad digest {self.digest!r}")
         if min(self.nbytes, self.rank, self.tensors, self.changed) < 0:
@@ -138,15 +156,26 @@ class ChunkRef:
 
 @dataclass(frozen=True)
 class Manifest:
+    """Version ``version`` = these chunks applied to ``base_version``.  ``base_digest`` names
+    the base: the digest of the base's commit ``DECISION.json`` (of ``init/INIT.json`` for
+    version 0).  Each commit decision names its manifest's digest in turn, so the signed
+    documents form one chain back to version 0, and a receiver applies a manifest only on
+    top of the exact decision it settled on -- a replayed or deleted pointer file
+    (``HEAD.json``, ``COMMITTED.json``) cannot move it to another branch."""
+
+    KIND: ClassVar[str] = "manifest"
+
     run_id: str
     model_id: str
     version: int
     base_version: int
+    base_digest: str
     chunks: tuple[ChunkRef, ...]
     stats: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        check_digest(self.base_digest, f"manifest v{self.version} base_digest")
         if not 0 <= self.base_version < self.version:
             raise ManifestError(f"manifest: base_version {self.base_version} must be in [0, {self.version})")
         prefix = version_prefix(self.version) + "/chunks/"
@@ -169,8 +198,11 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Manifest":
         obj = _load(data, "manifest", "manifest", sealer)
+        if obj.get("format") == FORMAT and obj.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(f"manifest: format version {obj.get('format_version')!r} not supported "
+                                f"(this nemo_dcr reads v{FORMAT_VERSION}; a run is written and read by one release)")
         top = _take(obj, {"format": str, "format_version": int, "run_id": str, "model_id": str, "version": int,
-                          "base_version": int, "chunks": list, "stats": dict}, "manifest")
+                          "base_version": int, "base_digest": str, "chunks": list, "stats": dict}, "manifest")
         if top["format"] != FORMAT or top["format_version"] != FORMAT_VERSION:
             raise ManifestError(f"manifest: format {top['format']!r} v{top['format_version']} not supported "
                                 f"(this nemo_dcr reads v{FORMAT_VERSION})")
@@ -186,7 +218,8 @@ class Manifest:
                 raise ManifestError(f"manifest: stat {k!r} is not a number")
             stats[k] = v
         return cls(run_id=top["run_id"], model_id=top["model_id"], version=top["version"],
-                   base_version=top["base_version"], chunks=tuple(chunks), stats=stats)
+                   base_version=top["base_version"], base_digest=top["base_digest"], chunks=tuple(chunks),
+                   stats=stats)
 
 
 @dataclass(frozen=True)
@@ -195,6 +228,8 @@ class Ack:
     manifest whose bytes hash to ``manifest_digest``) and, when it verifies against a dense
     reference, found it bit-exact; it now holds it tentatively until the trainer's decision.
     Otherwise a refusal whose ``error`` says why; ``held_version`` is what it holds."""
+
+    KIND: ClassVar[str] = "ack"
 
     run_id: str
     receiver: str
@@ -229,6 +264,8 @@ class Decision:
     receiver acknowledged it; the trainer's baseline advanced) or abort (``reason``).  A
     receiver that applied an aborted version rolls it back to ``base_version``."""
 
+    KIND: ClassVar[str] = "decision"
+
     run_id: str
     version: int
     base_version: int
@@ -244,6 +281,8 @@ class Decision:
         check_run_id(self.run_id)
         if not 0 <= self.base_version < self.version:
             raise ManifestError(f"decision: base_version {self.base_version} must be in [0, {self.version})")
+        if self.manifest_digest or self.commit:  # a commit always names what it committed
+            check_digest(self.manifest_digest, f"decision v{self.version} manifest_digest")
 
     def to_json(self, sealer: Sealer | None = None) -> bytes:
         return (sealer or _UNSIGNED).seal("decision", {**asdict(self), "receivers": list(self.receivers)})
@@ -264,6 +303,8 @@ class Head:
     how a receiver finds the next manifest without listing the store (versions are step
     numbers, not necessarily consecutive)."""
 
+    KIND: ClassVar[str] = "head"
+
     run_id: str
     version: int
     base_version: int
@@ -283,6 +324,8 @@ class Head:
 class Committed:
     """``COMMITTED.json``: the latest committed version (its ``DECISION.json`` chain leads
     back to version 0 through each decision's ``base_version``)."""
+
+    KIND: ClassVar[str] = "committed"
 
     run_id: str
     version: int
@@ -305,6 +348,8 @@ class RunRecord:
     """``RUN.json``: the run that owns this store prefix.  Written first, before version 0;
     a trainer finding another run's record (or objects without one) refuses the prefix."""
 
+    KIND: ClassVar[str] = "run"
+
     run_id: str
     model_id: str
     created_unix: float
@@ -326,6 +371,8 @@ class RunRecord:
 class InitRecord:
     """``init/INIT.json``: sha256 of each version-0 file, so a receiver proves the
     checkpoint it loaded (from the store or a local copy) is this run's version 0."""
+
+    KIND: ClassVar[str] = "init"
 
     run_id: str
     files: dict[str, str]

@@ -4,8 +4,13 @@ A run id (128 random bits, hex) is created when version 0 is written.  Every man
 chunk header, ack and decision carries it, and both sides check it: a run never adopts
 another run's objects.  The trainer claims a prefix by writing ``RUN.json`` before
 anything else, and refuses a prefix that already holds another run's record, or objects
-of a run that has none (written by an older nemo_dcr or by someone else).  Resuming the
-same run (``resume_run_id``) is allowed explicitly.
+of a run that has none (written by an older nemo_dcr or by someone else).
+
+Resuming a run starts from the trainer's checkpoint, which carries the run's
+:class:`RunState` (the framework callback saves it with the model): ``resume_position``
+checks it against the store's signed history and never trusts the pointer files, so a
+replayed or deleted ``HEAD.json`` / ``COMMITTED.json`` cannot relabel the trainer's bits or
+make it reuse a version number.
 
 ``init/INIT.json`` lists the sha256 of each version-0 file.  A receiver checks the files
 it loads (downloaded or a local copy) against it, so its version 0 is provably this run's.
@@ -14,30 +19,37 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import time
+from dataclasses import dataclass
 
-from nemo_dcr.errors import ProtocolError
+from nemo_dcr.errors import DcrError, FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
+    DOC_LIMITS,
     HEAD_KEY,
     INIT_PREFIX,
     INIT_RECORD_KEY,
     RUN_KEY,
-    Committed,
     Decision,
     Head,
     InitRecord,
     RunRecord,
+    check_digest,
     check_run_id,
     decision_key,
+    doc_digest,
 )
-from nemo_dcr.protocol.signing import Sealer
+from nemo_dcr.protocol.signing import UNSIGNED, Sealer, SignatureError, signature_of
 from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
 
 
 class ForeignRunError(ProtocolError):
     """The store prefix belongs to another run (or holds objects of an unknown one)."""
+
+
+_VERSION_DIR = re.compile(r"^v/([0-9]{8})/")
 
 
 def new_run_id() -> str:
@@ -58,13 +70,45 @@ def _other_objects(store: ObjectStore) -> list[str]:
     return found
 
 
-def read_run(store: ObjectStore, sealer: Sealer) -> RunRecord | None:
-    """The run record of ``store`` (signature checked), or ``None`` when there is none."""
+def _peek(data: bytes) -> dict:
+    """Fields of a run record WITHOUT trusting them (to say what a record we cannot open
+    claims to be); {} when it does not even parse."""
     try:
-        data = store.get(RUN_KEY)
+        return RunRecord.from_json(data, None).__dict__
+    except DcrError:
+        return {}
+
+
+def _claimed(rec: dict) -> str:
+    if not rec:
+        return "unreadable"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(rec["created_unix"])) if rec.get("created_unix") else "?"
+    return f"run {rec['run_id']}, model {rec['model_id']!r}, created {when} UTC"
+
+
+def read_run(store: ObjectStore, sealer: Sealer, *, allow_unverified: bool = False) -> RunRecord | None:
+    """The run record of ``store``, or ``None`` when there is none.
+
+    With a key, a record that does not open with it is refused naming what it claims to
+    be (another run on this prefix, or tampering).  Without a key, a record that IS signed
+    is refused too -- following a signed run unchecked would accept any forgery --
+    unless ``allow_unverified`` (the caller says so loudly)."""
+    try:
+        data = store.get(RUN_KEY, max_bytes=DOC_LIMITS["run"])
     except ObjectNotFound:
         return None
-    return RunRecord.from_json(data, sealer)
+    try:
+        rec = RunRecord.from_json(data, sealer)
+    except SignatureError as e:
+        claimed = _peek(data)
+        raise ForeignRunError(
+            f"store {store.uri}: {RUN_KEY} is not signed with this key ({_claimed(claimed)}): another run holds "
+            f"this prefix, or the record was tampered with; check the key file and the store URI ({e})") from None
+    if not sealer.signed and not allow_unverified and signature_of(data) != UNSIGNED:
+        raise ProtocolError(
+            f"store {store.uri}: run {rec.run_id} is signed, and no key was given: give the run's key "
+            "(--key-file / $NEMO_DCR_KEY_FILE), or follow it unverified with --insecure-no-key")
+    return rec
 
 
 def claim_store(store: ObjectStore, sealer: Sealer, model_id: str, *, resume_run_id: str | None = None) -> RunRecord:
@@ -72,7 +116,9 @@ def claim_store(store: ObjectStore, sealer: Sealer, model_id: str, *, resume_run
 
     Refuses (``ForeignRunError``, nothing written) a prefix with another run's record or,
     for a new run, with any run objects at all."""
-    existing = read_run(store, sealer)
+    # (no key and a signed record: another run's, refused below as one; resuming a signed
+    # run without its key is refused by its first document)
+    existing = read_run(store, sealer, allow_unverified=True)
     if resume_run_id is not None:
         check_run_id(resume_run_id)
         if existing is None or existing.run_id != resume_run_id:
@@ -100,30 +146,113 @@ def claim_store(store: ObjectStore, sealer: Sealer, model_id: str, *, resume_run
     return record
 
 
-def run_position(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[int, int]:
-    """(committed version, last published version) of run ``run_id`` on ``store``: where a
-    resumed trainer continues (its baseline must be the committed version; its next
-    version number must exceed every one published before)."""
-    committed = published = 0
-    for key, cls in ((COMMITTED_KEY, Committed), (HEAD_KEY, Head)):
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """Where a refit run stands, as the trainer's checkpoint carries it (the framework
+    saves and restores it with the model): the run, the version the trainer's weights are
+    committed at, that version's decision digest (the head of the signed chain), and the
+    highest version number ever published (numbers are never reused).  The store's
+    ``HEAD.json`` / ``COMMITTED.json`` are hints; this and the signed history are the truth."""
+
+    run_id: str
+    committed_version: int
+    committed_digest: str
+    """Digest of the committed version's ``DECISION.json`` (``init/INIT.json`` for 0);
+    '' when not known (a hand-typed resume): then the store's signed decision gives it."""
+    published_version: int
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        for name in ("committed_version", "published_version"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValidationError(f"refit run state: {name} must be an int >= 0, got {v!r}")
+        if self.committed_digest:
+            check_digest(self.committed_digest, "refit run state committed_digest")
+        if self.published_version < self.committed_version:
+            raise ValidationError(f"refit run state: published_version {self.published_version} < committed "
+                                  f"{self.committed_version}")
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "committed_version": self.committed_version,
+                "committed_digest": self.committed_digest, "published_version": self.published_version}
+
+    @classmethod
+    def from_dict(cls, d) -> "RunState":
+        if not isinstance(d, dict) or set(d) != {"run_id", "committed_version", "committed_digest",
+                                                   "published_version"}:
+            raise ValidationError(f"refit run state: expected run_id, committed_version, committed_digest, "
+                                  f"published_version; got {sorted(d) if isinstance(d, dict) else type(d).__name__}")
         try:
-            doc = cls.from_json(store.get(key), sealer)
-        except ObjectNotFound:
-            continue
-        if doc.run_id != run_id:
-            raise ForeignRunError(f"store {store.uri}: {key} is of run {doc.run_id}, not {run_id}")
-        if cls is Committed:
-            committed = doc.version
-        else:
-            published = doc.version
-    if published > committed:  # COMMITTED.json is a pointer; the decision record is authoritative
-        try:
-            d = Decision.from_json(store.get(decision_key(published)), sealer)
-        except ObjectNotFound:
-            d = None
-        if d is not None and d.run_id == run_id and d.commit:
-            committed = published
-    return committed, max(committed, published)
+            return cls(**d)
+        except FormatError as e:
+            raise ValidationError(str(e)) from None
+
+
+def _listed_versions(store: ObjectStore) -> list[int]:
+    """Version numbers with any object under ``v/<v>/`` (chunks count: a number whose
+    upload started is used, even if its manifest never appeared)."""
+    out = set()
+    for key in store.list("v/"):
+        m = _VERSION_DIR.match(key)
+        if m:
+            out.add(int(m.group(1)))
+    return sorted(out)
+
+
+def _signed(store: ObjectStore, sealer: Sealer, key: str, cls, run_id: str):
+    """(document, digest) at ``key`` if present, opening with the key and of ``run_id``; else None."""
+    try:
+        data = store.get(key, max_bytes=DOC_LIMITS[cls.KIND])
+    except ObjectNotFound:
+        return None
+    try:
+        doc = cls.from_json(data, sealer)
+    except (FormatError, SignatureError):
+        return None
+    return (doc, doc_digest(data)) if doc.run_id == run_id else None
+
+
+def init_digest(store: ObjectStore, sealer: Sealer, run_id: str) -> str:
+    """Digest of the run's signed ``init/INIT.json``: the root of the chain (version 0)."""
+    got = _signed(store, sealer, INIT_RECORD_KEY, InitRecord, run_id)
+    if got is None:
+        raise ProtocolError(f"store {store.uri}: no readable {INIT_RECORD_KEY} of run {run_id} signed with this key")
+    return got[1]
+
+
+def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tuple[str, int]:
+    """Trainer rank 0, resuming: check the checkpoint's run state against the store's signed
+    history; returns (committed digest, the highest version number in use).
+
+    Refused, with both versions named: the checkpoint's committed version has no commit
+    decision signed with the key (deleted or tampered) or one with another digest; or a
+    LATER version was committed (the store moved past this checkpoint: resume from a
+    newer one).  Every version number listed under ``v/``, the checkpoint's and a signed
+    ``HEAD.json``'s count as used, so none is reused; pointers can only raise that floor."""
+    c, uri = state.committed_version, store.uri
+    if c == 0:
+        digest = init_digest(store, sealer, state.run_id)
+    else:
+        got = _signed(store, sealer, decision_key(c), Decision, state.run_id)
+        if got is None or not got[0].commit or got[0].version != c:
+            raise ProtocolError(f"cannot resume run {state.run_id}: the checkpoint holds committed v{c}, and the "
+                                f"store has no commit decision for v{c} signed with this key (deleted or tampered)")
+        digest = got[1]
+    if state.committed_digest and digest != state.committed_digest:
+        raise ProtocolError(f"cannot resume run {state.run_id}: the checkpoint's v{c} is {state.committed_digest}, "
+                            f"the store's signed v{c} is {digest} (another branch of the history)")
+    listed = _listed_versions(store)
+    for v in reversed(listed):
+        if v <= c:
+            break
+        got = _signed(store, sealer, decision_key(v), Decision, state.run_id)
+        if got is not None and got[0].commit and got[0].version == v:
+            raise ProtocolError(f"cannot resume run {state.run_id} from committed v{c}: the store's run committed "
+                                f"v{v} after it; restart from the checkpoint of v{v} (or later), or start a new run")
+    head = _signed(store, sealer, HEAD_KEY, Head, state.run_id)
+    floor = max([c, state.published_version, *listed[-1:], *([head[0].version] if head else [])])
+    return digest, floor
 
 
 def sha256_file(path: str) -> str:
@@ -134,18 +263,23 @@ def sha256_file(path: str) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def write_init_record(store: ObjectStore, sealer: Sealer, run_id: str, blobs: dict[str, bytes]) -> None:
-    """Trainer rank 0, after the version-0 files: their digests, sealed."""
+def write_init_record(store: ObjectStore, sealer: Sealer, run_id: str, blobs: dict[str, bytes]) -> str:
+    """Trainer rank 0, after the version-0 files: their digests, sealed; returns the
+    record's own digest (the root of the run's chain)."""
     files = {name: "sha256:" + hashlib.sha256(b).hexdigest() for name, b in blobs.items()}
-    store.put(INIT_RECORD_KEY, InitRecord(run_id=run_id, files=files).to_json(sealer))
+    data = InitRecord(run_id=run_id, files=files).to_json(sealer)
+    store.put(INIT_RECORD_KEY, data)
+    return doc_digest(data)
 
 
-def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: str) -> None:
-    """Receiver: the version-0 files in ``directory`` are the ones this run published."""
+def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: str) -> str:
+    """Receiver: the version-0 files in ``directory`` are the ones this run published;
+    returns the digest of the record they were checked against (the chain's root)."""
     try:
-        record = InitRecord.from_json(store.get(INIT_RECORD_KEY), sealer)
+        data = store.get(INIT_RECORD_KEY, max_bytes=DOC_LIMITS["init"])
     except ObjectNotFound:
         raise ProtocolError(f"store {store.uri}: no {INIT_RECORD_KEY} (version 0 not published yet)") from None
+    record = InitRecord.from_json(data, sealer)
     if record.run_id != run_id:
         raise ProtocolError(f"{INIT_RECORD_KEY} is for run {record.run_id}, the store's run is {run_id}")
     for name, digest in sorted(record.files.items()):
@@ -155,3 +289,4 @@ def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: 
         if sha256_file(path) != digest:
             raise ProtocolError(f"initial checkpoint {path} is not this run's version 0 (digest differs from "
                                 f"{INIT_RECORD_KEY})")
+    return doc_digest(data)

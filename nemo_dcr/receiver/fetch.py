@@ -24,7 +24,7 @@ from nemo_dcr.codec import (
     read_chunk_index,
 )
 from nemo_dcr.codec.types import BITS_DTYPE
-from nemo_dcr.errors import ProtocolError
+from nemo_dcr.errors import FormatError, ProtocolError
 
 
 class RefitRefused(ProtocolError):
@@ -56,10 +56,12 @@ def fetch_chunks(store, refs: Sequence, *, held: Mapping, specs: Mapping, budget
     header metadata every chunk must carry; raises ``RefitRefused``."""
 
     def one(ref) -> tuple[DecodedChunk, float, float]:
-        try:
-            blob = store.get(ref.key)
+        try:  # at most the signed size is read: a bigger object is refused by its size alone
+            blob = store.get(ref.key, max_bytes=ref.nbytes)
         except KeyError as e:
             raise RefitRefused(f"chunk {ref.key}: missing from the store ({e})") from None
+        except FormatError as e:  # ObjectTooLarge
+            raise RefitRefused(f"chunk {ref.key}: {e}") from None
         arrived = time.perf_counter()
         if len(blob) != ref.nbytes:
             raise RefitRefused(f"chunk {ref.key}: {len(blob)} bytes, manifest says {ref.nbytes}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from nemo_dcr.codec import DecodeBudget
 from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
+from nemo_dcr.errors import DcrError, FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.protocol.run import verify_init_dir
@@ -185,7 +185,11 @@ class Receiver:
         except RefitRefused as e:
             return refusal(str(e))
         if self.cfg.verify_dense:
-            stats.update(self.verify_against_dense(manifest.version))
+            try:
+                stats.update(self.verify_against_dense(manifest.version))
+            except (FormatError, ValueError) as e:  # the unsigned reference is oversized or malformed
+                self.rollback()
+                return refusal(f"dense reference of v{manifest.version} unusable ({e}); rolled back")
             if not stats.get("bit_exact"):
                 self.rollback()
                 return refusal(f"not bit-exact against the dense reference of v{manifest.version} "
@@ -196,13 +200,14 @@ class Receiver:
         return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
                    held_version=self.held_version, manifest_digest=manifest_digest, stats=stats)
 
-    def apply_committed(self, manifest: Manifest) -> dict:
-        """Catch-up: apply a version the trainer already committed (no ack is needed)."""
+    def apply_committed(self, manifest: Manifest, decision_digest: str) -> dict:
+        """Catch-up: apply a version the trainer already committed (no ack is needed);
+        ``decision_digest``: its commit decision's digest (see :meth:`settle`)."""
         stats = self.apply_version(manifest)
-        self.settle()
+        self.settle(decision_digest)
         return stats
 
-    def apply_chain(self, manifests: list[Manifest]) -> dict:
+    def apply_chain(self, manifests: list[Manifest], decision_digest: str) -> dict:
         """Catch-up: apply committed versions (a chain starting at the held version) as one
         composed write (``receiver/catchup.py``); no ack is needed."""
         from nemo_dcr.receiver.catchup import compose
@@ -212,15 +217,16 @@ class Receiver:
         except ValueError as e:  # validation of a record against the runtime: nothing written
             raise RefitRefused(str(e)) from None
         stats["apply_s"] = self.apply_records(manifests[-1].version, self.held_version, deltas, held)
-        self.settle()
+        self.settle(decision_digest)
         return stats
 
-    def settle(self) -> None:
-        """The tentative version was committed: record it (before the journal goes, so a
-        crash in between leaves a journal older than the record, which :meth:`recover`
-        drops), then drop its journal."""
+    def settle(self, decision_digest: str) -> None:
+        """The tentative version was committed by the decision whose bytes hash to
+        ``decision_digest``: record both (before the journal goes, so a crash in between
+        leaves a journal older than the record, which :meth:`recover` drops), then drop
+        its journal."""
         if self.committed_file:
-            write_committed(self.committed_file, self.held_version)
+            write_committed(self.committed_file, self.held_version, decision_digest)
         self.journal.clear()
 
     def recover(self, committed: int) -> dict | None:
@@ -255,17 +261,20 @@ class Receiver:
         from safetensors.torch import load as load_safetensors
 
         t0 = time.perf_counter()
-        dense = load_safetensors(self.store.get(dense_key(version)))
+        # unsigned test aid: bounded by the dense size of what this receiver holds (+ header)
+        cap = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in self.served.tensor_specs().values()) + (64 << 20)
+        dense = load_safetensors(self.store.get(dense_key(version), max_bytes=cap))
         report = self.served.verify_dense(dense)
         return {**report, "verify_s": time.perf_counter() - t0}
 
 
 
 def _init_dir(store: ObjectStore, sealer: Sealer, run_id: str, init_dir: str | None, state_dir: str,
-              timeout_s: float | None) -> str:
+              timeout_s: float | None) -> tuple[str, str]:
     """The version-0 checkpoint to load: ``init_dir`` if given, else a download of the
     store's ``init/`` into ``state_dir``; either way checked against the run's signed
-    ``init/INIT.json`` (waiting for it to be published)."""
+    ``init/INIT.json`` (waiting for it to be published).  Returns the directory and the
+    record's digest (the root of the run's chain)."""
     from nemo_dcr.integrations.hf_export import download_checkpoint
     from nemo_dcr.protocol.manifest import INIT_RECORD_KEY
 
@@ -276,25 +285,27 @@ def _init_dir(store: ObjectStore, sealer: Sealer, run_id: str, init_dir: str | N
         time.sleep(0.1)
     if init_dir is None:
         init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
-    verify_init_dir(store, sealer, run_id, init_dir)
-    return init_dir
+    return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
 
 
-def write_committed(path: str, version: int) -> None:
-    write_durably(path, lambda p: write_text(p, json.dumps({"committed": version})))
+def write_committed(path: str, version: int, digest: str) -> None:
+    """The receiver's own record of what it committed (its link in the run's chain)."""
+    write_durably(path, lambda p: write_text(p, json.dumps({"committed": version, "digest": digest})))
 
 
-def read_committed(path: str) -> int:
+def read_committed(path: str) -> tuple[int, str]:
+    """(version, decision digest) recorded by :func:`write_committed`; (0, '') when none."""
     try:
         with open(path) as f:
-            v = json.load(f)["committed"]
+            rec = json.load(f)
+        v, digest = rec["committed"], rec["digest"]
     except FileNotFoundError:
-        return 0
+        return 0, ""
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ProtocolError(f"{path}: unreadable committed-version record ({e})") from None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ProtocolError(f"{path}: committed version must be a non-negative int, got {v!r}")
-    return v
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or not isinstance(digest, str):
+        raise ProtocolError(f"{path}: committed version must be a non-negative int with a digest, got {v!r}")
+    return v, digest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--receiver-id", required=True)
     ap.add_argument("--model-id", required=True)
     ap.add_argument("--key-file", default=None,
-                    help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE; none = unauthenticated)")
+                    help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")
+    ap.add_argument("--insecure-no-key", action="store_true",
+                    help="follow a signed run WITHOUT its key, checking no signature (anyone who can write "
+                         "to the store can then make this receiver apply anything); refused otherwise")
     ap.add_argument("--run-id", default=None, help="follow only this run (default: the store's RUN.json)")
     ap.add_argument("--state-dir", default=None,
                     help="local directory for a downloaded version 0 and, with --persistent-weights, the "
@@ -354,9 +368,16 @@ def _serve(args) -> int:
     if args.persistent_weights and (args.runtime != "hf" or not args.state_dir):
         raise ValidationError("--persistent-weights needs --runtime hf and a --state-dir")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix=f"dcr-{args.receiver_id}-")
-    run_id = wait_for_run(store, sealer, run_id=args.run_id, timeout_s=args.timeout_s)
-    init_dir = _init_dir(store, sealer, run_id, args.init_dir, state_dir, args.timeout_s)
-    committed, recovered = 0, None
+    if args.insecure_no_key:
+        if sealer.signed:
+            raise ValidationError("--insecure-no-key with a key: drop one of them")
+        print(f"nemo-dcr receive: WARNING: --insecure-no-key: following {args.store} WITHOUT checking any "
+              "signature; anyone who can write to the store can make this receiver apply anything",
+              file=sys.stderr, flush=True)
+    run_id = wait_for_run(store, sealer, run_id=args.run_id, timeout_s=args.timeout_s,
+                          allow_unverified=args.insecure_no_key)
+    init_dir, root = _init_dir(store, sealer, run_id, args.init_dir, state_dir, args.timeout_s)
+    committed, committed_digest, recovered = 0, root, None
     if args.runtime == "vllm":
         from nemo_dcr.runtimes.vllm.served import VLLMServedModel
 
@@ -379,7 +400,7 @@ def _serve(args) -> int:
             if os.path.exists(os.path.join(wdir, "weights.json")):  # restart: map our own weights
                 adapter = HFTransformersAdapter(model_skeleton(init_dir), specs=checkpoint_specs(init_dir),
                                                 checkpoint_dir=init_dir)
-                committed = read_committed(committed_file)
+                committed, committed_digest = read_committed(committed_file)
             else:
                 adapter = HFTransformersAdapter.from_pretrained(init_dir)
             bind_persistent(adapter.module, wdir, run_id)
@@ -396,7 +417,8 @@ def _serve(args) -> int:
     if recovered is not None:
         print(json.dumps({"receiver": args.receiver_id, **recovered, "held": committed}), flush=True)
     print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": run_id, "held": committed}), flush=True)
-    follower = Follower(rx, store, sealer, run_id, receiver_id=args.receiver_id, committed=committed)
+    follower = Follower(rx, store, sealer, run_id, receiver_id=args.receiver_id, committed=committed,
+                        committed_digest=committed_digest)
     try:
         follower.run(until_version=args.until_version, timeout_s=args.timeout_s, poll_s=cfg.poll_s)
     finally:

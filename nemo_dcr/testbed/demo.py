@@ -143,6 +143,10 @@ def _last_error(path: str) -> str:
     return hit if len(hit) <= 300 else hit[:297] + "..."
 
 
+TRAINER_GRACE_S = 15.0
+"""How long a failed receiver's report waits for the trainer to fail too (its error is the
+cause more often than not)."""
+
 def _failed(what: str, code: int | None, log_path: str) -> DemoError:
     return DemoError(f"{what} failed (exit {code}): {_last_error(log_path)} -- log: {log_path}")
 
@@ -310,6 +314,15 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
             break
         for rid, p, log in receivers:
             if p.poll() not in (None, 0):
+                # the trainer's refusal is usually the cause (e.g. a store prefix another run
+                # holds: the receivers then cannot open its records either): give it a moment
+                # to exit and report it first
+                try:
+                    code = trainer.wait(timeout=TRAINER_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if code not in (None, 0):
+                    raise _failed("trainer", code, trainer_log.name)
                 raise _failed(f"receiver {rid}", p.returncode, log.name)
         children.refresh()
         time.sleep(0.2)

@@ -18,6 +18,7 @@ its protocol state (``status.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -195,18 +196,37 @@ class FaultyStore:
                 and self.plans.once(plan, "kill"):
             die()
 
-    def get(self, key: str) -> bytes:
+    def stat(self, key: str):
+        """The inner object's identity, as a reader would see it under the plan: a tamper that
+        lasts for every read is one stable (other) object; one that lasts for the first few
+        reads is a new object per read (what a writer replacing it each time would give)."""
+        info = self.inner.stat(key)
+        kind, version, rid = key_kind(key)
+        plan = self.plans.get(version)
+        if info is None or plan is None or plan["kind"] != "tamper" or plan["obj"] != kind \
+                or plan.get("receiver") not in (None, rid):
+            return info
+        suffix = "tampered" if plan["reads"] >= 1_000_000 else f"read-{secrets.token_hex(4)}"
+        return dataclasses.replace(info, tag=f"{info.tag}-{suffix}")
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None):
+        info = self.stat(key)
+        if info is None:
+            raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object")
+        return self.get(key, max_bytes=max_bytes), info
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         kind, version, rid = key_kind(key)
         plan = self.plans.get(version)
         if plan is None:
-            return self.inner.get(key)
+            return self.inner.get(key, max_bytes=max_bytes)
         k = plan["kind"]
         if k == "kill" and plan["point"] == f"{kind}_get" and self.plans.once(plan, "kill"):
             die()
         if k == "store_error" and plan["op"] == "get" and plan["key_kind"] == kind \
                 and self._count(plan, "get") <= plan["times"]:
             raise StoreError(f"(fault) get {key!r} failed")
-        data = self.inner.get(key)
+        data = self.inner.get(key, max_bytes=max_bytes)
         if k == "tamper" and plan["obj"] == kind and (plan.get("receiver") in (None, rid)) \
                 and self._count(plan, "tamper") <= plan["reads"]:
             if kind == "chunk":
@@ -308,7 +328,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
     plans = Plans(args.plan_dir, rid)
     store = FaultyStore(open_store(args.store), plans, key)
     run_id = wait_for_run(store, sealer, run_id=None, timeout_s=120)
-    verify_init_dir(store, sealer, run_id, args.init_dir)
+    root = verify_init_dir(store, sealer, run_id, args.init_dir)
     adapter = HFTransformersAdapter.from_pretrained(args.init_dir)
     applier = DeltaApplier(adapter)
     applier.prewarm()
@@ -323,7 +343,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
         return inner_apply(manifest)
 
     rx.apply_version = apply_version
-    follower = Follower(rx, store, sealer, run_id, receiver_id=rid)
+    follower = Follower(rx, store, sealer, run_id, receiver_id=rid, committed_digest=root)
     os.makedirs(args.dir, exist_ok=True)
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
     req_path, stop_path = os.path.join(args.dir, "req"), os.path.join(args.dir, "stop")

@@ -223,13 +223,13 @@ def receiver_main(argv: list[str]) -> int:
     store = open_store(args.store)
     sealer = Sealer(load_key(None, log=lambda m: print(m, file=sys.stderr, flush=True)))
     run_id = wait_for_run(store, sealer, run_id=None, timeout_s=args.timeout_s)
-    init_dir = _init_dir(store, sealer, run_id, None, args.dir, args.timeout_s)  # download + digest check
+    init_dir, root = _init_dir(store, sealer, run_id, None, args.dir, args.timeout_s)  # download + digest check
     adapter = HFTransformersAdapter.from_pretrained(init_dir)  # served model: delta refits in place
     applier = DeltaApplier(adapter)
     applier.prewarm()
     dense_model = HFTransformersAdapter.from_pretrained(init_dir)  # dense refits, same class and loader
     rx = Receiver(applier, store, ReceiverConfig(receiver_id=rid, model_id=args.model_id))
-    follower = Follower(rx, store, sealer, run_id, receiver_id=rid)
+    follower = Follower(rx, store, sealer, run_id, receiver_id=rid, committed_digest=root)
     open(os.path.join(args.dir, "ready"), "w").close()
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
 

@@ -1,8 +1,10 @@
 """torchrun worker (2 ranks) for test_callbacks.py: the test bed's megatron-core training loop
 calls a framework callback the way the framework would, and the refit follows.
 
-Usage: torchrun --nproc-per-node 2 callback_worker.py KIND STORE DENSE_DIR STEPS
-KIND: ``bridge`` (``RefitBridgeCallback``: ``on_train_start(context)``,
+Usage: torchrun --nproc-per-node 2 callback_worker.py KIND STORE DENSE_DIR STEPS [CKPT_DIR]
+KIND ``nemo_save`` / ``nemo_resume``: the NeMo callback, saving a checkpoint (params, FP32
+masters, step, the callback's ``state_dict``) to CKPT_DIR after STEPS steps / restarting
+from it and training STEPS more.  KIND: ``bridge`` (``RefitBridgeCallback``: ``on_train_start(context)``,
 ``on_train_step_end(context)`` with a context shaped like Megatron-Bridge's) or ``nemo``
 (``RefitCallback``: Lightning's ``on_train_start(trainer, pl_module)`` and
 ``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)`` with ``pl_module``
@@ -122,8 +124,38 @@ class InterleavedTrainer:
         destroy_parallel()
 
 
+def save_checkpoint(trainer, callback, directory: str) -> None:
+    """What a framework checkpoint holds for this test: each rank's BF16 params and FP32
+    masters, the step, and the callback's state (Lightning saves ``state_dict()`` with it)."""
+    import json
+
+    rank = dist.get_rank()
+    torch.save({"bf16": {n: p.detach().clone() for n, p in trainer.bf16_params().items()},
+                "master": {n: m.detach().clone() for n, m in trainer.master_params().items()},
+                "step": trainer.steps_done}, os.path.join(directory, f"rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(directory, "callbacks.json"), "w") as f:
+            json.dump({"RefitCallback": callback.state_dict()}, f)
+    dist.barrier()
+
+
+def load_checkpoint(trainer, callback, directory: str) -> None:
+    import json
+
+    saved = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"))
+    with torch.no_grad():
+        for n, p in trainer.bf16_params().items():
+            p.copy_(saved["bf16"][n])
+        for n, m in trainer.master_params().items():
+            m.copy_(saved["master"][n])
+    trainer.steps_done = saved["step"]
+    with open(os.path.join(directory, "callbacks.json")) as f:
+        callback.load_state_dict(json.load(f)["RefitCallback"])
+
+
 def main() -> None:
     kind, store, dense_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    ckpt = sys.argv[5] if len(sys.argv) > 5 else None
     from safetensors.torch import save_file
 
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
@@ -150,7 +182,9 @@ def main() -> None:
     else:
         callback = RefitCallback(overrides=overrides)
         pl_module = SimpleNamespace(module=trainer.model)
-        callback.on_train_start(SimpleNamespace(global_step=0), pl_module)
+        if kind == "nemo_resume":  # a restarted job: weights, step and refit state from the checkpoint
+            load_checkpoint(trainer, callback, ckpt)
+        callback.on_train_start(SimpleNamespace(global_step=trainer.steps_done), pl_module)
     for _ in range(steps):
         step = trainer.train_step()
         step = step if isinstance(step, int) else step.step
@@ -165,6 +199,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             assert callback.refit.hook.last_stats.committed
             save_file(state, os.path.join(dense_dir, f"v{step}.safetensors"))
+    if kind == "nemo_save":
+        save_checkpoint(trainer, callback, ckpt)
     trainer.close()
 
 

@@ -73,6 +73,56 @@ def test_callback_refit_is_bit_exact(tmp_path, kind):
         previous = got
 
 
+def _torchrun(*args, env):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             os.path.join(HERE, "callback_worker.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files(tmp_path):
+    """A NeMo job trains 2 steps and checkpoints (the callback's ``state_dict`` rides along);
+    a store writer then deletes ``HEAD.json`` and ``COMMITTED.json``; the job restarts from
+    the checkpoint with the same overrides (no run id typed) and trains 2 more.  One receiver
+    follows both incarnations: every version bit-exact, numbers continuing at 3."""
+    from safetensors.torch import load_file
+
+    store, dense, dump, ckpt = tmp_path / "store", tmp_path / "dense", tmp_path / "dump", tmp_path / "ckpt"
+    dense.mkdir()
+    ckpt.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = _torchrun("nemo_save", store, dense, 2, ckpt, env=env)
+    deadline = time.monotonic() + 300
+    while not (store / "init" / "model.safetensors").exists():
+        assert first.poll() is None, first.stdout.read()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
+         "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", "4",
+         "--timeout-s", "300", "--dump-dir", str(dump)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-4000:]
+    state = __import__("json").loads((ckpt / "callbacks.json").read_text())["RefitCallback"]
+    assert (state["committed_version"], state["published_version"]) == (2, 2)
+    (store / "HEAD.json").unlink()
+    (store / "COMMITTED.json").unlink()
+    second = _torchrun("nemo_resume", store, dense, 2, ckpt, env=env)
+    out2, _ = second.communicate(timeout=600)
+    rx_out, _ = receiver.communicate(timeout=600)
+    assert second.returncode == 0, out2[-4000:]
+    assert receiver.returncode == 0, rx_out[-4000:]
+    assert "nemo_dcr: version" not in out2  # no aborted version, nothing reused
+    previous = None
+    for v in range(1, 5):
+        got = load_file(str(dump / f"v{v}.safetensors"))
+        want = _dense_hf_state(str(store), dense / f"v{v}.safetensors", tmp_path / f"hf{v}")
+        assert bit_differences(got, want) == [], f"version {v}"
+        if previous is not None:
+            assert bit_differences(got, previous)  # control: every version changed something
+        previous = got
+
+
 def test_settings_from_hydra_overrides():
     s = load_refit_settings(["refit.store_uri=s3://bucket/run", "refit.receivers=[r0,r1]", "refit.context=false"])
     assert s.store_uri == "s3://bucket/run" and s.receivers == ("r0", "r1") and s.context is False

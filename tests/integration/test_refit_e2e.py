@@ -184,7 +184,7 @@ def test_truncated_chunk_with_matching_digest_is_refused_by_the_decoder(fresh):
     forged = ChunkRef(key=ref.key, nbytes=len(short), digest=chunk_digest(short), rank=ref.rank,
                       tensors=ref.tensors, changed=ref.changed)
     m2 = Manifest(run_id=m.run_id, model_id=m.model_id, version=m.version, base_version=m.base_version,
-                  chunks=m.chunks[:-1] + (forged,), stats=m.stats)
+                  base_digest=m.base_digest, chunks=m.chunks[:-1] + (forged,), stats=m.stats)
     _refused(rx, adapter, m2, ref.key)
 
 
@@ -199,7 +199,8 @@ def test_chunk_of_another_version_is_refused(fresh):
 
     moved = ChunkRef(key=chunk_key(1, 7, 0), nbytes=stray.nbytes, digest=stray.digest, rank=7,
                      tensors=stray.tensors, changed=stray.changed)
-    bad = Manifest(run_id=m1.run_id, model_id=m1.model_id, version=1, base_version=0, chunks=m1.chunks + (moved,), stats={})
+    bad = Manifest(run_id=m1.run_id, model_id=m1.model_id, version=1, base_version=0, base_digest=m1.base_digest,
+                   chunks=m1.chunks + (moved,), stats={})
     _refused(rx, adapter, bad, chunk_key(1, 7, 0), "disagrees")
 
 

@@ -13,13 +13,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
-from nemo_dcr.codec import apply_delta_, read_chunk_index
+from nemo_dcr.codec import read_chunk_index
 from nemo_dcr.errors import ProtocolError
-from nemo_dcr.integrations.sender import ReceiverRefused, RefitSender, SenderConfig
-from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-from nemo_dcr.layout.shards import ParamView, ShardSpec
-from nemo_dcr.protocol.follower import Follower
+from nemo_dcr.integrations.sender import ReceiverRefused, RefitSender
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
     HEAD_KEY,
@@ -34,113 +32,7 @@ from nemo_dcr.protocol.manifest import (
 )
 from nemo_dcr.protocol.run import ForeignRunError
 from nemo_dcr.protocol.signing import Sealer, SignatureError, load_key, new_key_file
-from nemo_dcr.receiver.errors import DeltaValidationError
-from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
-from nemo_dcr.runtimes.base import TensorSpec
 from nemo_dcr.transport.store import LocalDirStore
-
-DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                 ffn_hidden_size=8, vocab_size=8)
-
-
-def bits_of(t: torch.Tensor) -> np.ndarray:
-    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
-
-
-class ArrayRuntime:
-    """Canonical tensors as numpy bit arrays (a ``ServedModel``).  ``refuse``: numbers of
-    apply attempts (1, 2, ...) refused before any write; ``fail_after``: {attempt: k} applies
-    the first k records of that attempt, then raises (a partial write).  Repairs (undo
-    batches) are not attempts."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], refuse=(), fail_after=None):
-        self.bits = {k: bits_of(v) for k, v in tensors.items()}
-        self.specs = {k: TensorSpec.of(k, v) for k, v in tensors.items()}
-        self.refuse = set(refuse)
-        self.fail_after = dict(fail_after or {})
-        self.calls = 0
-
-    def tensor_specs(self):
-        return self.specs
-
-    def verify_dense(self, dense):
-        raise NotImplementedError
-
-    def sample(self):
-        return None
-
-    def canonical_bits(self, name):
-        return self.bits[name]
-
-    def validate(self, deltas):
-        self.calls += 1
-        self._armed = True
-        if self.calls in self.refuse:
-            raise DeltaValidationError(f"refusing apply call {self.calls} (test)")
-
-    def apply(self, deltas):
-        armed, self._armed = getattr(self, "_armed", False), False
-        for i, d in enumerate(deltas):
-            if armed and self.fail_after.get(self.calls) == i:
-                raise RuntimeError(f"injected failure at record {i}")
-            apply_delta_(self.bits[d.name], d)
-
-
-@pytest.fixture
-def key(tmp_path):
-    return new_key_file(str(tmp_path / "key"))
-
-
-def _sender(tmp_path, params, key, receivers=("r0",), store=None, **kw):
-    spec = ShardSpec(key="w", local_shape=tuple(params["w"].shape), global_shape=tuple(params["w"].shape),
-                     global_offset=(0, 0), prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-    proj = CanonicalProjector((Rule("w", {"": "canon.w"}),), DIMS)
-    store = store or LocalDirStore(str(tmp_path / "store"))
-    kw.setdefault("ack_timeout_s", 20)
-    cfg = SenderConfig(model_id="m", receivers=receivers, key_file=key, ack_poll_s=0.01, **kw)
-    sender = RefitSender(params, {"w": [ParamView("w", 0, spec)]}, proj, store, cfg)
-    sender.claim()
-    return sender, store
-
-
-class Rx:
-    """A receiver on a thread: Receiver + Follower over an ArrayRuntime."""
-
-    def __init__(self, rid, store, key, run_id, w0, compose_after=4, **runtime_kw):
-        self.runtime = ArrayRuntime({"canon.w": w0.clone()}, **runtime_kw)
-        self.rx = Receiver(self.runtime, store, ReceiverConfig(receiver_id=rid, model_id="m", poll_s=0.01))
-        self.events = []
-        sealer = Sealer(load_key(key))
-        self.follower = Follower(self.rx, store, sealer, run_id, receiver_id=rid, log=self.events.append,
-                                 compose_after=compose_after)
-        self.thread = None
-        self.error = None
-
-    def start(self, until):
-        def go():
-            try:
-                self.follower.run(until_version=until, timeout_s=20, poll_s=0.01)
-            except BaseException as e:  # surfaced by join()
-                self.error = e
-        self.thread = threading.Thread(target=go, daemon=True)
-        self.thread.start()
-        return self
-
-    def join(self):
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
-        if self.error:
-            raise self.error
-
-    @property
-    def w(self):
-        return self.runtime.bits["canon.w"]
-
-
-def _step(w: torch.Tensor, rng, frac=0.05):
-    bits = w.view(torch.int16).reshape(-1)
-    idx = torch.from_numpy(rng.choice(bits.numel(), int(bits.numel() * frac), replace=False))
-    bits[idx] ^= torch.from_numpy(rng.integers(1, 1 << 15, idx.numel()).astype(np.int16))
 
 
 def test_commit_then_refusal_then_retry_against_the_same_base(tmp_path, key):
@@ -337,7 +229,8 @@ def test_receiver_ignores_forged_head_manifest_and_decision(tmp_path, key):
     other = Sealer(bytes(32))
     r = Rx("r0", store, key, run_id, w)
     before = r.w.copy()
-    real = Manifest(run_id=run_id, model_id="m", version=5, base_version=0, chunks=())
+    real = Manifest(run_id=run_id, model_id="m", version=5, base_version=0, base_digest=sender.committed_digest,
+                    chunks=())
     store.put(manifest_key(5), real.to_json(other))
     store.put(HEAD_KEY, Head(run_id, 5, 0).to_json(other))
     for _ in range(5):
@@ -365,7 +258,7 @@ def test_a_second_run_on_the_same_prefix_is_refused(tmp_path, key):
         _sender(tmp_path, {"w": w}, str(other))
     # resuming the same run is allowed explicitly
     again = RefitSender({"w": w}, sender.views, sender.projector, store, sender.cfg)
-    assert again.claim(resume_run_id=sender.run_id) == sender.run_id
+    assert again.claim(resume=sender.run_state()) == sender.run_id
     # control: a fresh prefix starts a new run
     fresh, _ = _sender(tmp_path / "fresh", {"w": w}, key)
     assert fresh.run_id != sender.run_id
@@ -384,7 +277,8 @@ def test_receiver_refuses_a_manifest_of_another_run_before_downloading(tmp_path,
     sender, store = _sender(tmp_path, {"w": w}, key)
     sealer = Sealer(load_key(key))
     r = Rx("r0", store, key, sender.run_id, w)
-    foreign = Manifest(run_id="0" * 32, model_id="m", version=1, base_version=0, chunks=())
+    foreign = Manifest(run_id="0" * 32, model_id="m", version=1, base_version=0,
+                       base_digest=sender.committed_digest, chunks=())
     store.put(manifest_key(1), foreign.to_json(sealer))
     store.put(HEAD_KEY, Head(sender.run_id, 1, 0).to_json(sealer))
     assert not r.follower.step()
@@ -420,9 +314,11 @@ def test_resumed_trainer_continues_from_the_committed_version_and_never_reuses_a
     r.join()
     # the trainer restarts from the checkpoint of the committed step (v1) and resumes the run
     w_resumed = torch.from_numpy(committed_bits.view(np.int16).copy()).view(torch.bfloat16).reshape(w.shape)
+    checkpoint = sender.run_state()  # what the trainer's checkpoint carries
+    assert (checkpoint.committed_version, checkpoint.published_version) == (1, 2)
     again = RefitSender({"w": w_resumed}, sender.views, sender.projector, store, sender.cfg)
-    assert again.claim(resume_run_id=sender.run_id) == sender.run_id
-    assert again.baseline.version == 1
+    assert again.claim(resume=checkpoint) == sender.run_id
+    assert again.baseline.version == 1 and again.committed_digest == checkpoint.committed_digest
     with pytest.raises(ProtocolError, match="never reused"):
         again.publish(2)  # v2 was published (and aborted) by the previous incarnation
     r2 = Rx("r0", store, key, sender.run_id, w0).start(until=3)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nemo_dcr.codec import DecodeBudget, TensorDelta, DeltaOp, chunk_digest, encode_chunk
-from nemo_dcr.protocol.manifest import ChunkRef
+from nemo_dcr.protocol.manifest import ChunkRef, chunk_key
 from nemo_dcr.receiver.fetch import RefitRefused, fetch_chunks
 from nemo_dcr.transport.store import open_store
 
@@ -25,7 +25,7 @@ def _setup(tmp_path, n_chunks=6, n=50_000):
                         values=rng.integers(1, 4, pos.size).astype(np.uint16))
         held[name], specs[name] = base, ("bfloat16", (n,))
         blob = encode_chunk([d], base={name: base}, meta=WANT)
-        key = f"v/1/c{i}.dcr"
+        key = chunk_key(1, 0, i)
         store.put(key, blob)
         refs.append(ChunkRef(key=key, nbytes=len(blob), digest=chunk_digest(blob), rank=0, tensors=1,
                              changed=d.nnz))
@@ -54,7 +54,7 @@ def test_first_bad_chunk_in_manifest_order_refuses(tmp_path):
     blob[100] ^= 1
     store.put(refs[4].key, bytes(blob))
     store.put(refs[2].key, b"")  # shorter than the manifest says
-    with pytest.raises(RefitRefused, match=r"chunk v/1/c2.dcr: 0 bytes, manifest says"):
+    with pytest.raises(RefitRefused, match=r"chunk v/00000001/chunks/r000-00002.dcr: 0 bytes, manifest says"):
         _fetch(store, held, specs, refs, 4)
-    with pytest.raises(RefitRefused, match=r"chunk v/1/c4.dcr: digest mismatch"):
+    with pytest.raises(RefitRefused, match=r"chunk v/00000001/chunks/r000-00004.dcr: digest mismatch"):
         _fetch(store, held, specs, refs[3:], 4)

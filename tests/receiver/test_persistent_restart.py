@@ -68,7 +68,8 @@ def test_sigkill_mid_apply_then_restart_repairs_in_place(tmp_path):
                          CanonicalProjector((Rule("w", {"": NAME}),), DIMS), store,
                          SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=120,
                                       ack_poll_s=0.02))
-    write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer, run_id=sender.claim())
+    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
+                                     run_id=sender.claim()))
     rng = np.random.default_rng(0)
 
     first = _receiver(tmp_path, key, kill_at=2)  # dies while writing version 2

@@ -1,0 +1,129 @@
+"""Shared by the protocol tests: a trainer-side RefitSender without a process group, and
+receivers (Receiver + Follower) on threads over a stand-in runtime (canonical numpy arrays
+updated with the codec's ``apply_delta_``), through a real directory store."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_dcr.codec import apply_delta_
+from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
+from nemo_dcr.layout.shards import ParamView, ShardSpec
+from nemo_dcr.protocol.follower import Follower
+from nemo_dcr.protocol.run import init_digest, write_init_record
+from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
+from nemo_dcr.receiver.errors import DeltaValidationError
+from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.transport.store import LocalDirStore
+
+DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
+                 ffn_hidden_size=8, vocab_size=8)
+
+
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+
+
+class ArrayRuntime:
+    """Canonical tensors as numpy bit arrays (a ``ServedModel``).  ``refuse``: numbers of
+    apply attempts (1, 2, ...) refused before any write; ``fail_after``: {attempt: k} applies
+    the first k records of that attempt, then raises (a partial write).  Repairs (undo
+    batches) are not attempts."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], refuse=(), fail_after=None):
+        self.bits = {k: bits_of(v) for k, v in tensors.items()}
+        self.specs = {k: TensorSpec.of(k, v) for k, v in tensors.items()}
+        self.refuse = set(refuse)
+        self.fail_after = dict(fail_after or {})
+        self.calls = 0
+
+    def tensor_specs(self):
+        return self.specs
+
+    def verify_dense(self, dense):
+        raise NotImplementedError
+
+    def sample(self):
+        return None
+
+    def canonical_bits(self, name):
+        return self.bits[name]
+
+    def validate(self, deltas):
+        self.calls += 1
+        self._armed = True
+        if self.calls in self.refuse:
+            raise DeltaValidationError(f"refusing apply call {self.calls} (test)")
+
+    def apply(self, deltas):
+        armed, self._armed = getattr(self, "_armed", False), False
+        for i, d in enumerate(deltas):
+            if armed and self.fail_after.get(self.calls) == i:
+                raise RuntimeError(f"injected failure at record {i}")
+            apply_delta_(self.bits[d.name], d)
+
+
+@pytest.fixture
+def key(tmp_path):
+    return new_key_file(str(tmp_path / "key"))
+
+
+def _sender(tmp_path, params, key, receivers=("r0",), store=None, **kw):
+    spec = ShardSpec(key="w", local_shape=tuple(params["w"].shape), global_shape=tuple(params["w"].shape),
+                     global_offset=(0, 0), prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
+    proj = CanonicalProjector((Rule("w", {"": "canon.w"}),), DIMS)
+    store = store or LocalDirStore(str(tmp_path / "store"))
+    kw.setdefault("ack_timeout_s", 20)
+    cfg = SenderConfig(model_id="m", receivers=receivers, key_file=key, ack_poll_s=0.01, **kw)
+    sender = RefitSender(params, {"w": [ParamView("w", 0, spec)]}, proj, store, cfg)
+    sender.claim()
+    # version 0: this stand-in runtime needs no files, only the signed root of the chain
+    sender.set_root(write_init_record(store, sender.sealer, sender.run_id, {}))
+    return sender, store
+
+
+def root_of(store, key, run_id):
+    return init_digest(store, Sealer(load_key(key)), run_id)
+
+
+class Rx:
+    """A receiver on a thread: Receiver + Follower over an ArrayRuntime."""
+
+    def __init__(self, rid, store, key, run_id, w0, compose_after=4, **runtime_kw):
+        self.runtime = ArrayRuntime({"canon.w": w0.clone()}, **runtime_kw)
+        self.rx = Receiver(self.runtime, store, ReceiverConfig(receiver_id=rid, model_id="m", poll_s=0.01))
+        self.events = []
+        sealer = Sealer(load_key(key))
+        self.follower = Follower(self.rx, store, sealer, run_id, receiver_id=rid, log=self.events.append,
+                                 compose_after=compose_after, committed_digest=init_digest(store, sealer, run_id))
+        self.thread = None
+        self.error = None
+
+    def start(self, until):
+        def go():
+            try:
+                self.follower.run(until_version=until, timeout_s=20, poll_s=0.01)
+            except BaseException as e:  # surfaced by join()
+                self.error = e
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
+        return self
+
+    def join(self):
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+        if self.error:
+            raise self.error
+
+    @property
+    def w(self):
+        return self.runtime.bits["canon.w"]
+
+
+def _step(w: torch.Tensor, rng, frac=0.05):
+    bits = w.view(torch.int16).reshape(-1)
+    idx = torch.from_numpy(rng.choice(bits.numel(), int(bits.numel() * frac), replace=False))
+    bits[idx] ^= torch.from_numpy(rng.integers(1, 1 << 15, idx.numel()).astype(np.int16))

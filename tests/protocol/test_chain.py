@@ -1,0 +1,194 @@
+"""Run state from the signed chain, never from pointer files (issue 15's attacks).
+
+A store writer WITHOUT the key may read, copy, replay and delete any object.  Each test
+replays what was found to break the old protocol, with the real sender / follower /
+receiver code over a directory store, for a receiver that was kept running and one
+started afresh, with context coding on and off.  The oracle is always integer views
+against the trainer's committed bits, and every attack has a control.
+"""
+import numpy as np
+import pytest
+import torch
+from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
+
+from nemo_dcr.integrations.sender import RefitSender
+from nemo_dcr.protocol.manifest import (
+    COMMITTED_KEY,
+    HEAD_KEY,
+    Ack,
+    Decision,
+    Manifest,
+    ack_key,
+    decision_key,
+    manifest_key,
+)
+from nemo_dcr.protocol.run import RunState
+from nemo_dcr.protocol.signing import Sealer, load_key
+from nemo_dcr.errors import ProtocolError
+
+
+def _trained(tmp_path, key, context, versions=3, seed=0):
+    """A run that committed ``versions`` versions with one receiver; returns the sender, the
+    store, the weights, version 0's bits and the pointer files' bytes after version 1."""
+    rng = np.random.default_rng(seed)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, context=context, ack_timeout_s=10)
+    r = Rx("r0", store, key, sender.run_id, w0).start(until=versions)
+    pointers = None
+    for v in range(1, versions + 1):
+        _step(w, rng)
+        assert sender.refit(v).committed
+        if v == 1:
+            pointers = {k: store.get(k) for k in (HEAD_KEY, COMMITTED_KEY)}
+    r.join()
+    np.testing.assert_array_equal(r.w, bits_of(w))
+    return sender, store, w, w0, pointers, r
+
+
+def _restarted(sender, store, w, state):
+    """The trainer restarted from its checkpoint: the same weights, a new sender."""
+    again = RefitSender({"w": w}, sender.views, sender.projector, store, sender.cfg)
+    again.claim(resume=state)
+    return again
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["context", "plain"])
+@pytest.mark.parametrize("attack", ["replay_v1_pointers", "delete_pointers"])
+def test_resume_takes_its_position_from_the_checkpoint_not_the_pointers(tmp_path, key, context, attack):
+    sender, store, w, w0, pointers, kept = _trained(tmp_path, key, context)
+    checkpoint = sender.run_state()
+    assert (checkpoint.committed_version, checkpoint.published_version) == (3, 3)
+    if attack == "replay_v1_pointers":
+        for k, data in pointers.items():
+            store.put(k, data)
+    else:
+        store.delete(HEAD_KEY)
+        store.delete(COMMITTED_KEY)
+    again = _restarted(sender, store, w, checkpoint)
+    assert again.baseline.version == 3 and again.committed_digest == checkpoint.committed_digest
+    # a receiver kept running across the restart, and one started afresh from version 0
+    kept_rx = kept  # the same receiver object, still holding v3, keeps following
+    fresh = Rx("r1", store, key, sender.run_id, w0)
+    again.cfg = sender.cfg.__class__(**{**sender.cfg.__dict__, "receivers": ("r0", "r1")})
+    again.coordinator.receivers = ("r0", "r1")
+    kept_rx.start(until=5)
+    fresh.start(until=5)
+    rng = np.random.default_rng(9)
+    for v in (4, 5):
+        _step(w, rng)
+        stats = again.refit(v)
+        assert stats.committed and stats.base_version == v - 1, stats.reason
+    kept_rx.join()
+    fresh.join()
+    for r in (kept_rx, fresh):
+        np.testing.assert_array_equal(r.w, bits_of(w))
+    assert not np.array_equal(bits_of(w0), bits_of(w))  # control: the run did change the weights
+
+
+def test_resume_refuses_a_checkpoint_the_signed_history_does_not_confirm(tmp_path, key):
+    sender, store, w, w0, pointers, _ = _trained(tmp_path, key, True)
+    good = sender.run_state()
+    # an older checkpoint (v1) while the store's run committed v3: no silent relabelling
+    older = RunState(run_id=good.run_id, committed_version=1, committed_digest="", published_version=1)
+    with pytest.raises(ProtocolError, match="committed v3 after it; restart from the checkpoint of v3"):
+        _restarted(sender, store, w, older)
+    # the checkpoint's committed decision deleted: refused, naming the version
+    store.delete(decision_key(3))
+    with pytest.raises(ProtocolError, match="checkpoint holds committed v3, and the store has no commit decision"):
+        _restarted(sender, store, w, good)
+    # a digest from another history (a forged checkpoint state) is refused
+    store.put(decision_key(3), b"{}")
+    with pytest.raises(ProtocolError, match="no commit decision for v3"):
+        _restarted(sender, store, w, good)
+    # control: a hand-typed resume (no digest) of the store's committed version goes through
+    # once the decision is back; the digest then comes from the signed decision
+    sender2, store2, w2, *_ = _trained(tmp_path / "b", key, True, seed=1)
+    typed = RunState(run_id=sender2.run_id, committed_version=3, committed_digest="", published_version=3)
+    assert _restarted(sender2, store2, w2, typed).committed_digest == sender2.committed_digest
+
+
+def test_version_numbers_are_never_reused_even_with_pointers_deleted(tmp_path, key):
+    sender, store, w, w0, pointers, _ = _trained(tmp_path, key, True, versions=2)
+    rng = np.random.default_rng(3)
+    _step(w, rng)
+    assert not sender.refit(3).committed  # nobody listens: v3 published and aborted
+    state = RunState(run_id=sender.run_id, committed_version=2, committed_digest=sender.committed_digest,
+                     published_version=2)  # a checkpoint saved before v3
+    store.delete(HEAD_KEY)
+    store.delete(COMMITTED_KEY)
+    store.delete(manifest_key(3))
+    store.delete(decision_key(3))
+    again = _restarted(sender, store, w, state)  # v3's chunks still name the number
+    with pytest.raises(ProtocolError, match="never reused"):
+        again.publish(3)
+    assert again.run_state().published_version == 3
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["context", "plain"])
+def test_an_aborted_version_replayed_through_head_is_rolled_back_by_the_chain(tmp_path, key, context):
+    """v2 aborted, v3 and v4 committed.  The writer restores v2's genuine HEAD and deletes its
+    decision; a receiver restarted from version 0 catches up to v1 and applies v2.  When the
+    real HEAD returns, v2 is not on its chain: rolled back, then v3 and v4 apply."""
+    rng = np.random.default_rng(4)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, context=context, ack_timeout_s=5)
+    early = Rx("r0", store, key, sender.run_id, w0, refuse={2}).start(until=4)
+    heads = {}
+    for v in (1, 2, 3, 4):
+        _step(w, rng)
+        sender.refit(v)
+        heads[v] = store.get(HEAD_KEY)
+    early.join()
+    assert [Decision.from_json(store.get(decision_key(v))).commit for v in (1, 2, 3, 4)] == [True, False, True, True]
+    store.put(HEAD_KEY, heads[2])
+    store.delete(decision_key(2))
+    late = Rx("r0", store, key, sender.run_id, w0)
+    applied = []
+    late.rx.on_applied = applied.append
+    for _ in range(50):
+        late.follower.step()
+    assert applied == [1, 2] and late.follower.state.tentative == 2  # served v2 (it cannot know yet)
+    store.put(HEAD_KEY, heads[4])
+    late.start(until=4)
+    late.join()
+    assert any(e.get("version") == 2 and "rolled back" in e.get("event", "") for e in late.events), late.events
+    assert applied == [1, 2, 3, 4]
+    assert late.follower.state.committed == 4
+    np.testing.assert_array_equal(late.w, bits_of(w))
+
+
+def test_a_head_that_does_not_extend_the_receivers_commit_is_refused_and_it_serves_on(tmp_path, key):
+    """A key holder's fork (a trainer restarted from an older checkpoint whose later commit
+    decision was deleted): receivers that committed the later version refuse it with an ack
+    naming both versions and keep serving -- never exit."""
+    sender, store, w, w0, pointers, kept = _trained(tmp_path, key, True)
+    held = kept.w.copy()
+    rx = kept  # the receiver that committed v3
+    sealer = Sealer(load_key(key))
+    d1 = Decision.from_json(store.get(decision_key(1)), sealer)
+    fork_base = store.get(decision_key(1))
+    from nemo_dcr.protocol.manifest import Head, doc_digest
+
+    fork = Manifest(run_id=sender.run_id, model_id="m", version=7, base_version=d1.version,
+                    base_digest=doc_digest(fork_base), chunks=())
+    store.put(manifest_key(7), fork.to_json(sealer))
+    store.put(HEAD_KEY, Head(sender.run_id, 7, 1).to_json(sealer))
+    assert rx.follower.step()
+    ack = Ack.from_json(store.get(ack_key("r0", 7)), sealer)
+    assert not ack.ok and "v7 (base v1) does not extend v3" in ack.error and ack.held_version == 3
+    for _ in range(5):
+        rx.follower.step()  # awaiting v7's decision: no exit, no write
+    np.testing.assert_array_equal(rx.w, held)
+    # a manifest based on v3 by number but on another v3 (a different decision digest)
+    other = Manifest(run_id=sender.run_id, model_id="m", version=8, base_version=3,
+                     base_digest=doc_digest(fork_base), chunks=())
+    store.put(manifest_key(8), other.to_json(sealer))
+    store.put(decision_key(7), Decision(sender.run_id, 7, 1, False, ("r0",), reason="fork").to_json(sealer))
+    store.put(HEAD_KEY, Head(sender.run_id, 8, 3).to_json(sealer))
+    for _ in range(5):
+        rx.follower.step()
+    ack = Ack.from_json(store.get(ack_key("r0", 8)), sealer)
+    assert not ack.ok and "is another v3" in ack.error
+    np.testing.assert_array_equal(rx.w, held)
