@@ -16,6 +16,8 @@ collective).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, ProtocolError
@@ -50,13 +52,21 @@ class RefitAttachment:
         self.hook: MegatronRefitHook | None = None
         self._last_step: int | None = None
         self._restored: RunState | None = None
+        self._weights_step: int | None = None  # the last optimizer step after_step saw
         self._skipped_logged = False
 
     STATE_FORMAT = "nemo-dcr-refit-state/1"
 
     def state_dict(self) -> dict:
-        """The run state for the trainer's checkpoint ({} before a run exists)."""
-        state = self.hook.run_state() if self.hook is not None and self.hook.run_id else self._restored
+        """The run state for the trainer's checkpoint ({} before a run exists), with the step
+        the weights hold now (the last step seen), so a resume can tell whether they are
+        the committed version's bits."""
+        if self.hook is not None and self.hook.run_id:
+            state = self.hook.run_state()
+            if self._weights_step is not None:
+                state = dataclasses.replace(state, weights_version=self._weights_step)
+        else:
+            state = self._restored
         return {} if state is None else {"format": self.STATE_FORMAT, **state.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,6 +136,7 @@ class RefitAttachment:
         """Collective: publish version ``step`` (after every ``every_n_steps``-th step)."""
         if self.hook is None:
             raise RefitSetupError("after_step before attach: the refit is not attached to a model")
+        self._weights_step = step
         if step % self.settings.every_n_steps or step == self._last_step:
             return
         self._last_step = step

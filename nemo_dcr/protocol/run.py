@@ -160,10 +160,17 @@ class RunState:
     """Digest of the committed version's ``DECISION.json`` (``init/INIT.json`` for 0);
     '' when not known (a hand-typed resume): then the store's signed decision gives it."""
     published_version: int
+    weights_version: int = -1
+    """The step whose bits the trainer's weights held when the state was taken (-1: the
+    committed version).  A checkpoint taken after a step that was not committed (aborted,
+    or skipped by ``every_n_steps``) holds bits no receiver has: resuming from it is
+    refused, since the trainer cannot diff against the committed bits it no longer has."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        for name in ("committed_version", "published_version"):
+        if self.weights_version == -1:
+            object.__setattr__(self, "weights_version", self.committed_version)
+        for name in ("committed_version", "published_version", "weights_version"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValidationError(f"refit run state: {name} must be an int >= 0, got {v!r}")
@@ -175,14 +182,15 @@ class RunState:
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_id, "committed_version": self.committed_version,
-                "committed_digest": self.committed_digest, "published_version": self.published_version}
+                "committed_digest": self.committed_digest, "published_version": self.published_version,
+                "weights_version": self.weights_version}
 
     @classmethod
     def from_dict(cls, d) -> "RunState":
-        if not isinstance(d, dict) or set(d) != {"run_id", "committed_version", "committed_digest",
-                                                   "published_version"}:
-            raise ValidationError(f"refit run state: expected run_id, committed_version, committed_digest, "
-                                  f"published_version; got {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        keys = {"run_id", "committed_version", "committed_digest", "published_version", "weights_version"}
+        if not isinstance(d, dict) or set(d) != keys:
+            raise ValidationError(f"refit run state: expected {sorted(keys)}; "
+                                  f"got {sorted(d) if isinstance(d, dict) else type(d).__name__}")
         try:
             return cls(**d)
         except FormatError as e:
@@ -231,6 +239,12 @@ def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tupl
     newer one).  Every version number listed under ``v/``, the checkpoint's and a signed
     ``HEAD.json``'s count as used, so none is reused; pointers can only raise that floor."""
     c, uri = state.committed_version, store.uri
+    if state.weights_version != c:
+        raise ProtocolError(
+            f"cannot resume run {state.run_id}: the checkpoint's weights are step {state.weights_version}, the run's "
+            f"committed version is v{c} (step {state.weights_version} was aborted or not published), and receivers "
+            f"hold v{c}'s bits, which this trainer no longer has; resume from a checkpoint taken at a committed "
+            f"step (with every_n_steps=N, checkpoint at multiples of N), or start a new run")
     if c == 0:
         digest = init_digest(store, sealer, state.run_id)
     else:

@@ -97,6 +97,12 @@ def test_resume_refuses_a_checkpoint_the_signed_history_does_not_confirm(tmp_pat
     store.delete(decision_key(3))
     with pytest.raises(ProtocolError, match="checkpoint holds committed v3, and the store has no commit decision"):
         _restarted(sender, store, w, good)
+    # weights of a step that was not committed: no receiver holds them; refused, never relabelled
+    import dataclasses
+
+    ahead = dataclasses.replace(good, weights_version=4, published_version=4)
+    with pytest.raises(ProtocolError, match="checkpoint's weights are step 4, the run's committed version is v3"):
+        _restarted(sender, store, w, ahead)
     # a digest from another history (a forged checkpoint state) is refused
     store.put(decision_key(3), b"{}")
     with pytest.raises(ProtocolError, match="no commit decision for v3"):
