@@ -164,3 +164,17 @@ def test_another_key_names_the_run_the_record_claims(tmp_path, key):
     with pytest.raises(ForeignRunError, match=f"not signed with this key \\(run {sender.run_id}, model 'm', "
                                               "created .* UTC\\): another run holds this prefix"):
         wait_for_run(store, Sealer(load_key(other)), run_id=None, timeout_s=1)
+
+
+def test_receive_cli_refuses_a_signed_run_without_a_key_in_one_line(tmp_path, key, capsys, monkeypatch):
+    from nemo_dcr.receiver.worker import main
+
+    monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key)
+    args = ["--store", store.root, "--receiver-id", "r0", "--model-id", "m", "--timeout-s", "1"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("nemo-dcr receive: ProtocolError: store ") and "--insecure-no-key" in err[-1], err
+    assert main(args + ["--insecure-no-key", "--key-file", key]) == 1  # both: contradictory
+    assert "--insecure-no-key with a key" in capsys.readouterr().err
