@@ -31,6 +31,9 @@ setup-nemo: $(NEMO_VENV)/.installed
 setup: $(VENV)/.installed
 	# rebuild the native helpers when their C sources changed (no-op otherwise)
 	$(PY) setup.py -q build_ext --inplace
+	# Megatron-Bridge 0.6.2's callbacks.py for its conformance tests: pip download of the
+	# pinned wheel (sha256 checked), only that file kept in .cache/ (no-op once there)
+	$(PY) -m nemo_dcr.testbed.bridge_release
 
 demo: setup
 	$(VENV)/bin/nemo-dcr demo $(ARGS)
@@ -42,4 +45,4 @@ bench: setup
 	$(PY) scripts/bench_codec.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info nemo_dcr/**/*.so
+	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info nemo_dcr/**/*.so .cache

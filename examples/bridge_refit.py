@@ -1,58 +1,70 @@
-"""The refit as a Megatron-Bridge callback -- by PROTOCOL ONLY.
+"""The refit as a Megatron-Bridge callback, on CPU: Bridge's own callback machinery around the
+test bed's megatron-core training step.
 
-Megatron-Bridge cannot be installed in this project's environments (it needs Transformer
-Engine, and transformers < 5), so nothing here imports Bridge and nothing has been run
-inside Bridge's trainer.  ``RefitBridgeCallback`` implements Bridge's callback protocol
-(``on_train_start(context)``, ``on_train_step_end(context)``, with ``context.model`` the list
-of model chunks and ``context.state.train_state.step`` the step); this script drives it the
-way Bridge's training loop would, from the project's own megatron-core CPU loop (the test
-bed), at TP=2.  ``tests/integration/test_callbacks.py`` does the same with a receiver
-checking every version bit for bit, also with virtual-pipeline chunks (PP=2 x VPP=2).
+Bridge's full ``pretrain()`` cannot run on a CPU-only machine: ``import megatron.bridge``
+imports Transformer Engine's torch binding (``megatron/bridge/peft/lora_layers.py``), which
+ships only as a source distribution built against CUDA.  For a GPU job on Bridge's
+``pretrain(config, forward_step, callbacks=[...])`` see ``examples/bridge_pretrain_refit.py``.
 
-In a Megatron-Bridge script the callback is one line (a sketch; not run here):
+This script registers ``RefitBridgeCallback`` through Megatron-Bridge 0.6.2's own
+``callbacks.py`` (taken from the released wheel, sha256 pinned; ``make setup`` puts it in
+``.cache/``) and fires its events in the order of Bridge's ``train.py``
+(``nemo_dcr/testbed/bridge_loop.py``: ``on_train_step_end`` before ``train_state.step += 1``,
+``on_checkpoint_save`` after a save) around the test bed's megatron-core step on CPU/gloo.
+It is the driver ``tests/integration/test_bridge_callback.py`` checks bit for bit.
 
-    from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    callbacks = [RefitBridgeCallback(overrides=["refit.store_uri=/shared/run7", "refit.receivers=[r0]",
-                                                "refit.vocab_size=128256"])]
-    # ... hand `callbacks` to Bridge's pretrain / finetune entry point with your ConfigContainer
+Trainer (TP=2, main .venv), 4 iterations, a Bridge-layout checkpoint every 2:
 
-Here (trainer, TP=2, CPU/gloo, main .venv):
-
-    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/bridge_refit.py --steps 3 \\
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/bridge_refit.py --iters 4 \\
+        --ckpt runs/bridge/ckpt --save-interval 2 \\
         refit.store_uri=runs/bridge/store refit.model_id=bridge-demo refit.receivers=[r0]
 
 Receiver (another shell, once ``runs/bridge/store/init/model.safetensors`` exists):
 
     .venv/bin/nemo-dcr receive --store runs/bridge/store --init-dir runs/bridge/store/init \\
-        --receiver-id r0 --model-id bridge-demo --until-version 3
+        --receiver-id r0 --model-id bridge-demo --until-version 6
+
+Then the trainer command again with ``--iters 6``: like Bridge it restarts from the latest
+checkpoint in ``--ckpt`` (iteration 4); the callback reads the refit's run state from
+``runs/bridge/ckpt/iter_0000004/nemo_dcr_refit.json`` and publishes versions 5 and 6 of the
+same run.  Version numbers are Bridge's iteration counts.
 """
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--iters", type=int, default=4, help="Bridge's train.train_iters")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--ckpt", default=None, help="Bridge's checkpoint.save (= checkpoint.load)")
+    p.add_argument("--save-interval", type=int, default=0, help="Bridge's checkpoint.save_interval")
     args, overrides = p.parse_known_args()
 
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer
+    from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer, bridge_loop, bridge_release
 
     cfg = ModelConfig(vocab_size=1003)
     trainer = Trainer(cfg, TrainConfig(lr=args.lr), tp=args.tp)
     callback = RefitBridgeCallback(overrides=[f"refit.vocab_size={cfg.vocab_size}", *overrides])
-    # what Bridge hands its callbacks: the model chunks, the optimizer, the training state
-    context = SimpleNamespace(model=[trainer.model], optimizer=trainer.optimizer, user_state={},
-                              state=SimpleNamespace(train_state=SimpleNamespace(step=0)))
-    callback.on_train_start(context)
-    for _ in range(args.steps):
-        result = trainer.train_step()
-        context.state.train_state.step = result.step
-        callback.on_train_step_end(context)
+    state = bridge_loop.GlobalState()
+    state.cfg.checkpoint = bridge_loop.CheckpointConfig(save=args.ckpt, load=args.ckpt,
+                                                        save_interval=args.save_interval)
+    latest = bridge_loop.latest_checkpoint(args.ckpt) if args.ckpt else None
+    if latest is not None:  # what Bridge's setup does before on_train_start
+        trainer.load_weights(bridge_loop.checkpoint_name(args.ckpt, latest))
+        state.train_state.step = latest
+
+    def step_fn(iteration: int) -> bridge_loop.Iteration:
+        r = trainer.train_step()
+        return bridge_loop.Iteration(loss_dict={"lm loss": r.loss}, grad_norm=r.grad_norm,
+                                     skipped=not r.update_successful)
+
+    bridge_loop.train(bridge=bridge_release.load(), callbacks=[callback], state=state, model=[trainer.model],
+                      optimizer=trainer.optimizer, train_iters=args.iters, step_fn=step_fn,
+                      save_fn=(lambda directory, step: trainer.save_weights(directory)) if args.ckpt else None)
     trainer.close()
 
 

@@ -17,11 +17,13 @@ collective).
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, ProtocolError
-from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise
+from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise, from_rank0
 from nemo_dcr.protocol.run import RunState
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
 from nemo_dcr.layout.families import UnsupportedModelError
@@ -40,6 +42,27 @@ def _reachable_store(uri: str) -> ObjectStore:
     if store.get(_PROBE_KEY, max_bytes=2) != b"ok":
         raise OSError(f"{_PROBE_KEY} did not read back")
     return store
+
+
+@dataclass(frozen=True)
+class RefitMetrics:
+    """What one published version cost, the same on every rank except ``pause_s``.  A front
+    end logs these where its users look (the Bridge callback: TensorBoard / W&B)."""
+
+    version: int
+    """The version published (= the optimizer steps taken: the framework's step count)."""
+    committed: bool
+    """Every receiver acknowledged it (False: aborted; the next version diffs against the
+    committed one)."""
+    committed_version: int
+    """The run's committed version after this refit's decision."""
+    wire_bytes: int
+    """Bytes of the version's chunks on the store, over all ranks."""
+    refit_s: float
+    """Rank 0's wall time from the start of the diff to the joint commit's decision."""
+    pause_s: float
+    """How long ``after_step`` held this rank's training loop (today the refit is
+    synchronous, so this is ``refit_s`` plus agreeing on these numbers)."""
 
 
 class RefitAttachment:
@@ -103,6 +126,11 @@ class RefitAttachment:
     def attached(self) -> bool:
         return self.hook is not None
 
+    @property
+    def restored(self) -> bool:
+        """A checkpoint's run state was loaded (``attach`` will continue that run)."""
+        return self._restored is not None
+
     def attach(self, model) -> MegatronRefitHook:
         """Collective: build the hook from ``model`` (a GPTModel, any wrapper of one, or a
         list of model chunks, one per virtual pipeline stage) and write version 0."""
@@ -132,13 +160,15 @@ class RefitAttachment:
             raise RefitSetupError(str(e)) from None
         return self.hook
 
-    def after_step(self, step: int) -> None:
-        """Collective: publish version ``step`` (after every ``every_n_steps``-th step)."""
+    def after_step(self, step: int) -> RefitMetrics | None:
+        """Collective: publish version ``step`` (after every ``every_n_steps``-th step);
+        returns what it cost, or None when this step publishes nothing."""
         if self.hook is None:
             raise RefitSetupError("after_step before attach: the refit is not attached to a model")
+        t_enter = time.perf_counter()
         self._weights_step = step
         if step % self.settings.every_n_steps or step == self._last_step:
-            return
+            return None
         self._last_step = step
         floor = self.hook.run_state().published_version
         if step <= floor:
@@ -148,5 +178,13 @@ class RefitAttachment:
                 print(f"nemo_dcr: step {step} is not published: version numbers up to {floor} are already in "
                       f"use on the store; the next version is {floor + 1} or later", flush=True)
                 self._skipped_logged = True
-            return
+            return None
         self.hook(step=step)
+        refit_s = time.perf_counter() - t_enter
+        stats = self.hook.last_stats
+        # totals live on rank 0 (the sender gathers them there); a framework's logger may
+        # live on another rank (Megatron's on the last one)
+        wire_bytes, refit_s = from_rank0((int(stats.wire_bytes), refit_s))
+        return RefitMetrics(version=step, committed=bool(stats.committed),
+                            committed_version=self.hook.run_state().committed_version,
+                            wire_bytes=wire_bytes, refit_s=refit_s, pause_s=time.perf_counter() - t_enter)

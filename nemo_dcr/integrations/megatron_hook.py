@@ -73,6 +73,16 @@ def _all_gather(obj) -> list:
     return out
 
 
+def from_rank0(obj):
+    """Collective: rank 0's ``obj`` on every rank (``obj`` itself without a process group).
+    For small plain values only (it travels pickled between this job's own ranks)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:
     """Collective: raise the same ``exc`` on EVERY rank if any rank reports an ``error``
     (a rank that raised alone would leave the others waiting in the next collective)."""

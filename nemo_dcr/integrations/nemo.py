@@ -9,7 +9,12 @@ distributed optimizer's deferred all-gather, if any, is forced by the hook).  Th
 is NeMo's ``trainer.strategy.megatron_parallel``: one NeMo model per virtual pipeline stage,
 each leading along ``.module`` (NeMo DDP -> Float16Module) to a megatron-core ``GPTModel``
 chunk; without a NeMo strategy (plain Lightning), ``pl_module`` itself.  The version number
-is ``trainer.global_step``.  The refit's run state is the callback's ``state_dict``, so it
+is ``trainer.global_step``, which Lightning has already incremented for the step just taken
+when ``on_train_batch_end`` fires: version v is the model after v optimizer steps, the same
+rule as the Bridge callback (``tests/nemo`` checks versions 1..N after N steps).  Lightning
+does not tell callbacks that an optimizer skipped its update (fp16 overflow) and still counts
+the step, so such a step publishes a version with an empty delta.  With gradient accumulation
+the batches between optimizer steps see the same ``global_step`` and publish nothing.  The refit's run state is the callback's ``state_dict``, so it
 is saved and restored with the training checkpoint and a resumed job continues its run.
 
 Framework-tested: ``tests/nemo/test_nemo_recipe.py`` runs ``llm.llama3_8b.pretrain_recipe``

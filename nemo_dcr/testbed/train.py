@@ -346,6 +346,33 @@ class Trainer:
                     out[names[param]] = MasterShard(start=rng.start, stop=rng.end, master=shard.view(-1))
         return out
 
+    def save_weights(self, directory: str) -> None:
+        """What a training checkpoint needs for the refit to go on bit-exactly: this rank's
+        BF16 params, FP32 masters and step count, as ``directory/rank<r>.pt`` (not the Adam
+        moments: a restarted job's next steps differ from an uninterrupted one's, which the
+        refit does not care about).  Non-distributed optimizer only."""
+        import os
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        torch.save({"bf16": {n: p.detach().clone() for n, p in self.bf16_params().items()},
+                    "master": {n: m.detach().clone() for n, m in self.master_params().items()},
+                    "steps_done": self.steps_done}, os.path.join(directory, f"rank{rank}.pt"))
+
+    def load_weights(self, directory: str) -> None:
+        """Restore what :meth:`save_weights` wrote (same parallel layout)."""
+        import os
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        saved = torch.load(os.path.join(directory, f"rank{rank}.pt"))
+        with torch.no_grad():
+            for n, p in self.bf16_params().items():
+                assert p.dtype == saved["bf16"][n].dtype
+                p.copy_(saved["bf16"][n])
+            for n, m in self.master_params().items():
+                assert m.dtype == saved["master"][n].dtype
+                m.copy_(saved["master"][n])
+        self.steps_done = saved["steps_done"]
+
     def close(self) -> None:
         """Tear down megatron's model-parallel state and the process group."""
         from nemo_dcr.testbed.model import destroy_parallel

@@ -1,24 +1,41 @@
-"""torchrun worker (2 ranks) for test_callbacks.py: the test bed's megatron-core training loop
-calls a framework callback the way the framework would, and the refit follows.
+"""torchrun worker (2 ranks) for test_callbacks.py and test_bridge_callback.py: the test bed's
+megatron-core training loop calls a framework callback the way the framework does, and the
+refit follows.
 
-Usage: torchrun --nproc-per-node 2 callback_worker.py KIND STORE DENSE_DIR STEPS [CKPT_DIR]
-KIND ``nemo_save`` / ``nemo_resume``: the NeMo callback, saving a checkpoint (params, FP32
-masters, step, the callback's ``state_dict``) to CKPT_DIR after STEPS steps / restarting
-from it and training STEPS more.  KIND: ``bridge`` (``RefitBridgeCallback``: ``on_train_start(context)``,
-``on_train_step_end(context)`` with a context shaped like Megatron-Bridge's) or ``nemo``
-(``RefitCallback``: Lightning's ``on_train_start(trainer, pl_module)`` and
-``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)`` with ``pl_module``
-holding the model under ``.module`` as NeMo's does), both at TP=2; or ``bridge_vpp``: the
-Bridge callback with ``context.model`` = the two model chunks of an interleaved pipeline
-(PP=2 x virtual PP=2, 4 layers, one per chunk), trained by megatron's interleaved 1F1B
-schedule.  The callback is configured the way a user would: Hydra overrides of
-configs/refit.yaml.  After each step the worker also writes the dense reference (full
-Megatron tensors gathered and converted by the dense transforms) to
-DENSE_DIR/v<step>.safetensors for the test's oracle.
+Usage: torchrun --nproc-per-node 2 callback_worker.py KIND --store S --dense D --iters N [options]
+
+KIND ``nemo``: ``RefitCallback`` (Lightning's ``on_train_start(trainer, pl_module)`` and
+``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)``, ``pl_module`` holding
+the model under ``.module`` as NeMo's does), TP=2; ``nemo_save`` / ``nemo_resume``: the same,
+saving a checkpoint (params, FP32 masters, step, the callback's ``state_dict``) to ``--ckpt``
+after the steps / restarting from it.
+
+KIND ``bridge`` (TP=2) and ``bridge_vpp`` (``context.model`` = the two model chunks of an
+interleaved pipeline, PP=2 x virtual PP=2, 4 layers, one per chunk, trained by megatron's
+interleaved 1F1B schedule): ``RefitBridgeCallback`` registered through Megatron-Bridge
+0.6.2's own ``callbacks.py`` and fired in its ``train.py`` order
+(``nemo_dcr/testbed/bridge_loop.py``): ``train_state.step`` is incremented AFTER
+``on_train_step_end``.  ``--skip I``: iteration I is skipped (``skipped_iter=True``; the
+optimizer makes no update, so the params are left as they are).  ``--ckpt DIR
+--save-interval N``: a checkpoint every N iterations in Bridge's layout
+(``DIR/iter_<step:07d>/``: each rank's BF16 params, FP32 masters and optimizer step count;
+the tracker; ``on_checkpoint_save`` after it); a job finding a checkpoint in DIR restarts
+from it, as Bridge does with ``checkpoint.load = checkpoint.save``.  ``--kill-after-save S``:
+every rank SIGKILLs itself right after the checkpoint of iteration S.  The last rank has
+recording TensorBoard and W&B loggers (where Bridge puts them) that append what they get to
+``D/metrics.jsonl``.
+
+The callback is configured the way a user would: Hydra overrides of configs/refit.yaml.
+After every iteration that should publish a version (Bridge kinds: not skipped, a multiple
+of ``--every-n``; NeMo kinds: every step) the worker checks the version number and the commit,
+and writes the dense reference (full Megatron tensors gathered and converted by the dense
+transforms) to D/v<version>.safetensors for the test's oracle.
 """
+import argparse
 import dataclasses
+import json
 import os
-import sys
+import signal
 from types import SimpleNamespace
 
 import torch
@@ -127,80 +144,154 @@ class InterleavedTrainer:
 def save_checkpoint(trainer, callback, directory: str) -> None:
     """What a framework checkpoint holds for this test: each rank's BF16 params and FP32
     masters, the step, and the callback's state (Lightning saves ``state_dict()`` with it)."""
-    import json
-
-    rank = dist.get_rank()
-    torch.save({"bf16": {n: p.detach().clone() for n, p in trainer.bf16_params().items()},
-                "master": {n: m.detach().clone() for n, m in trainer.master_params().items()},
-                "step": trainer.steps_done}, os.path.join(directory, f"rank{rank}.pt"))
-    if rank == 0:
+    trainer.save_weights(directory)
+    if dist.get_rank() == 0:
         with open(os.path.join(directory, "callbacks.json"), "w") as f:
             json.dump({"RefitCallback": callback.state_dict()}, f)
     dist.barrier()
 
 
 def load_checkpoint(trainer, callback, directory: str) -> None:
-    import json
-
-    saved = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"))
-    with torch.no_grad():
-        for n, p in trainer.bf16_params().items():
-            p.copy_(saved["bf16"][n])
-        for n, m in trainer.master_params().items():
-            m.copy_(saved["master"][n])
-    trainer.steps_done = saved["step"]
+    trainer.load_weights(directory)
     with open(os.path.join(directory, "callbacks.json")) as f:
         callback.load_state_dict(json.load(f)["RefitCallback"])
 
 
-def main() -> None:
-    kind, store, dense_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    ckpt = sys.argv[5] if len(sys.argv) > 5 else None
-    from safetensors.torch import save_file
+class RecordingLogger:
+    """Stands in for Bridge's TensorBoard ``SummaryWriter`` and W&B run: appends each call to
+    a JSONL file."""
 
-    from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    from nemo_dcr.integrations.nemo import RefitCallback
+    def __init__(self, path: str, sink: str):
+        self.path, self.sink = path, sink
+
+    def _write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"sink": self.sink, **row}) + "\n")
+
+    def add_scalar(self, tag, value, step):  # SummaryWriter
+        self._write({"tag": tag, "value": value, "step": step})
+
+    def log(self, data, step=None):  # wandb.Run
+        self._write({"data": data, "step": step})
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("kind", choices=["nemo", "nemo_save", "nemo_resume", "bridge", "bridge_vpp"])
+    p.add_argument("--store", required=True)
+    p.add_argument("--dense", required=True)
+    p.add_argument("--iters", type=int, required=True, help="steps to train (Bridge: train_iters)")
+    p.add_argument("--ckpt")
+    p.add_argument("--skip", type=int, action="append", default=[])
+    p.add_argument("--every-n", type=int, default=1)
+    p.add_argument("--save-interval", type=int, default=0)
+    p.add_argument("--kill-after-save", type=int, default=0)
+    return p.parse_args()
+
+
+def build(kind: str):
     from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer
 
     if kind == "bridge_vpp":
         cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                           ffn_hidden_size=128, vocab_size=1003, seq_length=16)
         trainer = InterleavedTrainer(cfg, lr=3e-6)
-        model = trainer.chunks  # Megatron-Bridge hands callbacks the list of model chunks
-    else:
-        cfg = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=256, vocab_size=1003, seq_length=32)
-        trainer = Trainer(cfg, TrainConfig(lr=3e-6), tp=2)
-        model = [trainer.model]
-    overrides = [f"refit.store_uri={store}", "refit.model_id=cb", "refit.receivers=[r0]",
+        return cfg, trainer, trainer.chunks  # Megatron-Bridge hands callbacks the list of model chunks
+    cfg = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=256, vocab_size=1003, seq_length=32)
+    trainer = Trainer(cfg, TrainConfig(lr=3e-6), tp=2)
+    return cfg, trainer, [trainer.model]
+
+
+def write_reference(callback, trainer, version: int, dense_dir: str, check_layers: bool) -> None:
+    """Collective: the dense reference of ``version`` (rank 0 writes it)."""
+    from safetensors.torch import save_file
+
+    state = callback.refit.hook.dense_state()
+    if check_layers:
+        trainer.check_global_layers(state)
+    if dist.get_rank() == 0:
+        save_file(state, os.path.join(dense_dir, f"v{version}.safetensors"))
+
+
+def run_nemo(args, cfg, trainer, overrides) -> None:
+    from nemo_dcr.integrations.nemo import RefitCallback
+
+    callback = RefitCallback(overrides=overrides)
+    pl_module = SimpleNamespace(module=trainer.model)
+    if args.kind == "nemo_resume":  # a restarted job: weights, step and refit state from the checkpoint
+        load_checkpoint(trainer, callback, args.ckpt)
+    callback.on_train_start(SimpleNamespace(global_step=trainer.steps_done), pl_module)
+    for _ in range(args.iters):
+        step = trainer.train_step().step
+        callback.on_train_batch_end(SimpleNamespace(global_step=step), pl_module, None, None, 0)
+        stats = callback.refit.hook.last_stats
+        assert stats.version == step and stats.committed, (step, stats)
+        write_reference(callback, trainer, step, args.dense, check_layers=False)
+    if args.kind == "nemo_save":
+        save_checkpoint(trainer, callback, args.ckpt)
+
+
+def run_bridge(args, cfg, trainer, model, overrides) -> None:
+    from nemo_dcr.integrations.bridge import RefitBridgeCallback
+    from nemo_dcr.testbed import bridge_loop, bridge_release
+
+    bridge = bridge_release.load()
+    callback = RefitBridgeCallback(overrides=[*overrides, f"refit.every_n_steps={args.every_n}"])
+    state = bridge_loop.GlobalState()
+    state.cfg.checkpoint = bridge_loop.CheckpointConfig(save=args.ckpt, load=args.ckpt,
+                                                        save_interval=args.save_interval)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        metrics = os.path.join(args.dense, "metrics.jsonl")
+        state.tensorboard_logger = RecordingLogger(metrics, "tensorboard")
+        state.wandb_logger = RecordingLogger(metrics, "wandb")
+    latest = bridge_loop.latest_checkpoint(args.ckpt) if args.ckpt else None
+    if latest is not None:  # Bridge's load: weights and optimizer, then train_state.step
+        trainer.load_weights(bridge_loop.checkpoint_name(args.ckpt, latest))
+        state.train_state.step = latest
+        print(f"worker: restarted from iteration {latest}", flush=True)
+
+    def step_fn(iteration: int) -> bridge_loop.Iteration:
+        if iteration in args.skip:
+            # Bridge ran forward/backward and optimizer.step() refused the update
+            # (update_successful=False): the params keep their bits
+            return bridge_loop.Iteration(loss_dict={}, grad_norm=None, skipped=True)
+        r = trainer.train_step()
+        if isinstance(r, int):  # InterleavedTrainer
+            return bridge_loop.Iteration(loss_dict={}, grad_norm=None, skipped=False)
+        return bridge_loop.Iteration(loss_dict={"lm loss": torch.tensor(r.loss)}, grad_norm=r.grad_norm,
+                                     skipped=not r.update_successful)
+
+    def after_step_end(iteration: int, result: bridge_loop.Iteration) -> None:
+        stats = callback.refit.hook.last_stats
+        if result.skipped or iteration % args.every_n:
+            assert stats is None or stats.version < iteration, (iteration, stats)
+            return
+        assert stats.version == iteration and stats.committed, (iteration, stats)
+        assert callback.last_metrics.version == iteration, callback.last_metrics
+        write_reference(callback, trainer, iteration, args.dense, check_layers=args.kind == "bridge_vpp")
+
+    def after_checkpoint(step: int) -> None:
+        if step == args.kill_after_save:
+            dist.barrier()
+            print(f"worker: killed after the checkpoint of iteration {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    bridge_loop.train(bridge=bridge, callbacks=[callback], state=state, model=model, optimizer=trainer.optimizer,
+                      train_iters=args.iters, step_fn=step_fn,
+                      save_fn=(lambda directory, step: trainer.save_weights(directory)) if args.ckpt else None,
+                      after_step_end=after_step_end, after_checkpoint=after_checkpoint)
+
+
+def main() -> None:
+    args = parse_args()
+    cfg, trainer, model = build(args.kind)
+    overrides = [f"refit.store_uri={args.store}", "refit.model_id=cb", "refit.receivers=[r0]",
                  f"refit.vocab_size={cfg.vocab_size}", "refit.ack_timeout_s=300"]
-    if kind.startswith("bridge"):
-        callback = RefitBridgeCallback(overrides=overrides)
-        context = SimpleNamespace(model=model, optimizer=trainer.optimizer, user_state={},
-                                  state=SimpleNamespace(train_state=SimpleNamespace(step=0)))
-        callback.on_train_start(context)
+    if args.kind.startswith("bridge"):
+        run_bridge(args, cfg, trainer, model, overrides)
     else:
-        callback = RefitCallback(overrides=overrides)
-        pl_module = SimpleNamespace(module=trainer.model)
-        if kind == "nemo_resume":  # a restarted job: weights, step and refit state from the checkpoint
-            load_checkpoint(trainer, callback, ckpt)
-        callback.on_train_start(SimpleNamespace(global_step=trainer.steps_done), pl_module)
-    for _ in range(steps):
-        step = trainer.train_step()
-        step = step if isinstance(step, int) else step.step
-        if kind.startswith("bridge"):
-            context.state.train_state.step = step
-            callback.on_train_step_end(context)
-        else:
-            callback.on_train_batch_end(SimpleNamespace(global_step=step), pl_module, None, None, 0)
-        state = callback.refit.hook.dense_state()
-        if kind == "bridge_vpp":
-            trainer.check_global_layers(state)
-        if dist.get_rank() == 0:
-            assert callback.refit.hook.last_stats.committed
-            save_file(state, os.path.join(dense_dir, f"v{step}.safetensors"))
-    if kind == "nemo_save":
-        save_checkpoint(trainer, callback, ckpt)
+        run_nemo(args, cfg, trainer, overrides)
     trainer.close()
 
 

@@ -1,9 +1,8 @@
-"""Framework callbacks drive the refit: ``RefitBridgeCallback`` (Megatron-Bridge protocol)
-and ``RefitCallback`` (NeMo / Lightning protocol), called by a real megatron-core training
-loop (TP=2 under torchrun) the way those frameworks call them; and the Bridge callback with
-a list of virtual-pipeline model chunks (PP=2 x VPP=2, megatron's interleaved schedule).
-Bridge and NeMo are not installed in this environment: this is a protocol test, not a
-framework test (NeMo's is ``tests/nemo/test_nemo_recipe.py``, in the NeMo virtualenv).
+"""The NeMo / Lightning callback ``RefitCallback`` drives the refit, called by a real
+megatron-core training loop (TP=2 under torchrun) the way Lightning calls it.  NeMo is not
+installed in this environment: this is a protocol test (NeMo's framework test is
+``tests/nemo/test_nemo_recipe.py``, in the NeMo virtualenv).  The Megatron-Bridge callback's
+tests, through Bridge's own callback machinery, are ``test_bridge_callback.py``.
 
 A receiver process (``nemo-dcr receive``, transformers) follows every step; each version
 it holds must equal, on integer views, transformers' own load of the dense reference the
@@ -39,17 +38,13 @@ def _dense_hf_state(store, dense_file, work):
     return {k: v.clone() for k, v in module_state(model).items()}
 
 
-@pytest.mark.parametrize("kind", ["bridge", "nemo", "bridge_vpp"])
-def test_callback_refit_is_bit_exact(tmp_path, kind):
+def test_callback_refit_is_bit_exact(tmp_path):
     from safetensors.torch import load_file
 
     store, dense, dump = tmp_path / "store", tmp_path / "dense", tmp_path / "dump"
     dense.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         os.path.join(HERE, "callback_worker.py"), kind, str(store), str(dense), str(STEPS)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    trainer = _torchrun("nemo", "--store", store, "--dense", dense, "--iters", STEPS, env=env)
     deadline = time.monotonic() + 300
     while not (store / "init" / "model.safetensors").exists():
         assert trainer.poll() is None, trainer.stdout.read()[-4000:]
@@ -90,7 +85,7 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
     dense.mkdir()
     ckpt.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = _torchrun("nemo_save", store, dense, 2, ckpt, env=env)
+    first = _torchrun("nemo_save", "--store", store, "--dense", dense, "--iters", 2, "--ckpt", ckpt, env=env)
     deadline = time.monotonic() + 300
     while not (store / "init" / "model.safetensors").exists():
         assert first.poll() is None, first.stdout.read()[-4000:]
@@ -107,7 +102,7 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
     assert (state["committed_version"], state["published_version"]) == (2, 2)
     (store / "HEAD.json").unlink()
     (store / "COMMITTED.json").unlink()
-    second = _torchrun("nemo_resume", store, dense, 2, ckpt, env=env)
+    second = _torchrun("nemo_resume", "--store", store, "--dense", dense, "--iters", 2, "--ckpt", ckpt, env=env)
     out2, _ = second.communicate(timeout=600)
     rx_out, _ = receiver.communicate(timeout=600)
     assert second.returncode == 0, out2[-4000:]
