@@ -336,13 +336,15 @@ def receiver_main(argv: list[str] | None = None) -> int:
     cfg = ReceiverConfig(receiver_id=rid, model_id=args.model_id)
     rx = Receiver(served, store, cfg, journal_dir=os.path.join(args.state_dir, "journal"))
     rx.journal.clear_stale()
-    inner_apply = rx.apply_version
+    inner_fetch = rx._fetch
 
-    def apply_version(manifest):
+    def fetch(manifest, **kw):
+        # every apply path (a version, a replayed one, each link of a composed catch-up)
+        # fetches its manifest first: the plan that applies is that version's
         served.version = manifest.version
-        return inner_apply(manifest)
+        return inner_fetch(manifest, **kw)
 
-    rx.apply_version = apply_version
+    rx._fetch = fetch
     follower = Follower(rx, store, sealer, run_id, receiver_id=rid, committed_digest=root)
     os.makedirs(args.dir, exist_ok=True)
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
@@ -364,11 +366,9 @@ def receiver_main(argv: list[str] | None = None) -> int:
                 st = follower.state
                 behind = False
                 if st.awaiting is None:  # a restarted receiver: catch up to the trainer's base first
-                    try:
-                        head = Head.from_json(store.inner.get(HEAD_KEY), sealer)
-                        behind = st.committed < head.base_version
-                    except KeyError:
-                        pass
+                    # (through the follower's own bounded reader: HEAD.json may hold anything)
+                    head = follower.docs.read(HEAD_KEY, Head)
+                    behind = head is not None and st.committed < head.doc.base_version
                 if st.awaiting is None and not behind:
                     break
                 time.sleep(0.02)
