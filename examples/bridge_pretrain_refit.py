@@ -10,7 +10,7 @@ loop (``tests/integration/test_bridge_callback.py``, ``examples/bridge_refit.py`
 Environment (Python 3.12, CUDA; or a NeMo Framework container that ships Bridge and TE):
 
     pip install "megatron-bridge[te]==0.6.2"      # brings megatron-core, transformers 5.8-5.12
-    pip install --no-deps -e /path/to/nemo-dcr    # keep Bridge's torch (nemo-dcr pins its CPU one)
+    pip install --no-deps -e /path/to/nemo-dcr    # keep the environment's torch / megatron-core
     pip install zstandard safetensors hydra-core omegaconf  # nemo-dcr's other core dependencies
     huggingface-cli login                         # the recipe reads meta-llama/Llama-3.2-1B's config
 

@@ -1,10 +1,13 @@
-"""Make megatron-core 0.16.1 train on CPU with the gloo backend.
+"""Make megatron-core (0.16.1 and 0.19.x, both tested) train on CPU with the gloo backend.
 
 megatron-core assumes CUDA in a handful of places that lie on the training path.  This module
 is the one place where we bend those assumptions, and :func:`apply` is the one call that does
 it (importing this module changes nothing).  Every patch is listed here with its reason; the
-rule that keeps them safe is that each one only replaces behaviour that *raises* on a CPU-only
-torch build, except the type-name patch, which is scoped to two megatron functions.
+rule that keeps them safe is that each one only replaces behaviour that *raises* where CUDA is
+not usable -- a CPU-only torch build ("Torch not compiled with CUDA enabled") or a CUDA build
+on a machine without a driver ("Found no NVIDIA driver", the PyPI torch for Python 3.12 that
+``.venv-bridge`` runs) -- except the type-name patch, which is scoped to three megatron
+functions.
 
 What :func:`apply` patches
 --------------------------
@@ -16,6 +19,20 @@ What :func:`apply` patches
 2. ``torch.cuda.synchronize`` -> no-op.
    Called after every pipeline p2p exchange (p2p_communication.py, "race condition with
    batch_isend_irecv") and by DDP's buffer teardown.  CPU ops are synchronous.
+2b. ``torch.cuda.current_stream`` -> :data:`CPU_STREAM`, and ``torch.cuda.stream(s)`` -> a null
+   context for ``s`` that is :data:`CPU_STREAM` or ``None`` (any other argument goes to
+   torch's own).  The original ``current_stream`` raises; the original ``stream`` happens to
+   do nothing once patch 1 is in (its ``StreamContext`` finds no CUDA device index), which is
+   an accident of torch's internals, so the CPU stream gets an explicit null context.
+   megatron-core 0.19's DDP grad sync
+   (distributed/param_and_grad_buffer.py, ``_ParamAndGradBucketGroup.start_grad_sync``) takes
+   ``torch.cuda.current_stream()`` on every call to wait on CUDA-graph replay events that a
+   parameter may carry (``_cudagraph_wgrad_ready_event``; never set here), and
+   ``finish_grad_sync`` / ``start_grad_sync`` wrap the collectives in
+   ``torch.cuda.stream(...)`` / ``current_stream().wait_stream(...)`` when there are several
+   distributed-optimizer instances.  :class:`_CpuStream` answers ``wait_event``,
+   ``wait_stream`` and ``synchronize`` with no-ops: CPU ops run in program order on one stream.
+   megatron-core 0.16.1 does not call these on the CPU training path (patched all the same).
 3. The name ``torch`` inside a few megatron modules is rebound to :class:`_CpuFactoryTorch`,
    a proxy of the torch module whose tensor factories (``zeros``, ``ones``, ``empty``,
    ``tensor``, ``full``, ``arange``) map ``device="cuda"`` to the CPU.  These modules allocate
@@ -39,7 +56,8 @@ What :func:`apply` patches
    without a fallback, but the MoE router's gating linear (``RouterGatingLinearFunction``,
    forward and backward) tests ``te_general_gemm is not None``; without Transformer Engine that
    raises ``NameError`` (any machine, not only CPU).  ``None`` selects the plain ``torch.mm``
-   branch the code already has.  Set only if the name is absent.
+   branch the code already has.  Set only if the name is absent: megatron-core 0.19 defines
+   it as ``None`` itself without Transformer Engine, so there nothing is set.
 6. ``torch.Tensor.cuda()`` returns the tensor itself, **only while**
    ``LanguageModule.setup_embeddings_and_output_layer`` runs.  With tied embeddings and PP > 1
    it moves the shared word-embedding / output weight to the GPU (``weight.data =
@@ -76,7 +94,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CpuShimError", "ShimReport", "apply", "is_applied", "seed_model_parallel_rng"]
+__all__ = ["CPU_STREAM", "CpuShimError", "ShimReport", "apply", "is_applied", "seed_model_parallel_rng"]
 
 
 class CpuShimError(RuntimeError):
@@ -88,7 +106,7 @@ class ShimReport:
     """What :func:`apply` changed, for logs and tests."""
 
     torch_cuda_functions: tuple[str, ...]
-    """Attributes of ``torch.cuda`` replaced (patches 1 and 2)."""
+    """Attributes of ``torch.cuda`` replaced (patches 1, 2 and 2b)."""
     factory_proxied_modules: tuple[str, ...]
     """Megatron modules whose global ``torch`` is the CPU-factory proxy (patch 3)."""
     type_name_scoped: tuple[str, ...]
@@ -114,6 +132,9 @@ _FACTORIES: frozenset[str] = frozenset({"zeros", "ones", "empty", "tensor", "ful
 _lock = threading.Lock()
 _report: ShimReport | None = None
 
+# The ``torch.cuda`` attributes patches 1, 2 and 2b replace, in the order applied.
+_TORCH_CUDA_FUNCTIONS: tuple[str, ...] = ("current_device", "synchronize", "current_stream", "stream")
+
 
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
@@ -121,6 +142,43 @@ def _cpu_current_device() -> torch.device:
 
 def _cpu_synchronize(device: Any = None) -> None:  # noqa: ARG001 - signature of the original
     return None
+
+
+class _CpuStream:
+    """The one stream of CPU execution (patch 2b): ops run in program order, so every wait is
+    already satisfied."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, event: Any) -> None:  # noqa: ARG002 - torch.cuda.Stream's signature
+        return None
+
+    def wait_stream(self, stream: Any) -> None:  # noqa: ARG002
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<nemo_dcr cpu_shim CPU stream>"
+
+
+CPU_STREAM = _CpuStream()
+"""What ``torch.cuda.current_stream()`` returns once :func:`apply` ran."""
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:  # noqa: ARG001 - original's signature
+    return CPU_STREAM
+
+
+def _make_cpu_stream_context(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def cpu_stream(stream: Any) -> Any:  # torch's parameter name, for keyword callers
+        if stream is None or stream is CPU_STREAM:
+            return contextlib.nullcontext()
+        return original(stream)
+
+    return cpu_stream
 
 
 def _is_cuda(device: Any) -> bool:
@@ -219,7 +277,7 @@ _MISSING_TE_GLOBALS: tuple[tuple[str, str], ...] = (
 
 
 def apply() -> ShimReport:
-    """Apply patches 1-6 (see the module docstring); idempotent and thread-safe.
+    """Apply patches 1-6 and 2b (see the module docstring); idempotent and thread-safe.
 
     Returns the report of what is patched.  Raises :class:`CpuShimError` when CUDA is usable.
     """
@@ -234,6 +292,8 @@ def apply() -> ShimReport:
             )
         torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
         torch.cuda.synchronize = _cpu_synchronize  # type: ignore[assignment]
+        torch.cuda.current_stream = _cpu_current_stream  # type: ignore[assignment]
+        torch.cuda.stream = _make_cpu_stream_context(torch.cuda.stream)  # type: ignore[assignment]
 
         proxy = _CpuFactoryTorch()
         for name in _FACTORY_PROXIED_MODULES:
@@ -272,7 +332,7 @@ def apply() -> ShimReport:
                 defined.append(f"{mod_name}.{attr}")
 
         _report = ShimReport(
-            torch_cuda_functions=("current_device", "synchronize"),
+            torch_cuda_functions=_TORCH_CUDA_FUNCTIONS,
             factory_proxied_modules=_FACTORY_PROXIED_MODULES,
             type_name_scoped=(
                 "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",

@@ -8,6 +8,7 @@ Model-shape flags left out keep ``ModelConfig``'s defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -102,16 +103,25 @@ def shim_checks() -> dict:
         cuda_outside_raises = False
     except (AssertionError, RuntimeError):
         cuda_outside_raises = True
+    stream = torch.cuda.current_stream()
+    stream_context = torch.cuda.stream(stream)
+    with stream_context:
+        stream.wait_stream(stream)
+        stream.wait_event(None)
+    import megatron.core
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.transformer.moe import moe_utils
 
     return {
+        "megatron_core": megatron.core.__version__,
         "cuda_outside_scope_raises": cuda_outside_raises,
         "setup_embeddings_scoped": bool(getattr(
             LanguageModule.setup_embeddings_and_output_layer, "__nemo_dcr_cpu_shim__", False)),
         "te_general_gemm_is_none": moe_utils.te_general_gemm is None,
         "idempotent": first is again,
         "current_device": str(torch.cuda.current_device()),
+        "current_stream_is_cpu": stream is cpu_shim.CPU_STREAM,
+        "stream_context_is_null": isinstance(stream_context, contextlib.nullcontext),
         "type_outside_scope": probe.type(),
         "type_inside_scope": inside,
         "clip_scoped": bool(getattr(optimizer.clip_grad_by_total_norm_fp32, "__nemo_dcr_cpu_shim__", False))

@@ -83,11 +83,11 @@ def test_cpu_shim_refuses_where_cuda_is_available_and_patches_nothing(monkeypatc
 
     if cpu_shim.is_applied():
         pytest.skip("the shim was applied in this process by an earlier test")
-    original = torch.cuda.current_device
+    originals = {name: getattr(torch.cuda, name) for name in cpu_shim._TORCH_CUDA_FUNCTIONS}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(cpu_shim.CpuShimError, match="CUDA is available"):
         cpu_shim.apply()
-    assert torch.cuda.current_device is original
+    assert {name: getattr(torch.cuda, name) for name in originals} == originals
     assert not cpu_shim.is_applied()
     with pytest.raises(cpu_shim.CpuShimError, match="apply"):
         cpu_shim.seed_model_parallel_rng(0)
