@@ -36,7 +36,7 @@ from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
 from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
-from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig
+from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig, from_rank0  # noqa: F401 - re-exported
 from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_family
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
 from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
@@ -71,16 +71,6 @@ def _all_gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def from_rank0(obj):
-    """Collective: rank 0's ``obj`` on every rank (``obj`` itself without a process group).
-    For small plain values only (it travels pickled between this job's own ranks)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:

@@ -123,8 +123,9 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _broadcast(obj):
-    """Collective: rank 0's ``obj`` on every rank."""
+def from_rank0(obj):
+    """Collective: rank 0's ``obj`` on every rank (``obj`` itself without a process group).
+    For small plain values only (it travels pickled between this job's own ranks)."""
     if _world() == 1:
         return obj
     box = [obj]
@@ -208,7 +209,7 @@ class RefitSender:
                     result = (run_id, 0, "", 0, None)
             except Exception as e:  # noqa: BLE001 - every rank must learn the outcome
                 result = (None, 0, "", 0, f"{type(e).__name__}: {e}")
-        run_id, committed, digest, floor, error = _broadcast(result)
+        run_id, committed, digest, floor, error = from_rank0(result)
         if error is not None:
             raise ProtocolError(f"cannot start the run: {error}")
         self.run_id = run_id
@@ -223,7 +224,7 @@ class RefitSender:
     def set_root(self, init_digest: str) -> None:
         """Collective: version 0 is published; ``init_digest`` (rank 0's ``init/INIT.json``
         digest) is the root every version-1 manifest names as its base."""
-        self.committed_digest = _broadcast(init_digest)
+        self.committed_digest = from_rank0(init_digest)
 
     def run_state(self) -> RunState:
         """What the trainer's checkpoint must carry to resume this run (see ``claim``)."""
@@ -371,7 +372,7 @@ class RefitSender:
         decision = None
         if _rank() == 0:
             decision = self._decide(version, stats, gathered, before_manifest)
-        commit, reason, stop, digest = _broadcast(decision)
+        commit, reason, stop, digest = from_rank0(decision)
         if commit:
             self.baseline.commit(version)
             self.committed_digest = digest

@@ -38,6 +38,20 @@ def _dense_hf_state(store, dense_file, work):
     return {k: v.clone() for k, v in module_state(model).items()}
 
 
+def _wait_for_version0(trainer, store) -> None:
+    deadline = time.monotonic() + 300
+    while not (store / "init" / "model.safetensors").exists():
+        assert trainer.poll() is None, trainer.stdout.read()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def _receiver_cmd(store, dump, until: int) -> list[str]:
+    return [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
+            "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", str(until),
+            "--timeout-s", "300", "--dump-dir", str(dump)]
+
+
 def test_callback_refit_is_bit_exact(tmp_path):
     from safetensors.torch import load_file
 
@@ -45,16 +59,9 @@ def test_callback_refit_is_bit_exact(tmp_path):
     dense.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     trainer = _torchrun("nemo", "--store", store, "--dense", dense, "--iters", STEPS, env=env)
-    deadline = time.monotonic() + 300
-    while not (store / "init" / "model.safetensors").exists():
-        assert trainer.poll() is None, trainer.stdout.read()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    receiver = subprocess.run(
-        [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
-         "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", str(STEPS),
-         "--timeout-s", "300", "--dump-dir", str(dump)],
-        capture_output=True, text=True, env=env, timeout=600)
+    _wait_for_version0(trainer, store)
+    receiver = subprocess.run(_receiver_cmd(store, dump, STEPS), capture_output=True, text=True, env=env,
+                              timeout=600)
     out, _ = trainer.communicate(timeout=600)
     assert receiver.returncode == 0, receiver.stdout[-3000:] + receiver.stderr[-3000:]
     assert trainer.returncode == 0, out[-4000:]
@@ -86,16 +93,9 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
     ckpt.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = _torchrun("nemo_save", "--store", store, "--dense", dense, "--iters", 2, "--ckpt", ckpt, env=env)
-    deadline = time.monotonic() + 300
-    while not (store / "init" / "model.safetensors").exists():
-        assert first.poll() is None, first.stdout.read()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
-         "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", "4",
-         "--timeout-s", "300", "--dump-dir", str(dump)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _wait_for_version0(first, store)
+    receiver = subprocess.Popen(_receiver_cmd(store, dump, 4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-4000:]
     state = __import__("json").loads((ckpt / "callbacks.json").read_text())["RefitCallback"]
