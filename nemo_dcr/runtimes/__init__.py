@@ -1,8 +1,6 @@
-"""Serving runtimes the receiver updates in place, one adapter per runtime.
+"""Serving runtimes the receiver updates in place, one adapter package per runtime.
 
-``base`` holds the seam (``RuntimeAdapter``, ``TensorSpec``); ``hf`` adapts Hugging Face
-transformers models.  Importing this package does not import any runtime.
+The seam they implement (``RuntimeAdapter``, ``TensorSpec``) lives on the receiver's floor,
+``nemo_dcr.receiver.runtime``: runtimes import the receiver, never the reverse.  Importing
+this package does not import any runtime.
 """
-from nemo_dcr.runtimes.base import RuntimeAdapter, TensorSpec, dtype_name, torch_dtype
-
-__all__ = ["RuntimeAdapter", "TensorSpec", "dtype_name", "torch_dtype"]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr.runtimes.base import TensorSpec, dtype_name
+from nemo_dcr.receiver.runtime import TensorSpec, dtype_name
 from nemo_dcr.runtimes.hf_convert import CheckpointConversion, conversion_transforms, reverted_specs
 
 _SAFETENSORS_DTYPES = {

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 
 
 @dataclass(frozen=True)

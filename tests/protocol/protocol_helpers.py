@@ -16,7 +16,7 @@ from nemo_dcr.protocol.run import init_digest, write_init_record
 from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.transport.store import LocalDirStore
 
 DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,

@@ -10,7 +10,7 @@ from nemo_dcr.codec.types import DeltaOp, TensorDelta
 from nemo_dcr.receiver.apply import DeltaApplier, PlacementKind
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.verify import compare_modules, compare_with_dense, state_digest
-from nemo_dcr.runtimes.base import RuntimeAdapter
+from nemo_dcr.receiver.runtime import RuntimeAdapter
 from nemo_dcr.runtimes.hf import HFTransformersAdapter
 
 from receiver_helpers import SPECIAL_BF16, bits, canonical_state, deltas, flip_one_bit, llama, perturb

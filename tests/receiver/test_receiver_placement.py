@@ -13,7 +13,7 @@ from nemo_dcr.codec.types import DeltaOp
 from nemo_dcr.receiver.apply import CoveragePolicy, DeltaApplier, PlacementKind
 from nemo_dcr.receiver.errors import PlacementError
 from nemo_dcr.receiver.verify import compare_modules, load_dense, state_digest
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 
 from receiver_helpers import deltas, flip_one_bit, perturb
 

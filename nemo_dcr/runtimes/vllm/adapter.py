@@ -56,7 +56,7 @@ import torch
 
 from nemo_dcr.receiver.capture import WriteCapture, module_storages
 from nemo_dcr.receiver.errors import PlacementError
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs, read_checkpoint_tensor
 
 

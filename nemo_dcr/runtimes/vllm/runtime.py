@@ -24,7 +24,7 @@ import torch
 
 from nemo_dcr.codec.types import BITS_DTYPE, TensorDelta
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs
 
 _EXTENSION = "nemo_dcr.runtimes.vllm.extension.DCRWorkerExtension"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.runtimes.base import TensorSpec
+from nemo_dcr.receiver.runtime import TensorSpec
 
 VERIFY_TOKENS = 16
 VERIFY_LOGPROBS = 5

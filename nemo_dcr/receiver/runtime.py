@@ -23,8 +23,8 @@ together (a converter that builds one fused parameter from several checkpoint te
 the experts of a MoE layer).  The apply engine then probes and feeds those groups whole.
 It is not part of the ``Protocol`` so adapters without it still satisfy ``isinstance``.
 
-A second runtime (vLLM's CPU build) plugs in by implementing this protocol; the apply
-logic in ``nemo_dcr.receiver.apply`` does not change.
+Runtimes (``nemo_dcr.runtimes.*``) implement this protocol and import it from here; the
+receiver never imports a runtime.
 """
 from __future__ import annotations
 
