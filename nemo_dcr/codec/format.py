@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
+from nemo_dcr import dtypes
+from nemo_dcr.codec.types import DeltaOp
 from nemo_dcr.errors import FormatError, ValidationError
 
 MAGIC = b"NEMODCR\x00"
@@ -47,22 +48,10 @@ DIR_ZSTD_LEVEL = 19
 FLAG_CONTEXT = 0x01
 RECORD_FLAGS_KNOWN = FLAG_CONTEXT
 
-#: Wire code of each dtype.  Append only: a code, once published, never changes meaning.
-DTYPE_CODES: dict[str, int] = {
-    "bfloat16": 1,
-    "float16": 2,
-    "float32": 3,
-    "float8_e4m3fn": 4,
-    "float8_e5m2": 5,
-    "int8": 6,
-    "uint8": 7,
-    "int16": 8,
-    "int32": 9,
-    "int64": 10,
-    "bool": 11,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-assert set(DTYPE_CODES) == set(BITS_DTYPE)
+#: Wire code of each dtype, and back (views of ``nemo_dcr.dtypes``, where the codes live).
+#: Append only: a code, once published, never changes meaning.
+DTYPE_CODES: dict[str, int] = {d.name: d.code for d in dtypes.DTYPES.values()}
+DTYPE_NAMES: dict[int, str] = {d.code: d.name for d in dtypes.DTYPES.values()}
 
 OP_CODES = {DeltaOp.XOR: 0, DeltaOp.OVERWRITE: 1}
 OP_FROM_CODE = {v: k for k, v in OP_CODES.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nemo_dcr import dtypes
 from nemo_dcr.codec.format import ChunkFormatError
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
@@ -23,12 +24,9 @@ except ImportError:  # not built: the payload layer falls back to zstd
 NEXP = 32  # exponent buckets, as in ans.c
 
 #: (exponent shift, exponent bits) of each float dtype; integers have none (bits 0).
+#: A view of ``nemo_dcr.dtypes``.
 EXPONENT_FIELD: dict[str, tuple[int, int]] = {
-    "bfloat16": (7, 8),
-    "float16": (10, 5),
-    "float32": (23, 8),
-    "float8_e4m3fn": (3, 4),
-    "float8_e5m2": (2, 5),
+    d.name: d.exponent for d in dtypes.DTYPES.values() if d.exponent is not None
 }
 
 
@@ -38,8 +36,9 @@ def available() -> bool:
 
 def coder_params(dtype: str) -> tuple[int, int, int]:
     """(width, exponent shift, exponent bits) of a dtype."""
-    eshift, ebits = EXPONENT_FIELD.get(dtype, (0, 0))
-    return BITS_DTYPE[dtype].itemsize, eshift, ebits
+    d = dtypes.DTYPES[dtype]
+    eshift, ebits = d.exponent or (0, 0)
+    return d.width, eshift, ebits
 
 
 class ModelStates:

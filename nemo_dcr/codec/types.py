@@ -15,21 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nemo_dcr import dtypes
+
 #: Element dtypes the wire format knows, mapped to the unsigned integer dtype that carries
-#: their bits.  Names are the torch names without the ``torch.`` prefix.
-BITS_DTYPE: dict[str, np.dtype] = {
-    "bfloat16": np.dtype(np.uint16),
-    "float16": np.dtype(np.uint16),
-    "float32": np.dtype(np.uint32),
-    "float8_e4m3fn": np.dtype(np.uint8),
-    "float8_e5m2": np.dtype(np.uint8),
-    "int8": np.dtype(np.uint8),
-    "uint8": np.dtype(np.uint8),
-    "int16": np.dtype(np.uint16),
-    "int32": np.dtype(np.uint32),
-    "int64": np.dtype(np.uint64),
-    "bool": np.dtype(np.uint8),
-}
+#: their bits (a view of the one table, ``nemo_dcr.dtypes``).
+BITS_DTYPE = dtypes.BITS_DTYPE
 
 
 def shape_numel(shape: tuple[int, ...]) -> int:

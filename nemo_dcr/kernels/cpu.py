@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nemo_dcr import dtypes
 from nemo_dcr.kernels import _cxor
 from nemo_dcr.kernels.types import (
-    BITS_NP,
     DiffBuffers,
     DiffCapacityError,
     StaleCountsError,
@@ -95,8 +95,8 @@ def xor_diff_into_c(
     num_threads: int | None = None,
 ) -> XorDiff:
     a, b = _operands(current, baseline, block_size)
-    if out.xor_values.dtype != BITS_NP[a.itemsize]:
-        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {BITS_NP[a.itemsize]}")
+    if out.xor_values.dtype != dtypes.bits_of_width(a.itemsize):
+        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(a.itemsize)}")
     nt = _threads(a, num_threads)
     if block_counts is None:
         counts = np.empty(-(-a.size // block_size), dtype=np.int64)

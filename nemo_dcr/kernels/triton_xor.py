@@ -104,10 +104,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nemo_dcr import dtypes
 from nemo_dcr.kernels.types import (
-    BITS_NP,
-    BITS_TORCH,
-    BITS_TORCH_NP,
     DiffBuffers,
     DiffCapacityError,
     StaleCountsError,
@@ -262,7 +260,7 @@ class DeviceXorDiff:
         width = self.xor_values.element_size()
         return XorDiff(
             self.positions.cpu().numpy(),
-            self.xor_values.cpu().numpy().view(BITS_NP[width]),
+            self.xor_values.cpu().numpy().view(dtypes.bits_of_width(width)),
             self.block_counts.cpu().numpy().astype(np.int64, copy=False),
             self.block_size,
             self.numel,
@@ -270,7 +268,7 @@ class DeviceXorDiff:
 
 
 def _flat_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(BITS_TORCH[t.element_size()])
+    return dtypes.int_view(t.detach().contiguous().reshape(-1))
 
 
 def _num_warps(tile: int) -> int:
@@ -416,11 +414,11 @@ def xor_diff_into_triton(
         raise StaleCountsError("block_counts do not match current ^ baseline")
     total = d.positions.numel()
     width = d.xor_values.element_size()
-    if out.xor_values.dtype != BITS_NP[width]:
-        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {BITS_NP[width]}")
+    if out.xor_values.dtype != dtypes.bits_of_width(width):
+        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(width)}")
     if total > out.capacity:
         raise DiffCapacityError(total, out.capacity, counts)
     positions, values = out.positions[:total], out.xor_values[:total]
     torch.from_numpy(positions).copy_(d.positions)
-    torch.from_numpy(values.view(BITS_TORCH_NP[width])).copy_(d.xor_values)
+    torch.from_numpy(values.view(dtypes.torch_int_np(width))).copy_(d.xor_values)
     return XorDiff(positions, values, counts, block_size, d.numel)

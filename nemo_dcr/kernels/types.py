@@ -6,25 +6,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr import dtypes
 from nemo_dcr.errors import DcrError, ValidationError
 
-#: Unsigned numpy dtype carrying the bits of an element of each width (bytes).
-BITS_NP: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.uint16),
-    4: np.dtype(np.uint32),
-    8: np.dtype(np.uint64),
-}
-#: Integer torch dtype of the same width (signed where torch lacks full unsigned support);
-#: used for device-side views, never for arithmetic on values.
-BITS_TORCH: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: numpy twin of ``BITS_TORCH`` (to copy device bits into host buffers without a cast).
-BITS_TORCH_NP: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    8: np.dtype(np.int64),
-}
+# Bit views come from ``nemo_dcr.dtypes``: ``bits_of_width`` (unsigned numpy),
+# ``torch_int_of_width`` (signed torch where torch lacks full unsigned support; for
+# device-side views, never for arithmetic) and ``torch_int_np`` (its numpy twin, to copy
+# device bits into host buffers without a cast).
+_UNSIGNED = frozenset(dtypes.bits_of_width(w) for w in dtypes.WIDTHS)
 
 
 class StaleCountsError(DcrError, RuntimeError):
@@ -71,19 +60,19 @@ class XorDiff:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.numel < 0:
-            raise ValueError(f"block_size {self.block_size} / numel {self.numel} out of range")
+            raise ValidationError(f"block_size {self.block_size} / numel {self.numel} out of range")
         pos, val, cnt = self.positions, self.xor_values, self.block_counts
         if pos.ndim != 1 or pos.dtype != np.int64:
-            raise ValueError(f"positions must be 1-D int64, got {pos.dtype}{pos.shape}")
-        if val.ndim != 1 or val.dtype not in BITS_NP.values() or val.shape != pos.shape:
-            raise ValueError(
+            raise ValidationError(f"positions must be 1-D int64, got {pos.dtype}{pos.shape}")
+        if val.ndim != 1 or val.dtype not in _UNSIGNED or val.shape != pos.shape:
+            raise ValidationError(
                 f"xor_values must be 1-D unsigned like positions {pos.shape}, got {val.dtype}{val.shape}"
             )
         nblocks = -(-self.numel // self.block_size)
         if cnt.dtype != np.int64 or cnt.shape != (nblocks,):
-            raise ValueError(f"block_counts must be int64[{nblocks}], got {cnt.dtype}{cnt.shape}")
+            raise ValidationError(f"block_counts must be int64[{nblocks}], got {cnt.dtype}{cnt.shape}")
         if int(cnt.sum()) != pos.size:
-            raise ValueError(f"block_counts sum to {int(cnt.sum())}, positions has {pos.size}")
+            raise ValidationError(f"block_counts sum to {int(cnt.sum())}, positions has {pos.size}")
 
     @property
     def num_changed(self) -> int:
@@ -116,21 +105,21 @@ class DiffBuffers:
     def __post_init__(self) -> None:
         pos, val = self.positions, self.xor_values
         if pos.ndim != 1 or pos.dtype != np.int64 or not pos.flags.c_contiguous:
-            raise ValueError(f"positions must be contiguous 1-D int64, got {pos.dtype}{pos.shape}")
-        if val.ndim != 1 or val.dtype not in BITS_NP.values() or not val.flags.c_contiguous:
-            raise ValueError(f"xor_values must be contiguous 1-D unsigned, got {val.dtype}{val.shape}")
+            raise ValidationError(f"positions must be contiguous 1-D int64, got {pos.dtype}{pos.shape}")
+        if val.ndim != 1 or val.dtype not in _UNSIGNED or not val.flags.c_contiguous:
+            raise ValidationError(f"xor_values must be contiguous 1-D unsigned, got {val.dtype}{val.shape}")
         if val.shape != pos.shape:
-            raise ValueError(f"positions {pos.shape} and xor_values {val.shape} differ in length")
+            raise ValidationError(f"positions {pos.shape} and xor_values {val.shape} differ in length")
         if not (pos.flags.writeable and val.flags.writeable):
-            raise ValueError("DiffBuffers must be writable")
+            raise ValidationError("DiffBuffers must be writable")
 
     @classmethod
     def allocate(cls, capacity: int, element_size: int, *, pin_memory: bool = False) -> DiffBuffers:
-        if capacity < 0 or element_size not in BITS_NP:
-            raise ValueError(f"capacity {capacity} / element_size {element_size} out of range")
+        if capacity < 0 or element_size not in dtypes.WIDTHS:
+            raise ValidationError(f"capacity {capacity} / element_size {element_size} out of range")
         pos = torch.empty(capacity, dtype=torch.int64, pin_memory=pin_memory)
-        val = torch.empty(capacity, dtype=BITS_TORCH[element_size], pin_memory=pin_memory)
-        return cls(pos.numpy(), val.numpy().view(BITS_NP[element_size]))
+        val = torch.empty(capacity, dtype=dtypes.torch_int_of_width(element_size), pin_memory=pin_memory)
+        return cls(pos.numpy(), val.numpy().view(dtypes.bits_of_width(element_size)))
 
     @property
     def capacity(self) -> int:
@@ -140,26 +129,26 @@ class DiffBuffers:
 def bits_view_np(t: torch.Tensor) -> np.ndarray:
     """Flat unsigned-integer numpy view (no copy) of a contiguous CPU tensor's bits."""
     if t.device.type != "cpu":
-        raise ValueError("bits_view_np needs a CPU tensor")
+        raise ValidationError("bits_view_np needs a CPU tensor")
     if not t.is_contiguous():
-        raise ValueError("bits_view_np needs a contiguous tensor")
+        raise ValidationError("bits_view_np needs a contiguous tensor")
     width = t.element_size()
-    if width not in BITS_NP:
-        raise ValueError(f"no bit view for {t.dtype} ({width}-byte elements)")
+    if width not in dtypes.WIDTHS:
+        raise ValidationError(f"no bit view for {t.dtype} ({width}-byte elements)")
     flat = t.reshape(-1)
     if flat.numel() == 0:
-        return np.empty(0, dtype=BITS_NP[width])
-    return flat.view(BITS_TORCH[width]).numpy().view(BITS_NP[width])
+        return np.empty(0, dtype=dtypes.bits_of_width(width))
+    return dtypes.int_view(dtypes.int_view(flat).numpy())
 
 
 def check_pair(current: torch.Tensor, baseline: torch.Tensor, block_size: int) -> None:
     """The argument contract shared by every implementation."""
     if current.dtype != baseline.dtype or current.shape != baseline.shape:
-        raise ValueError(
+        raise ValidationError(
             f"xor_diff: current {current.dtype}{tuple(current.shape)} vs baseline "
             f"{baseline.dtype}{tuple(baseline.shape)}"
         )
-    if current.element_size() not in BITS_NP:
-        raise ValueError(f"xor_diff: unsupported element size {current.element_size()} ({current.dtype})")
+    if current.element_size() not in dtypes.WIDTHS:
+        raise ValidationError(f"xor_diff: unsupported element size {current.element_size()} ({current.dtype})")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 1 << 62:
-        raise ValueError(f"xor_diff: block_size must be an int in [1, 2**62], got {block_size!r}")
+        raise ValidationError(f"xor_diff: block_size must be an int in [1, 2**62], got {block_size!r}")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_dcr import dtypes
 from nemo_dcr.codec.types import shape_numel
 
 
@@ -86,10 +87,6 @@ class ParamView:
     spec: ShardSpec
 
 
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _flatten_sharded(obj: Any, out: list) -> None:
     """Depth-first walk collecting ShardedTensors, building factories on the way."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -155,7 +152,7 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
             global_offset=tuple(int(s) for s in st.global_offset),
             prepend_axis_num=int(st.prepend_axis_num),
             replica_id=tuple(st.replica_id) if isinstance(st.replica_id, tuple) else (int(st.replica_id),),
-            dtype=_torch_dtype_name(p.dtype),
+            dtype=dtypes.from_torch(p.dtype).name,
         )
         views[name].append(ParamView(param_name=name, start=int(start), spec=spec))
 

@@ -34,26 +34,19 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in BITS_DTYPE}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _TORCH_DTYPES.items()}
+from nemo_dcr import dtypes
+from nemo_dcr.codec.types import shape_numel
+from nemo_dcr.errors import ValidationError
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a wire dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not one the wire format carries") from None
+    return dtypes.get(name).torch
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire dtype name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"{dtype} is not a dtype the wire format carries") from None
+    return dtypes.from_torch(dtype).name
 
 
 @dataclass(frozen=True)
@@ -62,17 +55,17 @@ class TensorSpec:
 
     name: str
     dtype: str
-    """Wire dtype name (a key of ``nemo_dcr.codec.types.BITS_DTYPE``)."""
+    """Wire dtype name (a key of ``nemo_dcr.dtypes.DTYPES``)."""
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("TensorSpec needs a name")
-        if self.dtype not in BITS_DTYPE:
-            raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one the wire format carries")
+            raise ValidationError("TensorSpec needs a name")
+        if self.dtype not in dtypes.DTYPES:
+            raise ValidationError(f"{self.name}: dtype {self.dtype!r} is not one the wire format carries")
         shape = tuple(int(s) for s in self.shape)
         if any(s < 0 for s in shape):
-            raise ValueError(f"{self.name}: negative dimension in {shape}")
+            raise ValidationError(f"{self.name}: negative dimension in {shape}")
         object.__setattr__(self, "shape", shape)
 
     @property

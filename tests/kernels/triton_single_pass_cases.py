@@ -26,6 +26,7 @@ import triton.language as tl  # noqa: E402
 from triton_interp_cases import CASES, pair  # noqa: E402
 
 import nemo_dcr.kernels.triton_xor as tx  # noqa: E402
+from nemo_dcr import dtypes  # noqa: E402
 from nemo_dcr.kernels import DiffBuffers, XorDiff, xor_diff_reference  # noqa: E402
 from nemo_dcr.kernels.cpu import xor_diff_c  # noqa: E402
 
@@ -64,7 +65,7 @@ def check_cases(atomic_load: bool) -> list[dict]:
             # negative controls: one flipped bit in the expected output, and one flipped bit
             # in the input, must each be detected
             neg = not got.bit_equal(flipped(want, want.num_changed // 2))
-            bits = cur.clone().view(tx.BITS_TORCH[cur.element_size()])
+            bits = dtypes.int_view(cur.clone())
             bits[int(want.positions[0])] ^= 1
             perturbed = tx.xor_diff_device(bits.view(dtype), base, block_size=block_size, tile=tile,
                                            impl="single_pass").to_host()
