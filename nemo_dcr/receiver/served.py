@@ -1,22 +1,71 @@
 """What the receiver loop needs from the model it keeps current: the seam between
-``receiver/worker.py`` (manifests, chunks, acks) and a serving runtime.
+``receiver/engine.py`` (manifests, chunks, acks) and a serving runtime.
 
 ``ServedModel`` is deliberately small.  ``InProcessModel`` implements it for a runtime
 whose module lives in the receiver process (transformers: a ``DeltaApplier`` over a
 ``RuntimeAdapter``); a runtime whose weights live in other processes (vLLM's TP workers)
 implements it at its edge (``runtimes/vllm``), applying the same ``DeltaApplier`` inside
 each worker.
+
+``validate_version`` is the one check of a version's records against a runtime's tensor
+specs: ``DeltaApplier.validate`` and ``apply`` run it (in every worker), and catch-up runs
+it on each version it composes.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.runtimes.base import RuntimeAdapter, TensorSpec
+from nemo_dcr.receiver.errors import DeltaValidationError
+from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
+
+
+def validate_version(specs: Mapping[str, TensorSpec], deltas: Sequence[TensorDelta]) -> dict[str, list[TensorDelta]]:
+    """The one check of a version's records against a runtime's canonical tensors, before
+    anything is written: every record names a spec, with its dtype and shape, and no element
+    is named by two records.
+
+    A record's own invariants (1-D int64 positions, strictly increasing, inside
+    ``element_range`` inside the tensor; values of the dtype's bit width) are
+    ``TensorDelta.__post_init__``'s.  They are not restated here but re-run through it
+    (``dataclasses.replace``): a record can arrive without its constructor having run
+    (unpickled from another process, or altered with ``object.__setattr__``).
+    Returns those re-made records grouped by name, in batch order; raises
+    ``DeltaValidationError``."""
+    grouped: dict[str, list[TensorDelta]] = defaultdict(list)
+    for d in deltas:
+        if not isinstance(d, TensorDelta):
+            raise DeltaValidationError(f"expected TensorDelta, got {type(d).__name__}")
+        spec = specs.get(d.name)
+        if spec is None:
+            raise DeltaValidationError(f"{d.name}: not a canonical tensor of this runtime")
+        if d.dtype != spec.dtype or tuple(d.shape) != spec.shape:
+            raise DeltaValidationError(f"{d.name}: delta is {d.dtype}{d.shape}, runtime has {spec.dtype}{spec.shape}")
+        if not (isinstance(d.positions, np.ndarray) and isinstance(d.values, np.ndarray)):
+            raise DeltaValidationError(f"{d.name}: positions and values must be numpy arrays")
+        try:
+            checked = replace(d)  # the record's own checks, whether or not its constructor ran
+        except (TypeError, ValueError) as e:
+            raise DeltaValidationError(str(e)) from None
+        grouped[d.name].append(checked)
+    for name, records in grouped.items():
+        # Records of one tensor may interleave (row-parallel shards split columns, so each
+        # rank's range spans nearly the whole tensor), but no element may be named twice:
+        # two XORs would cancel.  Disjoint ranges prove it without a sort.
+        spans = sorted(r.element_range for r in records if r.nnz)
+        if all(stop <= start for (_, stop), (start, _) in zip(spans, spans[1:])):
+            continue
+        merged = np.sort(np.concatenate([r.positions for r in records]))
+        repeated = merged[1:][merged[1:] == merged[:-1]]
+        if repeated.size:
+            raise DeltaValidationError(f"{name}: position {int(repeated[0])} is in more than one record")
+    return dict(grouped)
 
 
 @runtime_checkable
@@ -30,7 +79,8 @@ class ServedModel(Protocol):
         ...
 
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
-        """Every check ``apply`` runs before its first write, without writing."""
+        """Every check ``apply`` runs before its first write, without writing
+        (``validate_version`` against ``tensor_specs()``, plus the runtime's own checks)."""
         ...
 
     def apply(self, deltas: Sequence[TensorDelta]) -> object:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dcr.runtimes.base import RuntimeAdapter
+from nemo_dcr.receiver.runtime import RuntimeAdapter
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

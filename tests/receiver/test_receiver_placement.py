@@ -218,3 +218,55 @@ def test_changed_view_placement_is_refused_before_writing():
     with pytest.raises(PlacementError, match="changed since prewarm"):
         applier.apply(deltas(base, perturb(base, np.random.default_rng(24), frac=0.2)))
     assert state_digest(adapter.module) == digest
+
+
+def test_plan_is_immutable_and_apply_leaves_it_alone():
+    base = _state(0)
+    adapter = _runtime(base)
+    applier = DeltaApplier(adapter)
+    assert applier.plan is None and dict(applier.placements) == {}
+    applier.prewarm()
+    plan = applier.plan
+    with pytest.raises(TypeError):
+        plan.placements["q"] = plan.placements["k"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        plan.direct["extra"] = torch.zeros(1)  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        plan.placements = {}  # type: ignore[misc]
+    before = {n: (p.kind, p.copies) for n, p in plan.placements.items()}
+    applier.apply(deltas(base, perturb(base, np.random.default_rng(25), frac=0.2)))
+    assert applier.plan is plan
+    assert {n: (p.kind, p.copies) for n, p in plan.placements.items()} == before
+    applier.prewarm()  # a new prewarm makes a new plan
+    assert applier.plan is not plan
+
+
+def test_one_validator_for_apply_and_catch_up():
+    """``validate_version`` (what ``apply``, ``validate`` and catch-up's chain links run)
+    refuses on specs alone; the applier refuses the same batch, writing nothing."""
+    from nemo_dcr.codec.types import TensorDelta
+    from nemo_dcr.receiver.errors import DeltaValidationError
+    from nemo_dcr.receiver.served import validate_version
+
+    base = _state(0)
+    good = deltas(base, perturb(base, np.random.default_rng(26), frac=0.2))
+    d = next(x for x in good if x.name == "scale" and x.nnz)
+    assert set(validate_version(SPECS, good)) == {x.name for x in good}  # negative control
+    corrupted = TensorDelta(d.name, d.dtype, d.shape, d.op, d.positions, d.values)
+    object.__setattr__(corrupted, "positions", np.array([D], np.int64))  # past the end; constructor bypassed
+    bad_batches = [
+        [TensorDelta("nope", d.dtype, d.shape, d.op, d.positions, d.values)],
+        [TensorDelta(d.name, d.dtype, (D + 1,), d.op, d.positions, d.values)],
+        [corrupted],
+        [d, TensorDelta(d.name, d.dtype, d.shape, d.op, d.positions[:1].copy(), d.values[:1].copy())],
+    ]
+    adapter = _runtime(base)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    digest = state_digest(adapter.module)
+    for bad in bad_batches:
+        with pytest.raises(DeltaValidationError):
+            validate_version(SPECS, bad)
+        with pytest.raises(DeltaValidationError):
+            applier.apply([x for x in good if x.name != "scale"] + bad)
+        assert state_digest(adapter.module) == digest
