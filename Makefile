@@ -37,6 +37,15 @@ BRIDGE_TESTS := tests/integration/test_bridge_callback.py tests/layout \
 	'tests/integration/test_refit_layouts.py::test_layout_refits_bit_exactly[llama-tied-pp2]' \
 	tests/integration/test_param_gather.py
 
+# Test lanes (docs/testing.md).  tests/conftest.py marks every test that starts a process
+# (torchrun, vLLM, moto_server, a receiver, a `python -c` probe) `spawns`, and fails a test
+# that starts one without the mark.  `make test-fast`: the unmarked rest, in one process.
+# `make test` (CI): everything, on PYTEST_JOBS pytest-xdist workers when xdist is installed
+# ([dev] / [bridge-stack] extras); tests that share a module-scoped launch stay on one worker
+# (--dist loadgroup; conftest groups them).  PYTEST_JOBS=0 runs in one process.
+PYTEST_JOBS ?= 2
+XDIST = $(shell test "$(PYTEST_JOBS)" != 0 && $(1) -c 'import xdist' 2>/dev/null && printf -- '-n %s --dist loadgroup' $(PYTEST_JOBS))
+
 .PHONY: setup setup-nemo setup-bridge demo test test-bridge test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -83,13 +92,17 @@ demo: setup
 	$(VENV)/bin/nemo-dcr demo $(ARGS)
 
 test: setup setup-nemo setup-bridge
-	$(PY) -m pytest -m "not gpu" $(ARGS)
+	$(PY) -m pytest -m "not gpu" $(call XDIST,$(PY)) $(ARGS)
 	$(MAKE) --no-print-directory test-bridge
+
+# every test that starts no process (~2-3 min on 2 cores); no NeMo / Bridge virtualenv needed
+test-fast: setup
+	$(PY) -m pytest -m "not spawns and not gpu" $(ARGS)
 
 # ARGS' options apply here too, its test paths (tests/...) only to the main suite; exit 5
 # (ARGS selected none of BRIDGE_TESTS, e.g. ARGS="-k codec") is not a failure here
 test-bridge: setup-bridge
-	$(BRIDGE_PY) -m pytest -m "not gpu" $(BRIDGE_TESTS) $(filter-out tests/%,$(ARGS)) || test $$? -eq 5
+	$(BRIDGE_PY) -m pytest -m "not gpu" $(call XDIST,$(BRIDGE_PY)) $(BRIDGE_TESTS) $(filter-out tests/%,$(ARGS)) || test $$? -eq 5
 
 bench: setup
 	$(PY) scripts/bench_codec.py

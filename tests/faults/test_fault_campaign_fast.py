@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,6 +39,9 @@ def test_plans_are_seeded():
         [fc.choose_class(1, t, "random", fc.CLASSES) for t in range(50)]
 
 
+# explicit: the campaign is a script loaded at run time, where tests/conftest.py's auto-marker
+# cannot follow it; it starts torchrun trainers, receivers and a moto server
+@pytest.mark.spawns
 def test_fast_campaign(tmp_path):
     fc = _campaign()
     classes = [c for c in fc.CLASSES if c != "trainer_kill"]
