@@ -16,7 +16,7 @@ Receiver (another shell, once ``runs/nemo/store/init/model.safetensors`` exists)
 
 TP=2 x DP=2 is ``--nproc-per-node 4 ... --tp 2 --dp 2``; PP=2 x virtual PP=2 is
 ``--nproc-per-node 2 ... --tp 1 --pp 2 --vpp 2`` (4 layers, one per model chunk).  Arguments of the form
-``refit.KEY=VALUE`` are Hydra overrides of ``configs/refit.yaml`` (the callback's settings);
+``refit.KEY=VALUE`` are Hydra overrides of ``nemo_dcr/configs/refit.yaml`` (the callback's settings);
 ``--set KEY=VALUE`` sets any recipe field by its dotted path (``--set trainer.max_steps=5``),
 NeMo-run style.  ``refit.vocab_size`` is set here from the recipe's tokenizer.
 

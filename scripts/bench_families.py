@@ -39,7 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", default="2e-6")
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for nemo_dcr/configs/demo.yaml")
     args = ap.parse_args()
 
     from nemo_dcr.testbed.config import load_demo_config

@@ -2,7 +2,7 @@
 through the same S3 store, the same shaped link and the same receiver process.
 
     sudo .venv/bin/python scripts/bench_refit_link.py [--rates 50,200] [--lrs 4.5e-7,2.4e-6,4.5e-6]
-        [--steps 1] [--warmup 1] [--out-dir benchmarks/results] [hydra overrides for configs/demo.yaml ...]
+        [--steps 1] [--warmup 1] [--out-dir benchmarks/results] [hydra overrides for nemo_dcr/configs/demo.yaml ...]
 
 Needs root (network namespaces, ``tc``); refuses to run otherwise.
 
@@ -409,7 +409,6 @@ class Run:
     def execute(self) -> dict:
         args, cfg = self.args, self.cfg
         from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
-        from nemo_dcr.testbed.run_trainer import receiver_ids
 
         t_start = time.monotonic()
         self.link.up(args.setup_mbit)
@@ -450,11 +449,11 @@ class Run:
                                 "trainer", "--config", cfg_path, "--dir", self.run_dir,
                                 "--driver-pid", str(os.getpid())], env)
         rdirs = {}
-        for rid in receiver_ids(cfg.refit.receivers):
+        for rid in cfg.refit.receivers:
             rdirs[rid] = os.path.join(self.run_dir, f"receiver-{rid}")
             os.makedirs(rdirs[rid])
             self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr.testbed.link_refit", "receiver",
-                                            "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.model_id,
+                                            "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.refit.model_id,
                                             "--dir", rdirs[rid], "--timeout-s", str(args.step_timeout_s),
                                             "--driver-pid", str(os.getpid())], env)
         _progress(f"trainer ({cfg.parallel.world_size} ranks, TP={cfg.parallel.tensor_model_parallel_size}) and "
@@ -532,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-timeout-s", type=float, default=1800.0)
     ap.add_argument("--out-dir", default=RESULTS, help="where refit_link.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for configs/demo.yaml (after the defaults: "
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml (after the defaults: "
                     + " ".join(MODEL) + ")")
     args = ap.parse_args(argv)
     from nemo_dcr.errors import DcrError
@@ -583,7 +582,7 @@ def _main(args) -> int:
     total = args.warmup + args.steps * len(args.rates) * len(args.lrs)
     try:
         cfg = load_demo_config([*MODEL, f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/run", f"steps={total}",
-                                "model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900",
+                                "refit.model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900",
                                 *args.overrides])
     except Exception as e:  # noqa: BLE001 - a configuration error is the user's: one line
         raise BenchError(f"invalid configuration: {describe_config_error(e)}", 2) from None

@@ -110,7 +110,7 @@ def read_state_file(directory: str) -> dict | None:
 
 class RefitBridgeCallback:
     """``settings``: a ``RefitSettings``; or ``overrides``: Hydra overrides of
-    ``configs/refit.yaml``."""
+    ``nemo_dcr/configs/refit.yaml``."""
 
     def __init__(self, settings: RefitSettings | None = None, *, overrides: list[str] | None = None):
         if settings is None:

@@ -42,7 +42,7 @@ def _model_chunks(trainer, pl_module):
 
 class RefitCallback(_Base):
     """``settings``: a ``RefitSettings``; or ``overrides``: Hydra overrides of
-    ``configs/refit.yaml`` (what a recipe's ``run.Config`` can carry as plain strings)."""
+    ``nemo_dcr/configs/refit.yaml`` (what a recipe's ``run.Config`` can carry as plain strings)."""
 
     def __init__(self, settings: RefitSettings | None = None, *, overrides: list[str] | None = None):
         super().__init__()

@@ -27,6 +27,7 @@ from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec import chunk_digest, encode_chunk
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
 from nemo_dcr.errors import ProtocolError
+from nemo_dcr.integrations.settings import RefitOptions
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
@@ -43,39 +44,11 @@ class ReceiverRefused(ProtocolError):
 
 
 @dataclass(kw_only=True, frozen=True)
-class SenderConfig:
-    model_id: str
-    """Identifies the model lineage; receivers refuse manifests of another model."""
-    receivers: tuple[str, ...]
-    """Receiver ids whose acknowledgement a joint commit needs."""
-    chunk_bytes: int = 4 << 20
-    """Upper bound on a chunk's raw records (8-byte positions + values) before coding;
-    larger tensors are split into several records, so chunks stream at this granularity."""
-    upload_workers: int = 2
-    """Threads encoding and uploading chunks while later parameters are diffed."""
-    ack_timeout_s: float = 300.0
-    """How long rank 0 waits for every receiver's acknowledgement of a version."""
-    ack_poll_s: float = 0.05
-    """Interval between checks for acknowledgements."""
-    context: bool = True
-    """Code records in the codec's context mode (conditioned on the committed base bits,
-    which receivers hold) wherever this rank holds the base of the record's whole canonical
-    range; row-parallel shards (strided coverage) stay context-free."""
-    key_file: str = ""
-    """File with the run's shared signing key (hex); '' = ``$NEMO_DCR_KEY_FILE``, and with
-    neither nothing is authenticated (``protocol/signing.py``)."""
-    on_refusal: str = "retry"
-    """A version not every receiver acknowledged is aborted; ``retry``: keep training and
-    publish the next version against the same base; ``fail``: stop training."""
-    max_consecutive_failures: int = 3
-    """With ``retry``: stop training after this many aborted versions in a row."""
-
-    def __post_init__(self) -> None:
-        if not self.receivers:
-            raise ValueError("at least one receiver is needed for a joint commit")
-        if self.chunk_bytes <= 0 or self.upload_workers <= 0 or self.ack_timeout_s <= 0:
-            raise ValueError("chunk_bytes, upload_workers and ack_timeout_s must be positive")
-        FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
+class SenderConfig(RefitOptions):
+    """The refit schema (:class:`~nemo_dcr.integrations.settings.RefitOptions`: every field,
+    its default, validation and meaning) as :class:`RefitSender` takes it.  It adds nothing,
+    so no setting can be lost between the settings a user wrote and the sender: settings
+    that embed the schema give theirs with ``.sender_config()``."""
 
 
 @dataclass

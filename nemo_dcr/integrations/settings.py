@@ -1,19 +1,32 @@
-"""Settings of a refit attached to someone else's training loop (NeMo recipe, Megatron-Bridge,
-a plain megatron-core loop): keyword-only dataclass = schema, Hydra only at the edge.
+"""The refit's settings: one schema, Hydra only at the edge.
 
-``load_refit_settings(overrides)`` composes ``configs/refit.yaml`` with Hydra's override
-grammar (``refit.store_uri=s3://bucket/run``, ``refit.receivers=[r0,r1]``); unknown keys
-and wrong types are errors.  A recipe keeps its own override syntax for everything else.
+:class:`RefitOptions` is the single source of every refit setting's name, type, default and
+meaning (one docstring per field).  Everything else embeds it instead of restating it:
+
+* :class:`~nemo_dcr.integrations.sender.SenderConfig` is the schema as the sender takes it
+  (:meth:`RefitOptions.sender_config` copies every field of the schema, by its ``fields()``);
+* :class:`RefitSettings` adds what attaching to someone else's training loop (NeMo recipe,
+  Megatron-Bridge, a plain megatron-core loop) needs: the store, the model mapping, the
+  cadence and the resume point;
+* the demo's ``refit`` section (``nemo_dcr.testbed.config.RefitConfig``) adds its test-bed
+  aids.
+
+``load_refit_settings(overrides)`` composes the packaged ``nemo_dcr/configs/refit.yaml``
+with Hydra's override grammar (``refit.store_uri=s3://bucket/run``,
+``refit.receivers=[r0,r1]``) through the one strict loader (``nemo_dcr.configs``): unknown
+keys, wrong types and bad values are a :class:`RefitSetupError` with one line of text.  A
+recipe keeps its own override syntax for everything else.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
-from nemo_dcr.integrations.sender import SenderConfig
+from nemo_dcr.configs import check_field_types, load_config
 from nemo_dcr.errors import ValidationError
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+if TYPE_CHECKING:
+    from nemo_dcr.integrations.sender import SenderConfig
 
 
 class RefitSetupError(ValidationError):
@@ -21,21 +34,66 @@ class RefitSetupError(ValidationError):
 
 
 @dataclass(kw_only=True, frozen=True)
-class RefitSettings:
-    store_uri: str
-    """Where versions go: a directory (the embedded default) or an fsspec URI (``s3://...``)."""
+class RefitOptions:
+    """Every setting of the refit itself (the sender and its joint commit): the schema."""
+
     model_id: str
     """Lineage name carried by manifests and chunks; receivers refuse another model's."""
     receivers: tuple[str, ...]
-    """Receiver ids whose acknowledgement the joint commit waits for (at least one)."""
+    """Receiver ids whose acknowledgement a joint commit waits for (at least one)."""
     chunk_bytes: int = 4 << 20
-    """Upper bound on a chunk's raw records before coding (chunks stream at this size)."""
+    """Upper bound on a chunk's raw records (8-byte positions + values) before coding;
+    larger tensors are split into several records, so chunks stream at this granularity."""
     upload_workers: int = 2
-    """Encode/upload threads per trainer rank."""
+    """Threads encoding and uploading chunks while later parameters are diffed."""
     context: bool = True
-    """Context-mode coding (conditioned on the base bits receivers hold)."""
+    """Code records in the codec's context mode (conditioned on the committed base bits,
+    which receivers hold) wherever the trainer rank holds the base of the record's whole
+    canonical range; row-parallel shards (strided coverage) stay context-free."""
     ack_timeout_s: float = 300.0
     """How long rank 0 waits for every receiver's acknowledgement of a version."""
+    ack_poll_s: float = 0.05
+    """Interval between rank 0's checks for acknowledgements."""
+    key_file: str = ""
+    """File holding the run's shared signing key (hex, from ``nemo-dcr keygen``); '' =
+    ``$NEMO_DCR_KEY_FILE``; with neither, nothing is authenticated (docs/protocol.md)."""
+    on_refusal: str = "retry"
+    """A version some receiver did not acknowledge is aborted: ``retry`` keeps training
+    (the next version is diffed against the same base), ``fail`` stops training."""
+    max_consecutive_failures: int = 3
+    """With ``on_refusal=retry``: stop training after this many aborted versions in a row."""
+
+    def __post_init__(self) -> None:
+        from nemo_dcr.protocol.commit import FailureBudget
+
+        try:
+            check_field_types(self, "refit")
+        except TypeError as e:
+            raise RefitSetupError(str(e)) from None
+        if not self.receivers:
+            raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
+        for name in ("chunk_bytes", "upload_workers", "ack_timeout_s", "ack_poll_s"):
+            if getattr(self, name) <= 0:
+                raise RefitSetupError(f"refit.{name} must be positive, got {getattr(self, name)}")
+        try:
+            FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
+        except ValueError as e:
+            raise RefitSetupError(f"refit.{e}") from None
+
+    def sender_config(self) -> SenderConfig:
+        """The schema's fields of this (possibly larger) settings object, as the sender's
+        config: every field of :class:`RefitOptions`, none named by hand."""
+        from nemo_dcr.integrations.sender import SenderConfig
+
+        return SenderConfig(**{f.name: getattr(self, f.name) for f in fields(RefitOptions)})
+
+
+@dataclass(kw_only=True, frozen=True)
+class RefitSettings(RefitOptions):
+    """The refit schema plus what attaching to a training loop adds."""
+
+    store_uri: str
+    """Where versions go: a directory (the embedded default) or an fsspec URI (``s3://...``)."""
     vocab_size: int = 0
     """The tokenizer's vocabulary (Megatron pads its embedding); 0 = the padded size."""
     family: str = ""
@@ -46,14 +104,6 @@ class RefitSettings:
     state (the framework callbacks save it with the model): that run continues."""
     every_n_steps: int = 1
     """Publish a version after every n-th optimizer step."""
-    key_file: str = ""
-    """File holding the run's shared signing key (hex, from ``nemo-dcr keygen``); '' =
-    ``$NEMO_DCR_KEY_FILE``; with neither, nothing is authenticated (docs/protocol.md)."""
-    on_refusal: str = "retry"
-    """A version some receiver did not acknowledge is aborted: ``retry`` keeps training
-    (the next version is diffed against the same base), ``fail`` stops training."""
-    max_consecutive_failures: int = 3
-    """With ``on_refusal=retry``: stop after this many aborted versions in a row."""
     resume_run_id: str = ""
     """With ``export_initial=false``, for a loop whose checkpoint does not carry the refit's
     run state: the run (``RUN.json`` on the store) to continue.  With a restored run state it
@@ -63,23 +113,11 @@ class RefitSettings:
     the checkpoint it restarted from); checked against the store's signed decisions."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "receivers", tuple(self.receivers))
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
-                raise RefitSetupError(f"refit.{f.name} must be an int, got {v!r}")
-            if f.type in ("bool", bool) and not isinstance(v, bool):
-                raise RefitSetupError(f"refit.{f.name} must be true or false, got {v!r}")
+        super().__post_init__()
         if not self.store_uri:
             raise RefitSetupError("refit.store_uri is empty")
-        if not self.receivers:
-            raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
         if self.every_n_steps < 1:
             raise RefitSetupError(f"refit.every_n_steps must be >= 1, got {self.every_n_steps}")
-        try:  # the sender's own bounds (chunk_bytes, upload_workers, ack_timeout_s)
-            self.sender_config()
-        except ValueError as e:
-            raise RefitSetupError(f"refit: {e}") from None
         if self.resume_run_id and self.resume_version < 0:
             raise RefitSetupError("refit.resume_run_id needs refit.resume_version (the committed version the "
                                   "trainer's weights hold)")
@@ -88,43 +126,19 @@ class RefitSettings:
         if self.vocab_size < 0:
             raise RefitSetupError(f"refit.vocab_size must be >= 0, got {self.vocab_size}")
 
-    def sender_config(self) -> SenderConfig:
-        return SenderConfig(model_id=self.model_id, receivers=self.receivers, chunk_bytes=self.chunk_bytes,
-                            upload_workers=self.upload_workers, ack_timeout_s=self.ack_timeout_s,
-                            context=self.context, key_file=self.key_file, on_refusal=self.on_refusal,
-                            max_consecutive_failures=self.max_consecutive_failures)
-
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-SCHEMA_NAME = "nemo_dcr_refit_schema"
+@dataclass(kw_only=True)
+class RefitFile:
+    """The root of ``refit.yaml``: its ``refit:`` node."""
+
+    refit: RefitSettings
 
 
-def load_refit_settings(overrides: list[str], *, config_dir: str = CONFIG_DIR,
+def load_refit_settings(overrides: list[str], *, config_dir: str | None = None,
                         config_name: str = "refit") -> RefitSettings:
-    """Compose ``<config_dir>/<config_name>.yaml`` (its ``refit:`` node) with Hydra overrides."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    @dataclass
-    class _Schema:  # Hydra wants a mutable structured node; validation is RefitSettings'
-        refit: dict
-
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=_Schema(refit={}))
-    try:
-        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
-            composed = compose(config_name=config_name, overrides=list(overrides))
-        raw = OmegaConf.to_container(composed, resolve=True)["refit"]
-    except (HydraException, OmegaConfBaseException) as e:
-        raise RefitSetupError(" ".join(str(e).split())) from None
-    unknown = sorted(set(raw) - {f.name for f in fields(RefitSettings)})
-    if unknown:
-        raise RefitSetupError(f"unknown refit settings {unknown}")
-    try:
-        return RefitSettings(**raw)
-    except TypeError as e:
-        raise RefitSetupError(str(e)) from None
+    """``<config_dir>/<config_name>.yaml``'s ``refit:`` node (by default the packaged
+    ``refit.yaml``) with Hydra overrides, validated."""
+    return load_config(RefitFile, config_name, overrides, config_dir=config_dir, error=RefitSetupError).refit

@@ -23,8 +23,7 @@ import sys
 import threading
 import time
 
-from nemo_dcr.testbed.config import DemoConfig, describe_config_error, load_demo_config
-from nemo_dcr.testbed.run_trainer import receiver_ids
+from nemo_dcr.testbed.config import ConfigError, DemoConfig, load_demo_config
 
 STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
@@ -168,6 +167,19 @@ def _check_fresh(cfg: DemoConfig) -> None:
             raise DemoError(f"run_dir {run_dir} cannot be created ({parent} is not a writable directory)", 2)
 
 
+def _check_key(cfg: DemoConfig) -> None:
+    """A ``refit.key_file`` must load (exists, private, hex) before anything is written."""
+    if not cfg.refit.key_file:
+        return
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.protocol.signing import load_key
+
+    try:
+        load_key(cfg.refit.key_file)
+    except DcrError as e:
+        raise DemoError(f"refit.key_file: {' '.join(str(e).split())}", 2) from None
+
+
 def _prepare_store(cfg: DemoConfig) -> str | None:
     """Returns the local store root (None for a remote URI)."""
     uri = cfg.store.uri
@@ -232,6 +244,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     from nemo_dcr.transport.store import open_store
 
     _check_fresh(cfg)
+    _check_key(cfg)
     if "://" in cfg.store.uri and not cfg.store.uri.startswith("file://"):
         try:
             open_store(cfg.store.uri)
@@ -246,13 +259,17 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     if os.path.exists(steps_path):
         os.unlink(steps_path)
 
-    # one signing key per run, shared by the trainer ranks and the receivers (docs/protocol.md)
+    # one signing key per run, shared by the trainer ranks and the receivers (docs/protocol.md):
+    # refit.key_file's (checked before anything was written), else a new one in run_dir
     from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
 
-    key_path = os.path.join(cfg.run_dir, "refit.key")
-    if os.path.exists(key_path):
-        os.unlink(key_path)
-    new_key_file(key_path)
+    if cfg.refit.key_file:
+        key_path = os.path.abspath(cfg.refit.key_file)
+    else:
+        key_path = os.path.join(cfg.run_dir, "refit.key")
+        if os.path.exists(key_path):
+            os.unlink(key_path)
+        new_key_file(key_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: key_path})
     world = cfg.parallel.world_size
     t_start = time.perf_counter()
@@ -275,13 +292,13 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     init_dir = os.path.join(local_root, "init") if local_root else download_checkpoint(
         store, os.path.join(cfg.run_dir, "init"))
     _err(f"initial checkpoint written ({time.perf_counter() - t_start:.1f}s); starting "
-         f"{cfg.refit.receivers} receiver(s)")
+         f"{len(cfg.refit.receivers)} receiver(s)")
 
     receivers = []
-    for rid in receiver_ids(cfg.refit.receivers):
+    for rid in cfg.refit.receivers:
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
         cmd = [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", cfg.store.uri,
-               "--receiver-id", rid, "--model-id", cfg.model_id, "--until-version", str(cfg.steps),
+               "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
                "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
         if cfg.refit.verify_dense:
             cmd.append("--verify-dense")
@@ -383,13 +400,8 @@ def _interrupt_on_sigterm():
 def main(argv: list[str]) -> int:
     try:
         cfg = load_demo_config(argv)
-    except Exception as e:  # a config error is the user's: one line, no traceback
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
-        if not isinstance(e, (ValueError, TypeError, HydraException, OmegaConfBaseException)):
-            raise
-        _err(f"invalid configuration: {describe_config_error(e)}")
+    except ConfigError as e:  # a config error is the user's: one line, no traceback
+        _err(f"invalid configuration: {e}")
         return 2
     from nemo_dcr.errors import DcrError
 

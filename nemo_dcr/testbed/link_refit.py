@@ -144,7 +144,7 @@ def trainer_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from nemo_dcr.testbed.config import DemoConfig
-    from nemo_dcr.testbed.run_trainer import build_trainer, receiver_ids
+    from nemo_dcr.testbed.run_trainer import build_trainer
 
     with open(args.config) as f:
         cfg = DemoConfig.from_dict(json.load(f))
@@ -157,7 +157,7 @@ def trainer_main(argv: list[str]) -> int:
     trainer.add_post_step_hook(lambda tr, step: marks.__setitem__("step_end", time.monotonic()))
     trainer.add_post_step_hook(hook)
     trainer.add_post_step_hook(lambda tr, step: marks.__setitem__("committed", time.monotonic()))
-    receivers = receiver_ids(cfg.refit.receivers)
+    receivers = cfg.refit.receivers
     rank = dist.get_rank()
     for step in range(1, cfg.steps + 1):
         plan = _wait_json(os.path.join(args.dir, "go", f"{step}.json"), args.driver_pid)

@@ -15,13 +15,8 @@ import torch.distributed as dist
 
 from nemo_dcr.testbed.config import DemoConfig
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-from nemo_dcr.integrations.sender import SenderConfig
 from nemo_dcr.testbed.train import Trainer
 from nemo_dcr.transport.store import open_store
-
-
-def receiver_ids(n: int) -> tuple[str, ...]:
-    return tuple(f"r{i}" for i in range(n))
 
 
 def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
@@ -32,10 +27,7 @@ def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
                       ep=par.expert_model_parallel_size, first_stage_layers=par.num_layers_in_first_pipeline_stage,
                       last_stage_layers=par.num_layers_in_last_pipeline_stage)
     store = open_store(cfg.store.uri)
-    sender_cfg = SenderConfig(model_id=cfg.model_id, receivers=receiver_ids(cfg.refit.receivers),
-                              chunk_bytes=cfg.refit.chunk_bytes, upload_workers=cfg.refit.upload_workers,
-                              context=cfg.refit.context,
-                              ack_timeout_s=cfg.refit.ack_timeout_s)
+    sender_cfg = cfg.refit.sender_config()  # every setting of the refit schema, none mapped by hand
     # the hook sees only the model: family, dims and sharding come from it; the tokenizer's
     # vocabulary size is the one fact the padded model does not hold
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg,

@@ -25,7 +25,7 @@ every rank SIGKILLs itself right after the checkpoint of iteration S.  The last 
 recording TensorBoard and W&B loggers (where Bridge puts them) that append what they get to
 ``D/metrics.jsonl``.
 
-The callback is configured the way a user would: Hydra overrides of configs/refit.yaml.
+The callback is configured the way a user would: Hydra overrides of nemo_dcr/configs/refit.yaml.
 After every iteration that should publish a version (Bridge kinds: not skipped, a multiple
 of ``--every-n``; NeMo kinds: every step) the worker checks the version number and the commit,
 and writes the dense reference (full Megatron tensors gathered and converted by the dense

@@ -126,10 +126,12 @@ def test_settings_from_hydra_overrides():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["refit.receivers=[]"], "refit.receivers is empty"),
-    (["refit.chunk_bytes=abc"], "refit.chunk_bytes must be an int"),
-    (["refit.context=maybe"], "refit.context must be true or false"),
-    (["refit.colour=red"], "Could not override 'refit.colour'"),
-    (["+refit.colour=red"], "unknown refit settings ['colour']"),
+    (["refit.chunk_bytes=abc"], "refit.chunk_bytes=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["refit.context=maybe"], "refit.context=maybe: Value 'maybe' is not a valid bool"),
+    (["refit.receivers=2"], "refit.receivers=2: Invalid value assigned: int is not a ListConfig"),
+    (["refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),
+    (["+refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),
+    (["refit.ack_pol_s=1"], "unknown config key 'refit.ack_pol_s' (RefitSettings has no field 'ack_pol_s'; did you mean 'refit.ack_poll_s'?)"),
 ])
 def test_bad_settings_fail_with_one_message(overrides, needle):
     with pytest.raises(RefitSetupError) as e:

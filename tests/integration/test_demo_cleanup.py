@@ -79,7 +79,7 @@ def test_a_failing_receiver_stops_every_process_the_demo_started(tmp_path, monke
     watcher = _Watcher()
     watcher.start()
     try:
-        code = demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", "steps=3", "refit.receivers=2",
+        code = demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", "steps=3", "refit.receivers=[r0,r1]",
                           *SMALL])
     finally:
         watcher.halt.set()

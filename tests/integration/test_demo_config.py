@@ -2,7 +2,7 @@
 any process starts or anything is written."""
 import pytest
 
-from nemo_dcr.testbed.config import load_demo_config
+from nemo_dcr.testbed.config import ConfigError, load_demo_config
 from nemo_dcr.testbed.demo import main
 
 
@@ -23,6 +23,14 @@ from nemo_dcr.testbed.demo import main
     ("steps.x=1", "override 'steps.x=1': 'steps' is a value, it has no key 'x'"),
     ("steps=abc", "Error merging override steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     ("steps=[1", "override 'steps=[1' does not parse: no viable alternative at input '[1'"),
+    # the refit section is the refit schema: the keys, types and checks of a callback's refit.*
+    ("refit.receivers=2", "Error merging override refit.receivers=2: Invalid value assigned: int is not a ListConfig"),
+    ("refit.receivers=[]", "refit.receivers is empty"),
+    ("refit.on_refusal=sometimes", "refit.on_refusal must be one of ('retry', 'fail')"),
+    ("refit.ack_poll_s=0", "refit.ack_poll_s must be positive"),
+    ("refit.store_uri=x", "unknown config key 'refit.store_uri' (RefitConfig has no field 'store_uri'"),
+    ("model_id=x", "unknown config key 'model_id' (DemoConfig has no field 'model_id'; did you mean "
+                   "'refit.model_id'?)"),
 ])
 def test_bad_config_is_one_line(override, needle, capsys, tmp_path):
     assert main([*override.split(), f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store"]) == 2
@@ -33,9 +41,36 @@ def test_bad_config_is_one_line(override, needle, capsys, tmp_path):
 
 def test_good_overrides_load(tmp_path):
     """Control for the refusals above: the same keys, spelled right, load."""
-    cfg = load_demo_config(["model.family=qwen3", "refit.context=false", "steps=2", f"run_dir={tmp_path}/run"])
+    cfg = load_demo_config(["model.family=qwen3", "refit.context=false", "steps=2", f"run_dir={tmp_path}/run",
+                            "refit.receivers=[r0,r1]", "refit.on_refusal=fail", "refit.ack_poll_s=0.5",
+                            "refit.model_id=x", f"refit.key_file={tmp_path}/k"])
     assert (cfg.model.family, cfg.refit.context, cfg.steps) == ("qwen3", False, 2)
-    assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (configs/demo.yaml)
+    assert (cfg.refit.receivers, cfg.refit.on_refusal, cfg.refit.ack_poll_s, cfg.refit.model_id,
+            cfg.refit.key_file) == (("r0", "r1"), "fail", 0.5, "x", f"{tmp_path}/k")
+    assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (nemo_dcr/configs/demo.yaml)
+
+
+def test_receiver_runtime_is_any_registered_name(monkeypatch):
+    from nemo_dcr.receiver import registry
+
+    with pytest.raises(ConfigError, match=r"receiver.runtime must be one of \('hf', 'vllm'\), got 'sglang'"):
+        load_demo_config(["receiver.runtime=sglang"])
+    monkeypatch.setattr(registry, "runtime_names", lambda: ("hf", "vllm", "sglang"))
+    assert load_demo_config(["receiver.runtime=sglang"]).receiver.runtime == "sglang"  # control
+
+
+def test_a_yaml_key_the_schema_lacks_names_the_file(tmp_path):
+    from importlib import resources
+
+    text = (resources.files("nemo_dcr.configs") / "demo.yaml").read_text()
+    (tmp_path / "demo.yaml").write_text(text.replace("refit:\n", "refit:\n  chunk_byte: 5\n"))
+    with pytest.raises(ConfigError) as e:
+        load_demo_config([], config_dir=str(tmp_path))
+    msg = str(e.value)  # Hydra's composition refuses it against the typed schema
+    assert "In 'demo'" in msg and "Key 'chunk_byte' not in 'RefitConfig' (key refit.chunk_byte)" in msg, msg
+    assert "\n" not in msg
+    (tmp_path / "demo.yaml").write_text(text)  # control: the packaged file itself loads from there
+    assert load_demo_config([], config_dir=str(tmp_path)).refit.chunk_bytes == 1 << 20
 
 
 def test_each_run_gets_a_new_run_dir_by_default():

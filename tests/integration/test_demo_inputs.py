@@ -120,3 +120,36 @@ def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path, no_launch, capsy
     assert not (tmp_path / "store").exists()
     with pytest.raises(Launched):  # control
         demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store"])
+
+
+def test_refit_key_file_is_the_runs_key_and_a_bad_one_is_refused(tmp_path, monkeypatch, capsys):
+    """``refit.key_file`` (README: "Runs, keys, faults") works in the demo: a key that does not
+    load is refused before anything is written; a good one signs the run (trainer and
+    receivers get it) instead of a new per-run key."""
+    import json
+    from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
+
+    too_open = tmp_path / "open.key"
+    new_key_file(str(too_open))
+    os.chmod(too_open, 0o644)
+    for key, needle in ((tmp_path / "no.key", "No such file"), (too_open, "are too open")):
+        assert demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", f"refit.key_file={key}"]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"[nemo-dcr demo] refit.key_file: signing key '{key}'") and needle in line, line
+        assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()
+
+    key = tmp_path / "run.key"  # control: a private key file
+    new_key_file(str(key))
+    started = []
+
+    def start(self, cmd, log, env):
+        started.append(env)
+        raise Launched(cmd[:4])
+
+    monkeypatch.setattr(demo._Children, "start", start)
+    with pytest.raises(Launched):
+        demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", f"refit.key_file={key}"])
+    assert [env[KEY_ENV] for env in started] == [str(key)]
+    with open(tmp_path / "run" / "config.json") as f:
+        assert json.load(f)["refit"]["key_file"] == str(key)  # what the trainer's SenderConfig is built from
+    assert not (tmp_path / "run" / "refit.key").exists()

@@ -93,7 +93,7 @@ def fresh(run, tmp_path):
     adapter = HFTransformersAdapter.from_pretrained(str(tmp_path / "store" / "init"))
     applier = DeltaApplier(adapter)
     applier.prewarm()
-    rx = Receiver(applier, store, ReceiverConfig(receiver_id="t0", model_id=cfg.model_id))
+    rx = Receiver(applier, store, ReceiverConfig(receiver_id="t0", model_id=cfg.refit.model_id))
     return store, rx, adapter
 
 
@@ -253,7 +253,7 @@ def test_data_parallel_replicas_emit_once_and_two_receivers_commit_jointly(tmp_p
     after both acknowledged it, and both end bit-exact."""
     cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", "steps=2", *SMALL,
                             "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
-                            "train.lr=3e-6", "refit.receivers=2", "refit.verify_dense=true"])
+                            "train.lr=3e-6", "refit.receivers=[r0,r1]", "refit.verify_dense=true"])
     summary = demo.run(cfg)
     assert summary["refits"] == 2 and summary["committed"] == 2 and summary["bit_exact"] == 2
     store = LocalDirStore(str(tmp_path / "store"))

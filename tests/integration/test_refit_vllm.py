@@ -87,7 +87,7 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
     store = LocalDirStore(str(tmp_path / "store"))
     served = VLLMServedModel.start(str(tmp_path / "store" / "init"), max_model_len=32)
     try:
-        rx = Receiver(served, store, ReceiverConfig(receiver_id="t0", model_id=cfg.model_id))
+        rx = Receiver(served, store, ReceiverConfig(receiver_id="t0", model_id=cfg.refit.model_id))
         prompts = verify_prompts(cfg.model.vocab_size)
 
         def state():

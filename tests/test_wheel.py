@@ -1,0 +1,122 @@
+"""The plugin works as an installed package, not only from this checkout.
+
+The sdist is built from the source tree and the wheel from the unpacked sdist (so the wheel
+proves the sdist holds what a build needs: the C sources and headers, the configs).  The
+wheel goes into a fresh virtualenv that reuses .venv's site-packages for the heavy
+dependencies (torch, megatron-core, transformers, hydra: nothing is downloaded) without
+processing its .pth files, so the editable install of this checkout is not on the path.
+From another directory, that venv then runs what ``RefitCallback(overrides=[...])`` does and
+``nemo-dcr demo steps=2``, which must end bit-exact.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.find_spec("nemo_dcr")
+print(json.dumps({"origin": spec.origin, "path": sys.path}))
+"""
+
+CALLBACK = """
+import json, sys
+import nemo_dcr
+from nemo_dcr.integrations.nemo import RefitCallback
+cb = RefitCallback(overrides=[f"refit.store_uri={sys.argv[1]}", "refit.receivers=[r0,r1]", "refit.ack_poll_s=0.5"])
+print(json.dumps({"file": nemo_dcr.__file__, "settings": cb.refit.settings.to_dict()}))
+"""
+
+
+def _run(cmd, cwd, timeout=600, check=True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exit {p.returncode}\nstdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the wheel built from the sdist; returns its python."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    dist = tmp / "dist"
+    _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+          "print(build_meta.build_sdist(sys.argv[1]))", str(dist)], cwd=ROOT)
+    (sdist,) = dist.glob("nemo_dcr-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp / "src", filter="data")
+    top = names[0].split("/")[0]
+    # every C source and header of the tree, and the configs, are in the sdist
+    needed = [os.path.relpath(p, ROOT) for pat in ("nemo_dcr/**/csrc/*.[ch]", "nemo_dcr/configs/*.yaml")
+              for p in glob.glob(str(ROOT / pat), recursive=True)]
+    assert any(n.endswith(".h") for n in needed) and any(n.endswith(".yaml") for n in needed)
+    assert sorted(set(needed) - {n.removeprefix(f"{top}/") for n in names}) == []
+    assert not [n for n in names if n.endswith(".so")]
+
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+          "-w", str(dist), str(tmp / "src" / top)], cwd=tmp)
+    (wheel,) = dist.glob("nemo_dcr-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        members = z.namelist()
+    assert {"nemo_dcr/configs/refit.yaml", "nemo_dcr/configs/demo.yaml"} <= set(members)
+    assert len([m for m in members if m.endswith(".so")]) == 3  # _cxor, _cans, _crans
+
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp).stdout.strip())
+    # .venv's packages as a plain path entry: its .pth files (the editable install's finder
+    # for this checkout among them) are not processed
+    (site / "_heavy_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
+          str(wheel)], cwd=tmp)
+    return py
+
+
+def _origin(python, cwd) -> dict:
+    return json.loads(_run([str(python), "-c", PROBE], cwd=cwd).stdout)
+
+
+@pytest.mark.slow
+def test_installed_wheel_loads_settings_and_runs_the_demo(installed, tmp_path):
+    venv_site = _run([str(installed), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp_path).stdout.strip()
+    probe = _origin(installed, tmp_path)
+    assert probe["origin"].startswith(venv_site + os.sep), probe
+    assert not [p for p in probe["path"] if p and Path(p).resolve() in (ROOT, ROOT / "nemo_dcr")], probe["path"]
+    # negative control: the same probe with this checkout's .venv finds the source tree, so
+    # the check above can tell the two apart
+    control = _origin(sys.executable, tmp_path)
+    assert Path(control["origin"]).resolve().is_relative_to(ROOT), control
+
+    # what RefitCallback(overrides=[...]) does: the packaged refit.yaml, the strict loader
+    out = json.loads(_run([str(installed), "-c", CALLBACK, str(tmp_path / "store")], cwd=tmp_path).stdout)
+    assert out["file"].startswith(venv_site + os.sep)
+    s = out["settings"]
+    assert (s["store_uri"], s["receivers"], s["ack_poll_s"], s["model_id"]) == (
+        str(tmp_path / "store"), ["r0", "r1"], 0.5, "my-policy")
+    bad = _run([str(installed), "-c", CALLBACK.replace("refit.ack_poll_s", "refit.ack_pol_s"), "x"],
+               cwd=tmp_path, check=False)
+    assert bad.returncode != 0 and "unknown config key 'refit.ack_pol_s'" in bad.stderr
+
+    # the console script, from another directory: a two-step refit, bit-exact at the receiver
+    demo = _run([str(installed.parent / "nemo-dcr"), "demo", "steps=2", f"run_dir={tmp_path}/run"], cwd=tmp_path)
+    summary = json.loads(demo.stdout.strip().splitlines()[-1])
+    assert (summary["refits"], summary["committed"], summary["bit_exact"], summary["verified"]) == (2, 2, 2, True)
+    rows = [ln.split() for ln in demo.stdout.splitlines() if ln.split() and ln.split()[0] in ("1", "2")]
+    assert [r[-1] for r in rows] == ["yes", "yes"], demo.stdout
+    assert (tmp_path / "run" / "config.json").exists()
