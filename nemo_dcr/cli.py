@@ -1,8 +1,8 @@
 """`nemo-dcr` console script: one sub-command per user-facing job.
 
   nemo-dcr demo [hydra overrides...]          end-to-end refit demo (what `make demo` runs)
-  nemo-dcr receive --store URI --receiver-id R --model-id M [--key-file K] ...
-                                               a receiver (transformers or vLLM runtime)
+  nemo-dcr receive --store URI --receiver-id R --model-id M [--runtime NAME] ...
+                                               a receiver (runtimes: receiver/registry.py)
   nemo-dcr keygen PATH                         a new signing key for a run (mode 0600)
   nemo-dcr delta {encode,apply,inspect} ...    standalone delta files (see codec/cli.py)
 
@@ -26,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if cmd == "receive":
-        problem = _receive_input_problem(rest)
-        if problem:
-            print(f"nemo-dcr receive: {problem}", file=sys.stderr, flush=True)
-            return 2
-        from nemo_dcr.receiver.worker import main as receive_main
+        from nemo_dcr.receiver.cli import main as receive_main
 
         return receive_main(rest)
     if cmd == "keygen":
@@ -56,23 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, keygen, delta; see nemo-dcr --help)",
           file=sys.stderr)
     return 2
-
-
-def _receive_input_problem(argv: list[str]) -> str | None:
-    """Checks what the receiver would otherwise only find after loading its model: that
-    ``--store`` opens.  Argument syntax is left to the receiver's own parser."""
-    from nemo_dcr.transport.store import StoreError, open_store
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--store")
-    known, _ = ap.parse_known_args(argv)
-    if known.store is None:
-        return None
-    try:
-        open_store(known.store)
-    except (StoreError, ValueError) as e:
-        return f"--store: {type(e).__name__}: {' '.join(str(e).split())}"
-    return None
 
 
 if __name__ == "__main__":

@@ -74,9 +74,8 @@ def main() -> int:
     from nemo_dcr.integrations.hf_export import write_checkpoint
     from nemo_dcr.protocol.manifest import Manifest, manifest_key
     from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
-    from nemo_dcr.receiver.apply import DeltaApplier
-    from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
-    from nemo_dcr.runtimes.hf import HFTransformersAdapter
+    from nemo_dcr.receiver.bootstrap import build_receiver
+    from nemo_dcr.receiver.engine import ReceiverConfig
     from nemo_dcr.transport.store import LocalDirStore
 
     ns = [int(x) for x in args.versions.split(",")]
@@ -113,10 +112,10 @@ def main() -> int:
             want = {}
             result = {"versions": n}
             for mode in ("replay", "composed"):
-                adapter = HFTransformersAdapter.from_pretrained(init_dir)
-                applier = DeltaApplier(adapter)
-                applier.prewarm()
-                rx = Receiver(applier, store, ReceiverConfig(receiver_id="r0", model_id="bench"))
+                session = build_receiver(store, sealer, ReceiverConfig(receiver_id="r0", model_id="bench"),
+                                         state_dir=os.path.join(tmp, f"r0-{n}-{mode}"), init_dir=init_dir)
+                rx = session.receiver
+                adapter = rx.served.applier.adapter  # the hf runtime's in-process model
                 t0 = time.perf_counter()
                 if mode == "replay":
                     for m in manifests[:n]:

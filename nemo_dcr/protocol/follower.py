@@ -93,7 +93,7 @@ class _Broken(ProtocolError):
 
 
 class Follower:
-    """Drives a ``Receiver`` (``receiver/worker.py``: fetch, apply, rollback) through the
+    """Drives a ``Receiver`` (``receiver/engine.py``: fetch, apply, rollback) through the
     protocol.  ``log(dict)`` gets one JSON-able event per acknowledged, refused, decided,
     rolled-back or replayed version, and per ignored object identity."""
 

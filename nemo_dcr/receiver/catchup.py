@@ -38,9 +38,10 @@ def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta],
     stats = {"download_s": 0.0, "decode_s": 0.0, "wire_bytes": 0, "changed": 0, "versions": len(manifests)}
     base_version = receiver.held_version
     for m in manifests:
-        deltas, _, st = receiver._fetch(m, base=mirror, base_version=base_version)
+        got = receiver.fetch(m, base=mirror, base_version=base_version)
+        deltas = got.deltas
         for k in ("download_s", "decode_s", "wire_bytes", "changed"):
-            stats[k] += st[k]
+            stats[k] += got.stats[k]
         receiver.served.validate(deltas)  # names, shapes, ranges against the runtime
         for d in deltas:
             apply_delta_(mirror[d.name], d)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
-from nemo_dcr.errors import FormatError
+from nemo_dcr.errors import FormatError, ProtocolError
 
 _STATE = "journal.json"
 
@@ -167,3 +167,24 @@ def write_durably(path: str, write) -> None:
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_committed(path: str, version: int, digest: str) -> None:
+    """The receiver's own record of what it committed (its link in the run's chain), next
+    to the journal: a restart over persistent weights reads both."""
+    write_durably(path, lambda p: write_text(p, json.dumps({"committed": version, "digest": digest})))
+
+
+def read_committed(path: str) -> tuple[int, str]:
+    """(version, decision digest) recorded by :func:`write_committed`; (0, '') when none."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        v, digest = rec["committed"], rec["digest"]
+    except FileNotFoundError:
+        return 0, ""
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"{path}: unreadable committed-version record ({e})") from None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or not isinstance(digest, str):
+        raise ProtocolError(f"{path}: committed version must be a non-negative int with a digest, got {v!r}")
+    return v, digest

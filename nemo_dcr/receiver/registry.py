@@ -1,16 +1,16 @@
 """The serving runtimes a receiver can keep current, by name.
 
-One table, ``_RUNTIMES``: name -> ``"module:factory"``.  The strings are resolved with
-``importlib`` on first use, so importing the receiver (or listing the names, as config
-validation does) imports no runtime, and a runtime whose engine is not installed costs
-nothing until it is asked for.
+One table, ``_RUNTIMES``: name -> (``"module:factory"``, the runtime options it supports).
+The strings are resolved with ``importlib`` on first use, so importing the receiver (or
+listing the names, as config validation does) imports no runtime, and a runtime whose
+engine is not installed costs nothing until it is asked for.  The options are checked
+against the row (:func:`check_options`) before anything is downloaded or loaded.
 
 A factory takes a :class:`RuntimeRequest` (what the bootstrap knows once version 0 is
 verified on disk) and returns a :class:`ServedRuntime`: the ``ServedModel`` the receiver
 engine drives (``receiver/served.py``), plus the runtime's own answers to the few things
 the bootstrap cannot do generically (dump the served state, shut the engine down, say
-whether weights persisted by an earlier process were mapped instead of loaded).  A factory
-refuses, with ``ValidationError``, a request option its runtime does not support.
+whether weights persisted by an earlier process were mapped instead of loaded).
 
 Adding a runtime: a package under ``nemo_dcr/runtimes/`` with such a factory, and one row
 here.
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.errors import ValidationError
 
-_RUNTIMES: dict[str, str] = {
-    "hf": "nemo_dcr.runtimes.hf:serve",
-    "vllm": "nemo_dcr.runtimes.vllm.served:serve",
+_RUNTIMES: dict[str, tuple[str, frozenset[str]]] = {
+    "hf": ("nemo_dcr.runtimes.hf:serve", frozenset({"persistent"})),
+    "vllm": ("nemo_dcr.runtimes.vllm.served:serve",
+             frozenset({"tensor_parallel_size", "max_model_len", "sample_tokens"})),
 }
 
 
@@ -34,17 +35,10 @@ class UnknownRuntimeError(ValidationError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeRequest:
-    """What a runtime factory is given.  Options a runtime does not support must be at
-    their defaults, or its factory refuses the request."""
+class RuntimeOptions:
+    """How to run a runtime.  Every runtime supports ``reference``; the others must stay at
+    their defaults unless the runtime's registry row lists them."""
 
-    init_dir: str
-    """The version-0 checkpoint directory (HF layout), already checked against the run's
-    signed ``init/INIT.json``."""
-    run_id: str
-    """The run being followed (persistent weights are bound to it)."""
-    state_dir: str
-    """This receiver's local directory; a runtime keeps what must outlive it under it."""
     reference: bool = False
     """Also build what ``ServedModel.verify_dense`` compares against (a second runtime of
     the same kind); without it ``verify_dense`` refuses."""
@@ -65,18 +59,28 @@ class RuntimeRequest:
         if self.sample_tokens < 0:
             raise ValidationError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
 
-    def refuse_unsupported(self, runtime: str, *, persistent: bool = False, tensor_parallel: bool = False,
-                           max_model_len: bool = False, sample_tokens: bool = False) -> None:
-        """Raise ``ValidationError`` for every option set away from its default that
-        ``runtime`` does not support (the keyword arguments say which it does)."""
-        unsupported = [name for name, supported, is_set in (
-            ("persistent", persistent, self.persistent),
-            ("tensor_parallel_size", tensor_parallel, self.tensor_parallel_size != 1),
-            ("max_model_len", max_model_len, self.max_model_len is not None),
-            ("sample_tokens", sample_tokens, self.sample_tokens != 0),
-        ) if is_set and not supported]
-        if unsupported:
-            raise ValidationError(f"runtime {runtime!r} does not support {', '.join(unsupported)}")
+    def set_options(self) -> list[str]:
+        """The runtime-specific options set away from their defaults."""
+        return [name for name, is_set in (
+            ("persistent", self.persistent),
+            ("tensor_parallel_size", self.tensor_parallel_size != 1),
+            ("max_model_len", self.max_model_len is not None),
+            ("sample_tokens", self.sample_tokens != 0),
+        ) if is_set]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeRequest:
+    """What a runtime factory is given."""
+
+    init_dir: str
+    """The version-0 checkpoint directory (HF layout), already checked against the run's
+    signed ``init/INIT.json``."""
+    run_id: str
+    """The run being followed (persistent weights are bound to it)."""
+    state_dir: str
+    """This receiver's local directory; a runtime keeps what must outlive it under it."""
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
 
 
 @dataclass(kw_only=True)
@@ -89,9 +93,9 @@ class ServedRuntime:
     """True when the weights were mapped from an earlier process's persistent state instead
     of loaded from ``init_dir``: they hold the committed version plus possibly a
     half-applied one, which the bootstrap repairs from the journal."""
-    dump: Callable[[str, int], None] | None = None
-    """Testing aid, ``dump(directory, version)``: write the served state to
-    ``directory/v<version>.safetensors``; ``None`` where the runtime cannot."""
+    dump: Callable[[str], None] | None = None
+    """Testing aid, ``dump(path)``: write every parameter and buffer served now to the
+    safetensors file ``path``; ``None`` where the runtime cannot."""
     close: Callable[[], None] = field(default=lambda: None)
     """Release the runtime (engine processes, memory); called once when the receiver stops."""
 
@@ -104,11 +108,30 @@ def runtime_names() -> tuple[str, ...]:
     return tuple(_RUNTIMES)
 
 
-def runtime_factory(name: str) -> RuntimeFactory:
-    """The factory registered as ``name`` (its module is imported now, not before)."""
+def _row(name: str) -> tuple[str, frozenset[str]]:
     try:
-        target = _RUNTIMES[name]
+        return _RUNTIMES[name]
     except (KeyError, TypeError):
         raise UnknownRuntimeError(f"unknown runtime {name!r} (known: {', '.join(_RUNTIMES)})") from None
+
+
+def check_options(name: str, options: RuntimeOptions) -> None:
+    """Refuse an unknown runtime, or options it does not support, without importing it."""
+    _, supported = _row(name)
+    unsupported = [o for o in options.set_options() if o not in supported]
+    if unsupported:
+        raise ValidationError(f"runtime {name!r} does not support {', '.join(unsupported)} "
+                              f"(it supports: {', '.join(sorted(supported)) or 'none of the runtime options'})")
+
+
+def runtime_factory(name: str) -> RuntimeFactory:
+    """The factory registered as ``name`` (its module is imported now, not before)."""
+    target, _ = _row(name)
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def start_runtime(name: str, request: RuntimeRequest) -> ServedRuntime:
+    """Check ``request.options`` against runtime ``name``'s row, then run its factory."""
+    check_options(name, request.options)
+    return runtime_factory(name)(request)

@@ -195,3 +195,44 @@ class HFTransformersAdapter:
     def initial_tensor(self, name: str) -> torch.Tensor | None:
         path = self._files.get(name)
         return None if path is None else read_checkpoint_tensor(path, self._specs[name])
+
+
+def serve(request):
+    """Registry factory ``hf`` (``receiver/registry.py``): the checkpoint loaded into a
+    transformers model in this process, behind a prewarmed ``DeltaApplier``; with
+    ``options.reference`` a second one for ``verify_dense``.  With ``options.persistent``
+    the parameters live in ``state_dir/weights`` (``runtimes/persistent.py``): a restart
+    maps them instead of reading the checkpoint (``restored``)."""
+    from nemo_dcr.receiver.apply import DeltaApplier
+    from nemo_dcr.receiver.registry import ServedRuntime
+    from nemo_dcr.receiver.served import InProcessModel
+
+    init_dir, options = request.init_dir, request.options
+    restored = False
+    if options.persistent:
+        from nemo_dcr.runtimes.persistent import bind_persistent, model_skeleton
+
+        wdir = os.path.join(request.state_dir, "weights")
+        if os.path.exists(os.path.join(wdir, "weights.json")):  # restart: map our own weights
+            adapter = HFTransformersAdapter(model_skeleton(init_dir), specs=checkpoint_specs(init_dir),
+                                            checkpoint_dir=init_dir)
+        else:
+            adapter = HFTransformersAdapter.from_pretrained(init_dir)
+        restored = bind_persistent(adapter.module, wdir, request.run_id)
+    else:
+        adapter = HFTransformersAdapter.from_pretrained(init_dir)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    reference = HFTransformersAdapter.from_pretrained(init_dir) if options.reference else None
+    return ServedRuntime(served=InProcessModel(applier, reference), restored=restored,
+                         dump=lambda path: dump_module(adapter.module, path))
+
+
+def dump_module(module: torch.nn.Module, path: str) -> None:
+    """Every parameter and buffer of ``module`` to the safetensors file ``path``."""
+    from safetensors.torch import save_file
+
+    from nemo_dcr.receiver.verify import module_state
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file({k: v.contiguous().clone() for k, v in module_state(module).items()}, path)

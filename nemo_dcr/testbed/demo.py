@@ -297,7 +297,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     receivers = []
     for rid in cfg.refit.receivers:
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
-        cmd = [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", cfg.store.uri,
+        cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", cfg.store.uri,
                "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
                "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
         if cfg.refit.verify_dense:

@@ -10,7 +10,8 @@ to and act only when the plan names this process (``target``: ``r0``, ``r1``,
 (at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``.
 
 :func:`receiver_main` (``python -m nemo_dcr.testbed.faults``) is ``nemo-dcr receive`` for
-the transformers runtime with both wrappers and one extra: the driver asks for the served
+the transformers runtime, built by the product's ``build_receiver`` with both wrappers
+through its supported injection points (``wrap_served``, ``before_fetch``), and one extra: the driver asks for the served
 state by writing ``<dir>/req``; the receiver then steps the protocol until it is idle and
 not awaiting a decision (bounded), and writes every parameter and buffer it serves plus
 its protocol state (``status.json``).
@@ -309,17 +310,10 @@ def receiver_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", required=True)
     args = ap.parse_args(argv)
 
-    from safetensors.torch import save_file
-
-    from nemo_dcr.protocol.follower import Follower, wait_for_run
     from nemo_dcr.protocol.manifest import HEAD_KEY, Head
-    from nemo_dcr.protocol.run import verify_init_dir
     from nemo_dcr.protocol.signing import load_key
-    from nemo_dcr.receiver.apply import DeltaApplier
-    from nemo_dcr.receiver.served import InProcessModel
-    from nemo_dcr.receiver.verify import module_state
-    from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
-    from nemo_dcr.runtimes.hf import HFTransformersAdapter
+    from nemo_dcr.receiver.bootstrap import build_receiver
+    from nemo_dcr.receiver.engine import ReceiverConfig
     from nemo_dcr.transport.store import open_store
 
     rid = args.receiver_id
@@ -327,25 +321,25 @@ def receiver_main(argv: list[str] | None = None) -> int:
     sealer = Sealer(key)
     plans = Plans(args.plan_dir, rid)
     store = FaultyStore(open_store(args.store), plans, key)
-    run_id = wait_for_run(store, sealer, run_id=None, timeout_s=120)
-    root = verify_init_dir(store, sealer, run_id, args.init_dir)
-    adapter = HFTransformersAdapter.from_pretrained(args.init_dir)
-    applier = DeltaApplier(adapter)
-    applier.prewarm()
-    served = FaultyServed(InProcessModel(applier), plans)
-    cfg = ReceiverConfig(receiver_id=rid, model_id=args.model_id)
-    rx = Receiver(served, store, cfg, journal_dir=os.path.join(args.state_dir, "journal"))
-    rx.journal.clear_stale()
-    inner_fetch = rx._fetch
+    served: FaultyServed | None = None
 
-    def fetch(manifest, **kw):
+    def wrap(inner):
+        nonlocal served
+        served = FaultyServed(inner, plans)
+        return served
+
+    def before_fetch(manifest):
         # every apply path (a version, a replayed one, each link of a composed catch-up)
         # fetches its manifest first: the plan that applies is that version's
         served.version = manifest.version
-        return inner_fetch(manifest, **kw)
 
-    rx._fetch = fetch
-    follower = Follower(rx, store, sealer, run_id, receiver_id=rid, committed_digest=root)
+    # the journal on disk (as over persistent weights); one an earlier incarnation left is
+    # dropped, since this one reloads version 0
+    session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id),
+                             state_dir=args.state_dir, init_dir=args.init_dir, timeout_s=120, durable_journal=True,
+                             wrap_served=wrap, before_fetch=before_fetch)
+    rx, follower = session.receiver, session.follower
+    run_id = session.run_id
     os.makedirs(args.dir, exist_ok=True)
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
     req_path, stop_path = os.path.join(args.dir, "req"), os.path.join(args.dir, "stop")
@@ -374,7 +368,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
                 time.sleep(0.02)
             st = follower.state
             dump = os.path.join(args.dir, f"dump-{req}.safetensors")
-            save_file({k: v.contiguous().clone() for k, v in module_state(adapter.module).items()}, dump)
+            session.runtime.dump(dump)
             _write_json(os.path.join(args.dir, "status.json"),
                         {"req": req, "committed": st.committed, "tentative": st.tentative,
                          "awaiting": st.awaiting, "handled": st.handled, "decided": st.decided,

@@ -210,28 +210,25 @@ def receiver_main(argv: list[str]) -> int:
 
     from safetensors.torch import load as load_safetensors
 
-    from nemo_dcr.protocol.follower import Follower, wait_for_run
     from nemo_dcr.protocol.manifest import dense_key
     from nemo_dcr.protocol.signing import Sealer, load_key
-    from nemo_dcr.receiver.apply import DeltaApplier
+    from nemo_dcr.receiver.bootstrap import build_receiver
+    from nemo_dcr.receiver.engine import ReceiverConfig
     from nemo_dcr.receiver.verify import compare_modules, load_dense
-    from nemo_dcr.receiver.worker import Receiver, ReceiverConfig, _init_dir
     from nemo_dcr.runtimes.hf import HFTransformersAdapter
     from nemo_dcr.transport.store import open_store
 
     rid = args.receiver_id
     store = open_store(args.store)
     sealer = Sealer(load_key(None, log=lambda m: print(m, file=sys.stderr, flush=True)))
-    run_id = wait_for_run(store, sealer, run_id=None, timeout_s=args.timeout_s)
-    init_dir, root = _init_dir(store, sealer, run_id, None, args.dir, args.timeout_s)  # download + digest check
-    adapter = HFTransformersAdapter.from_pretrained(init_dir)  # served model: delta refits in place
-    applier = DeltaApplier(adapter)
-    applier.prewarm()
-    dense_model = HFTransformersAdapter.from_pretrained(init_dir)  # dense refits, same class and loader
-    rx = Receiver(applier, store, ReceiverConfig(receiver_id=rid, model_id=args.model_id))
-    follower = Follower(rx, store, sealer, run_id, receiver_id=rid, committed_digest=root)
+    # version 0 downloaded into args.dir and checked; the served model refits by deltas in place
+    session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id),
+                             state_dir=args.dir, runtime="hf", timeout_s=args.timeout_s)
+    rx, follower = session.receiver, session.follower
+    adapter = rx.served.applier.adapter  # the hf runtime's in-process model (InProcessModel)
+    dense_model = HFTransformersAdapter.from_pretrained(session.init_dir)  # dense refits, same class and loader
     open(os.path.join(args.dir, "ready"), "w").close()
-    print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
+    print(json.dumps({"receiver": rid, "ready": True, "run_id": session.run_id}), flush=True)
 
     done: set[int] = set()
     stop = os.path.join(args.dir, "stop")

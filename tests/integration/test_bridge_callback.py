@@ -213,7 +213,7 @@ def _torchrun(*args, env):
 
 def _receiver(store, dump, until: int, env):
     return subprocess.Popen(
-        [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
+        [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", str(store), "--receiver-id", "r0",
          "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", str(until),
          "--timeout-s", "300", "--dump-dir", str(dump)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -47,7 +47,7 @@ def _wait_for_version0(trainer, store) -> None:
 
 
 def _receiver_cmd(store, dump, until: int) -> list[str]:
-    return [sys.executable, "-m", "nemo_dcr.receiver.worker", "--store", str(store), "--receiver-id", "r0",
+    return [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", str(store), "--receiver-id", "r0",
             "--model-id", "cb", "--init-dir", str(store / "init"), "--until-version", str(until),
             "--timeout-s", "300", "--dump-dir", str(dump)]
 

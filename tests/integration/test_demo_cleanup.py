@@ -102,6 +102,6 @@ def test_a_failing_receiver_stops_every_process_the_demo_started(tmp_path, monke
     cmds = [cmd for _, cmd in watcher.seen.values()]
     # control: the trainer ranks and the healthy receiver r0 were running while the demo ran
     assert sum("nemo_dcr.testbed.run_trainer" in c and "torch.distributed.run" not in c for c in cmds) == 2, cmds
-    assert any("nemo_dcr.receiver.worker" in c and "--receiver-id r0" in c for c in cmds), cmds
+    assert any("nemo_dcr.receiver.cli" in c and "--receiver-id r0" in c for c in cmds), cmds
     assert stops and stops[0][1] >= 3  # torchrun + 2 ranks at least were still running
     assert os.path.exists(tmp_path / "run" / "receiver-r1.log")

@@ -22,7 +22,10 @@ def test_receive_with_a_store_that_cannot_be_opened(tmp_path, capsys, uri, needl
     line = _err_line(capsys)
     assert line.startswith(f"nemo-dcr receive: --store: StoreError: {uri}: ") and needle in line, line
     # control: an openable store passes the same check (the receiver itself is not started)
-    assert cli._receive_input_problem(["--store", str(tmp_path / "ok"), "--receiver-id", "r0"]) is None
+    from nemo_dcr.receiver import cli as receive_cli
+
+    args = receive_cli.parser().parse_args(["--store", str(tmp_path / "ok"), "--receiver-id", "r0", "--model-id", "m"])
+    assert receive_cli.check_input(args)[0].uri.endswith("ok")
 
 
 def test_unknown_command_and_demo_config_errors(capsys):

@@ -18,7 +18,7 @@ from nemo_dcr.testbed.config import load_demo_config
 from nemo_dcr.protocol.manifest import Ack, Manifest, ack_key, chunk_key, dense_key, manifest_key
 from nemo_dcr.receiver.apply import DeltaApplier
 from nemo_dcr.receiver.verify import load_dense, module_state, state_digest
-from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.runtimes.hf import HFTransformersAdapter
 from nemo_dcr.transport.store import LocalDirStore
 

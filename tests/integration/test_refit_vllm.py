@@ -78,7 +78,7 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
     with a clear ack; the engine's weights (digest) and greedy generations are unchanged;
     the clean version then applies (control)."""
     from nemo_dcr.protocol.manifest import Manifest, manifest_key
-    from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+    from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
     from nemo_dcr.runtimes.vllm.served import VLLMServedModel, verify_prompts
     from nemo_dcr.transport.store import LocalDirStore
 

@@ -15,7 +15,7 @@ from nemo_dcr.protocol.follower import Follower
 from nemo_dcr.protocol.run import init_digest, write_init_record
 from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
-from nemo_dcr.receiver.worker import Receiver, ReceiverConfig
+from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.transport.store import LocalDirStore
 

@@ -167,7 +167,7 @@ def test_another_key_names_the_run_the_record_claims(tmp_path, key):
 
 
 def test_receive_cli_refuses_a_signed_run_without_a_key_in_one_line(tmp_path, key, capsys, monkeypatch):
-    from nemo_dcr.receiver.worker import main
+    from nemo_dcr.receiver.cli import main
 
     monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
     w = torch.randn(16, 16).to(torch.bfloat16)
@@ -176,5 +176,5 @@ def test_receive_cli_refuses_a_signed_run_without_a_key_in_one_line(tmp_path, ke
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("nemo-dcr receive: ProtocolError: store ") and "--insecure-no-key" in err[-1], err
-    assert main(args + ["--insecure-no-key", "--key-file", key]) == 1  # both: contradictory
+    assert main(args + ["--insecure-no-key", "--key-file", key]) == 2  # both: contradictory input
     assert "--insecure-no-key with a key" in capsys.readouterr().err

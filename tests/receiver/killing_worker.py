@@ -10,7 +10,7 @@ import signal
 import sys
 
 import nemo_dcr.receiver.apply as apply_mod
-from nemo_dcr.receiver import worker
+from nemo_dcr.receiver import cli
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
 
     apply_mod.DeltaApplier.apply = counting_apply
     apply_mod._write_direct = half_then_die
-    return worker.main(argv[sep + 1:])
+    return cli.main(argv[sep + 1:])
 
 
 if __name__ == "__main__":

@@ -104,16 +104,30 @@ class VLLMServedModel:
         return {"bit_exact": not mismatches, "mismatches": mismatches[:10],
                 "generated": [g["token_ids"] for g in got]}
 
-    def dump(self, directory: str, version: int) -> None:
-        """Testing aid: every worker's plain parameters and buffers, ``w<rank>.<name>``."""
+    def dump(self, path: str) -> None:
+        """Testing aid: every worker's plain parameters and buffers, ``w<rank>.<name>``, to
+        the safetensors file ``path``."""
         from safetensors.torch import save_file
 
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         state = {f"w{r}.{k}": v.contiguous().clone() for r, sd in enumerate(self.runtime.state_dicts())
                  for k, v in sd.items()}
-        save_file(state, os.path.join(directory, f"v{version}.safetensors"))
+        save_file(state, path)
 
     def close(self) -> None:
         if self.reference is not None:
             self.reference.close()
         self.runtime.close()
+
+
+def serve(request):
+    """Registry factory ``vllm`` (``receiver/registry.py``): a ``vllm.LLM`` engine started
+    from the checkpoint, its workers updated in place; with ``options.reference`` a second
+    engine for ``verify_dense``."""
+    from nemo_dcr.receiver.registry import ServedRuntime
+
+    o = request.options
+    served = VLLMServedModel.start(request.init_dir, tensor_parallel_size=o.tensor_parallel_size,
+                                   max_model_len=o.max_model_len, reference=o.reference,
+                                   sample_tokens=o.sample_tokens)
+    return ServedRuntime(served=served, dump=served.dump, close=served.close)

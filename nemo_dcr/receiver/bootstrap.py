@@ -1,0 +1,146 @@
+"""Receiver bootstrap: from a store to a receiver following its run.
+
+:func:`build_receiver` is the one way a receiver is assembled (``nemo-dcr receive``, the
+test bed's fault and link receivers, benchmarks that follow a store):
+
+1. the runtime options are checked against the registry (``receiver/registry.py``) before
+   anything is waited for, downloaded or loaded;
+2. the run: the store's signed ``RUN.json`` (waiting for it);
+3. version 0: a given checkpoint directory, or a download of the store's ``init/``, either
+   way checked against the run's signed ``init/INIT.json`` (:func:`fetch_version_zero`);
+4. the runtime, by name, through its registry factory;
+5. the engine (``receiver/engine.py``) and the protocol's ``Follower``; over weights that
+   outlive the process (``persistent``) the committed-version record
+   (``journal.read_committed``) and a repair of a half-applied version from the journal.
+
+The result, :class:`ReceiverSession`, holds the pieces; ``run`` follows the run,
+``close`` releases the runtime.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nemo_dcr.errors import ProtocolError, ValidationError
+from nemo_dcr.protocol.follower import Follower, wait_for_run
+from nemo_dcr.protocol.manifest import Manifest
+from nemo_dcr.protocol.run import verify_init_dir
+from nemo_dcr.protocol.signing import Sealer
+from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
+from nemo_dcr.receiver.journal import read_committed
+from nemo_dcr.receiver.registry import RuntimeOptions, RuntimeRequest, ServedRuntime, check_options, start_runtime
+from nemo_dcr.transport.store import ObjectStore
+
+
+def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state_dir: str,
+                       init_dir: str | None = None, timeout_s: float | None = None) -> tuple[str, str]:
+    """The version-0 checkpoint to load: ``init_dir`` if given, else a download of the
+    store's ``init/`` into ``state_dir/init``; either way checked against the run's signed
+    ``init/INIT.json`` (waiting up to ``timeout_s`` for it to be published).  Returns the
+    directory and the record's digest (the root of the run's chain)."""
+    from nemo_dcr.integrations.hf_export import download_checkpoint
+    from nemo_dcr.protocol.manifest import INIT_RECORD_KEY
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not store.exists(INIT_RECORD_KEY):
+        if deadline is not None and time.monotonic() > deadline:
+            raise ProtocolError(f"store {store.uri}: version 0 ({INIT_RECORD_KEY}) not published within {timeout_s}s")
+        time.sleep(0.1)
+    if init_dir is None:
+        init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
+    return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
+
+
+@dataclass(kw_only=True)
+class ReceiverSession:
+    """A receiver ready to follow its run (see :func:`build_receiver`)."""
+
+    receiver: Receiver
+    follower: Follower
+    runtime: ServedRuntime
+    run_id: str
+    init_dir: str
+    """The version-0 checkpoint the runtime was built from."""
+    committed: int
+    """The version held when the session starts (non-zero only over persistent weights)."""
+    recovered: dict | None = None
+    """What the restart repair did (``Receiver.recover``), or None."""
+
+    def run(self, *, until_version: int | None = None, timeout_s: float | None = None) -> None:
+        """Follow the run (``Follower.run``) at the receiver's poll interval."""
+        self.follower.run(until_version=until_version, timeout_s=timeout_s, poll_s=self.receiver.cfg.poll_s)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def __enter__(self) -> ReceiverSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, state_dir: str,
+                   runtime: str = "hf", options: RuntimeOptions | None = None, run_id: str | None = None,
+                   init_dir: str | None = None, timeout_s: float | None = None, allow_unverified: bool = False,
+                   durable_journal: bool = False, dump_dir: str | None = None,
+                   wrap_served: Callable[[object], object] | None = None,
+                   before_fetch: Callable[[Manifest], None] | None = None) -> ReceiverSession:
+    """Assemble a receiver of ``runtime`` (a registry name) following ``store``.
+
+    ``state_dir``: this receiver's local directory (a downloaded version 0, and with
+    ``options.persistent`` the weights, the journal and ``committed.json``).
+    ``run_id``: follow only this run (default: the store's).  ``init_dir``: a local copy
+    of version 0 (default: download it).  ``timeout_s``: how long to wait for the run
+    record and version 0.  ``allow_unverified``: follow a signed run without its key
+    (``wait_for_run``).  ``durable_journal``: write the apply journal to
+    ``state_dir/journal`` even over weights that die with the process (implied by
+    ``options.persistent``); a journal an earlier process left there is dropped when the
+    weights were reloaded from version 0.  ``dump_dir``: after each applied version the
+    runtime writes its state to ``dump_dir/v<version>.safetensors``.
+
+    Injection points (the test bed's faults use them; nothing else needs patching):
+    ``wrap_served(served) -> served``, a ``ServedModel`` wrapping the runtime's, and
+    ``before_fetch(manifest)``, the engine's hook (``Receiver``).
+    """
+    options = options or RuntimeOptions()
+    if cfg.verify_dense and not options.reference:
+        options = dataclasses.replace(options, reference=True)
+    check_options(runtime, options)
+    if options.persistent and not state_dir:
+        raise ValidationError("persistent weights need a state directory")
+    run_id = wait_for_run(store, sealer, run_id=run_id, timeout_s=timeout_s, allow_unverified=allow_unverified)
+    init_dir, root = fetch_version_zero(store, sealer, run_id, state_dir=state_dir, init_dir=init_dir,
+                                        timeout_s=timeout_s)
+    built = start_runtime(runtime, RuntimeRequest(init_dir=init_dir, run_id=run_id, state_dir=state_dir,
+                                                  options=options))
+    try:
+        if dump_dir and built.dump is None:
+            raise ValidationError(f"runtime {runtime!r} cannot dump its state (dump_dir)")
+        journal_dir = committed_file = None
+        if options.persistent or durable_journal:
+            journal_dir = os.path.join(state_dir, "journal")
+        if options.persistent:
+            committed_file = os.path.join(state_dir, "committed.json")
+        served = built.served if wrap_served is None else wrap_served(built.served)
+        rx = Receiver(served, store, cfg, journal_dir=journal_dir, committed_file=committed_file,
+                      before_fetch=before_fetch)
+        if dump_dir:
+            rx.on_applied = lambda version: built.dump(os.path.join(dump_dir, f"v{version}.safetensors"))
+        committed, digest, recovered = 0, root, None
+        if built.restored:  # weights of an earlier process: committed + maybe a half-applied version
+            committed, digest = read_committed(committed_file)
+            digest = digest or root
+            recovered = rx.recover(committed)
+        else:  # weights loaded from version 0: a journal on disk belongs to weights that are gone
+            rx.journal.clear_stale()
+        follower = Follower(rx, store, sealer, run_id, receiver_id=cfg.receiver_id, committed=committed,
+                            committed_digest=digest)
+    except BaseException:
+        built.close()
+        raise
+    return ReceiverSession(receiver=rx, follower=follower, runtime=built, run_id=run_id, init_dir=init_dir,
+                           committed=committed, recovered=recovered)

@@ -1,0 +1,148 @@
+"""``nemo-dcr receive`` / ``python -m nemo_dcr.receiver.cli``: a receiver keeping a serving
+runtime (any name in ``receiver/registry.py``) at the versions a store publishes.
+
+Exit status: 0 when the run ended as asked (``--until-version``); 2 with one line on
+stderr for bad input, found before anything is loaded (arguments, the receiver id, the
+store URI, the key file, options the runtime does not support); 1 with one line on stderr
+for a run that failed (``DcrError``, a timeout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+from nemo_dcr.errors import DcrError, ValidationError
+from nemo_dcr.receiver.registry import RuntimeOptions, check_options, runtime_names
+
+PROG = "nemo-dcr receive"
+
+
+class _BadInput(Exception):
+    """Input refused before the receiver starts: exit status 2."""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG)
+    ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
+    ap.add_argument("--receiver-id", required=True,
+                    help="name of this receiver's acknowledgements (letters, digits, _ and -, at most 64)")
+    ap.add_argument("--model-id", required=True, help="manifests of any other model are refused")
+    ap.add_argument("--key-file", default=None,
+                    help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")
+    ap.add_argument("--insecure-no-key", action="store_true",
+                    help="follow a signed run WITHOUT its key, checking no signature (anyone who can write "
+                         "to the store can then make this receiver apply anything); refused otherwise")
+    ap.add_argument("--run-id", default=None, help="follow only this run (default: the store's RUN.json)")
+    ap.add_argument("--state-dir", default=None,
+                    help="local directory for a downloaded version 0 and, with --persistent-weights, the "
+                         "weights file, the apply journal and the committed version (default: a fresh "
+                         "temporary directory)")
+    ap.add_argument("--until-version", type=int, default=None,
+                    help="exit once the trainer decided on this version (committed or aborted)")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="give up when nothing new appears for this long (default: wait forever)")
+    ap.add_argument("--poll-s", type=float, default=0.05, help="interval between checks for the next manifest")
+    ap.add_argument("--fetch-threads", type=int, default=0,
+                    help="chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)")
+    ap.add_argument("--verify-dense", action="store_true",
+                    help="after each apply compare every tensor with the version's dense export (doubles memory)")
+    ap.add_argument("--init-dir", default=None,
+                    help="local copy of the initial HF checkpoint (checked against the run's init/INIT.json; "
+                         "default: download it from the store)")
+    names = runtime_names()
+    ap.add_argument("--runtime", choices=names, default=names[0],
+                    help="serving runtime kept current (hf: a transformers model in this process; vllm: a "
+                         "vllm.LLM engine)")
+    ap.add_argument("--persistent-weights", action="store_true",
+                    help="keep the weights under --state-dir, so a receiver killed mid-apply restarts over its "
+                         "own weights and repairs them from the journal instead of reloading version 0 and "
+                         "catching up (runtimes: hf)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="workers the engine shards each tensor over (runtimes: vllm)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="the engine's context length (runtimes: vllm)")
+    ap.add_argument("--sample-tokens", type=int, default=0,
+                    help="greedy tokens generated after every refit and reported in the ack (runtimes: vllm)")
+    ap.add_argument("--dump-dir", default=None,
+                    help="testing aid: after each applied version write every parameter and buffer "
+                         "to DIR/v<version>.safetensors")
+
+    def one_line(message: str):  # argparse's default prints the whole usage block
+        raise _BadInput(f"{message} (see --help)")
+
+    ap.error = one_line
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        setup = check_input(args)
+    except _BadInput as e:
+        return _fail(str(e), 2)
+    try:
+        return _serve(args, *setup)
+    except (DcrError, TimeoutError) as e:
+        return _fail(f"{type(e).__name__}: {e}", 1)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return status
+
+
+def check_input(args):
+    """Everything that can be refused before waiting for a run or loading a model."""
+    from nemo_dcr.protocol.signing import Sealer, load_key
+    from nemo_dcr.receiver.engine import ReceiverConfig
+    from nemo_dcr.transport.store import StoreError, open_store
+
+    try:
+        store = open_store(args.store)
+    except (StoreError, ValueError) as e:
+        raise _BadInput(f"--store: {type(e).__name__}: {e}") from None
+    try:
+        cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense,
+                             poll_s=args.poll_s, fetch_threads=args.fetch_threads)
+        options = RuntimeOptions(reference=args.verify_dense, persistent=args.persistent_weights,
+                                 tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+                                 sample_tokens=args.sample_tokens)
+        check_options(args.runtime, options)
+        if args.persistent_weights and not args.state_dir:
+            raise ValidationError("--persistent-weights needs a --state-dir")
+        if args.until_version is not None and args.until_version < 0:
+            raise ValidationError(f"--until-version must be >= 0, got {args.until_version}")
+        if args.timeout_s is not None and args.timeout_s <= 0:
+            raise ValidationError(f"--timeout-s must be positive, got {args.timeout_s}")
+        sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
+        if args.insecure_no_key and sealer.signed:
+            raise ValidationError("--insecure-no-key with a key: drop one of them")
+    except (DcrError, ValueError) as e:
+        raise _BadInput(str(e)) from None
+    return store, sealer, cfg, options
+
+
+def _serve(args, store, sealer, cfg, options) -> int:
+    from nemo_dcr.receiver.bootstrap import build_receiver
+
+    if args.insecure_no_key:
+        print(f"{PROG}: WARNING: --insecure-no-key: following {args.store} WITHOUT checking any "
+              "signature; anyone who can write to the store can make this receiver apply anything",
+              file=sys.stderr, flush=True)
+    state_dir = args.state_dir or tempfile.mkdtemp(prefix=f"dcr-{args.receiver_id}-")
+    session = build_receiver(store, sealer, cfg, state_dir=state_dir, runtime=args.runtime, options=options,
+                             run_id=args.run_id, init_dir=args.init_dir, timeout_s=args.timeout_s,
+                             allow_unverified=args.insecure_no_key, dump_dir=args.dump_dir)
+    with session:
+        if session.recovered is not None:
+            print(json.dumps({"receiver": args.receiver_id, **session.recovered, "held": session.committed}),
+                  flush=True)
+        print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": session.run_id,
+                          "held": session.committed}), flush=True)
+        session.run(until_version=args.until_version, timeout_s=args.timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
