@@ -53,9 +53,9 @@ def check_field_types(obj, prefix: str) -> None:
     ``int`` (not bool), ``float`` (an int is converted), ``bool``, ``str``, ``tuple[str, ...]``
     (a list is converted).  For schemas built from Python, not through :func:`load_config`
     (where OmegaConf's typed nodes did this already).  Raises ``TypeError`` naming the key."""
-    for name, tp in field_types(type(obj)).items():
-        if name not in {f.name for f in fields(obj)}:
-            continue
+    types = field_types(type(obj))
+    for f in fields(obj):
+        name, tp = f.name, types.get(f.name)
         v, key = getattr(obj, name), f"{prefix}.{name}" if prefix else name
         if tp is bool and not isinstance(v, bool):
             raise TypeError(f"{key} must be true or false, got {v!r}")

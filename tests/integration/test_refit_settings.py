@@ -171,3 +171,21 @@ def test_every_readme_key_is_a_schema_key():
         check_override_keys([f"refit.{f.name}=x"], RefitFile)
     with pytest.raises(ConfigError, match="unknown config key 'refit.store_uri'"):
         check_override_keys(["refit.store_uri=x"], DemoConfig)  # control: a callback's own key is not one
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"chunk_bytes": "abc"}, "refit.chunk_bytes must be an int, got 'abc'"),
+    ({"context": 1}, "refit.context must be true or false, got 1"),
+    ({"receivers": ["a", 1]}, "refit.receivers must be a list of strings"),
+    ({"ack_timeout_s": True}, "refit.ack_timeout_s must be a number, got True"),
+    ({"upload_workers": 0}, "refit.upload_workers must be positive"),
+])
+def test_the_schema_checks_settings_built_in_python(kw, needle):
+    base = {"store_uri": "x", "model_id": "m", "receivers": ("r0",)}
+    for cls in (RefitSettings, SenderConfig):
+        args = {k: v for k, v in {**base, **kw}.items() if k in {f.name for f in fields(cls)}}
+        with pytest.raises(RefitSetupError, match=re.escape(needle)):
+            cls(**args)
+    # control: the same settings with good values, lists and ints where tuples and floats are due
+    s = RefitSettings(**{**base, "receivers": ["a", "b"], "ack_timeout_s": 3})
+    assert s.receivers == ("a", "b") and s.ack_timeout_s == 3.0 and isinstance(s.ack_timeout_s, float)
