@@ -2,9 +2,11 @@
 and keeps the builtin base older callers caught."""
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,74 @@ def test_builtin_bases_kept():
     assert issubclass(ObjectNotFound, KeyError) and issubclass(ObjectNotFound, OSError)
     with pytest.raises(errors.TransportError):
         raise ObjectNotFound("x")
+
+
+def test_layout_error_is_placement_and_value_error():
+    from nemo_dcr.layout.shards import LayoutError
+
+    assert issubclass(LayoutError, errors.PlacementError) and issubclass(LayoutError, ValueError)
+
+
+# --- no bare ValueError / RuntimeError ------------------------------------------------
+
+ROOT = Path(nemo_dcr.__file__).resolve().parent
+BARE = ("ValueError", "RuntimeError")
+
+#: Files other engineers were refactoring when the bare raises were converted (issue 16),
+#: with the sites each held then.  Convert them to a family of nemo_dcr/errors.py and
+#: delete the entry: ``test_bare_raise_allowlist_is_not_stale`` fails once a listed file has
+#: none left.
+BARE_RAISE_ALLOWLIST = {
+    "integrations/sender.py",       # 1 RuntimeError
+    "receiver/apply.py",            # 1 ValueError
+    "receiver/engine.py",           # 1 ValueError, 1 RuntimeError
+    "receiver/journal.py",          # 1 RuntimeError
+    "receiver/provenance.py",       # 2 ValueError
+    "receiver/served.py",           # 1 ValueError
+    "receiver/traced.py",           # 2 ValueError
+    "receiver/verify.py",           # 1 ValueError
+    "runtimes/hf.py",               # 6 ValueError
+    "runtimes/hf_convert.py",       # 4 ValueError
+    "runtimes/vllm/runtime.py",     # 1 ValueError
+    "runtimes/vllm/served.py",      # 1 ValueError
+}
+
+
+def bare_raises(source: str) -> list[tuple[int, str]]:
+    """(line, builtin) of each ``raise ValueError(...)`` / ``raise RuntimeError`` (with or
+    without arguments or ``from``), however many lines the statement spans."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in BARE:
+                out.append((node.lineno, exc.id))
+    return sorted(out)
+
+
+def _product_sources():
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        if not rel.startswith("testbed/"):  # the test bed is not the product
+            yield rel, p.read_text()
+
+
+def test_bare_raise_detector():
+    # negative controls: a multi-line raise, a bare name, a chained raise; and what is fine
+    src = ('def f(x):\n    if x:\n        raise ValueError(\n            "many"\n            " lines")\n'
+           '    raise RuntimeError\n\ndef g():\n    try:\n        pass\n    except KeyError as e:\n'
+           '        raise ValueError("x") from e\n')
+    assert bare_raises(src) == [(3, "ValueError"), (6, "RuntimeError"), (12, "ValueError")]
+    assert bare_raises('raise ValidationError("x")\nraise TypeError("y")\nraise\n') == []
+
+
+def test_no_bare_value_or_runtime_error():
+    found = {rel: sites for rel, src in _product_sources()
+             if rel not in BARE_RAISE_ALLOWLIST and (sites := bare_raises(src))}
+    assert not found, f"raise a family of nemo_dcr/errors.py instead: {found}"
+
+
+def test_bare_raise_allowlist_is_not_stale():
+    have = {rel for rel, src in _product_sources() if bare_raises(src)}
+    stale = BARE_RAISE_ALLOWLIST - have
+    assert not stale, f"no bare raise left, remove from BARE_RAISE_ALLOWLIST: {sorted(stale)}"

@@ -13,6 +13,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.kernels import XorDiff, bits_view_np, xor_diff
 
 
@@ -34,7 +35,7 @@ class Baseline:
         """XOR of ``current`` against the committed bits of ``name``; staged for commit."""
         base = self._bits[name]
         if current.dtype != base.dtype or current.shape != base.shape:
-            raise ValueError(f"{name}: {current.dtype}{tuple(current.shape)} vs baseline {base.dtype}{tuple(base.shape)}")
+            raise ValidationError(f"{name}: {current.dtype}{tuple(current.shape)} vs baseline {base.dtype}{tuple(base.shape)}")
         d = xor_diff(current.detach(), base)
         self._staged[name] = d
         return d
@@ -42,7 +43,7 @@ class Baseline:
     def commit(self, version: int) -> None:
         """Advance to ``version``: the staged masks become part of the baseline."""
         if version <= self.version:
-            raise ValueError(f"commit of version {version} <= committed {self.version}")
+            raise ValidationError(f"commit of version {version} <= committed {self.version}")
         for name, d in self._staged.items():
             if d.positions.size:
                 bits = bits_view_np(self._bits[name])

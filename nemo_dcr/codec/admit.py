@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo_dcr.codec.format import Coding, ChunkValidationError
 from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
+from nemo_dcr.errors import ValidationError
 
 if TYPE_CHECKING:
     from nemo_dcr.codec.chunk import RecordInfo
@@ -49,7 +50,7 @@ def expected_spec(name: str, spec: Any) -> tuple[str, tuple[int, ...]]:
             raise TypeError(f"expect[{name!r}] must be (dtype, shape), got {spec!r}") from None
     dtype = str(dtype)
     if dtype not in BITS_DTYPE:
-        raise ValueError(f"expect[{name!r}]: dtype {dtype!r} is not one the wire format carries")
+        raise ValidationError(f"expect[{name!r}]: dtype {dtype!r} is not one the wire format carries")
     return dtype, tuple(int(s) for s in shape)
 
 
@@ -86,11 +87,11 @@ class DecodeBudget:
 
     def __init__(self, max_changed: int, max_scan: int | None = None) -> None:
         if not isinstance(max_changed, int) or max_changed < 0:
-            raise ValueError(f"max_changed must be a non-negative int, got {max_changed!r}")
+            raise ValidationError(f"max_changed must be a non-negative int, got {max_changed!r}")
         if max_scan is None:
             max_scan = DEFAULT_SCAN_FACTOR * max_changed
         if not isinstance(max_scan, int) or max_scan < 0:
-            raise ValueError(f"max_scan must be a non-negative int, got {max_scan!r}")
+            raise ValidationError(f"max_scan must be a non-negative int, got {max_scan!r}")
         self.max_changed = max_changed
         """Declared entries (``nnz``) summed over every record of the version."""
         self.max_scan = max_scan

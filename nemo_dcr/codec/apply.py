@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.errors import ValidationError
 
 
 def apply_delta_(bits: np.ndarray, delta: TensorDelta) -> None:
@@ -16,11 +17,11 @@ def apply_delta_(bits: np.ndarray, delta: TensorDelta) -> None:
     want = BITS_DTYPE[delta.dtype]
     if not isinstance(bits, np.ndarray) or bits.dtype != want or bits.ndim != 1:
         got = f"{bits.dtype}{list(bits.shape)}" if isinstance(bits, np.ndarray) else type(bits).__name__
-        raise ValueError(f"{delta.name}: target must be a flat {want} array, got {got}")
+        raise ValidationError(f"{delta.name}: target must be a flat {want} array, got {got}")
     if bits.size != delta.numel:
-        raise ValueError(f"{delta.name}: target has {bits.size} elements, delta is for {delta.numel}")
+        raise ValidationError(f"{delta.name}: target has {bits.size} elements, delta is for {delta.numel}")
     if not bits.flags.writeable:
-        raise ValueError(f"{delta.name}: target array is read-only")
+        raise ValidationError(f"{delta.name}: target array is read-only")
     if delta.nnz == 0:
         return
     if delta.op is DeltaOp.XOR:

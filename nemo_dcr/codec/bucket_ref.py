@@ -27,6 +27,8 @@ from bisect import bisect_right
 
 import numpy as np
 
+from nemo_dcr.errors import FormatError, ValidationError
+
 # Constants of the spec, by name (tests perturb them to prove the comparisons can fail).
 PROB_BITS = 12                  # frequencies sum to 2^12 = 4096
 RANS_L = 1 << 16                # rANS states start and end at 2^16; 16-bit words
@@ -93,7 +95,7 @@ class RefState:
 
     def __init__(self, width: int, context: bool) -> None:
         if width not in (1, 2, 4, 8):
-            raise ValueError("width must be 1, 2, 4 or 8")
+            raise ValidationError("width must be 1, 2, 4 or 8")
         W = 8 * width
         self.width, self.context = width, bool(context)
         self.gsum = [GAP_SUM0] * NB
@@ -125,9 +127,9 @@ class RefState:
 class _Params:
     def __init__(self, state, base, lo, hi, width, eshift, ebits, e_lo, op) -> None:
         if not isinstance(state, RefState) or state.width != width or state.context != (base is not None):
-            raise ValueError("state was not initialised for this dtype and mode")
+            raise ValidationError("state was not initialised for this dtype and mode")
         if not (0 <= lo <= hi) or op not in (0, 1) or not (0 <= e_lo <= 255):
-            raise ValueError("bad record parameters")
+            raise ValidationError("bad record parameters")
         self.W = 8 * width
         self.mask, self.signbit = (1 << self.W) - 1, 1 << (self.W - 1)
         self.eshift, self.ebits, self.e_lo = eshift, ebits, e_lo
@@ -138,7 +140,7 @@ class _Params:
         if base is not None:
             b = np.asarray(base)
             if b.size < hi:
-                raise ValueError("base shorter than the record's range")
+                raise ValidationError("base shorter than the record's range")
             self.base = [int(x) for x in b[lo:hi]]  # base[i - lo] is element i's base bits
 
     def bucket(self, i: int) -> int:
@@ -242,9 +244,9 @@ def encode(state: RefState, positions, values, base, lo: int, hi: int, width: in
     vals = [int(v) for v in np.asarray(values)]
     if len(pos) != len(vals) or any(not (lo <= p < hi) for p in pos) or any(
             a >= b for a, b in zip(pos, pos[1:])):
-        raise ValueError("positions must be strictly increasing inside [lo, hi)")
+        raise ValidationError("positions must be strictly increasing inside [lo, hi)")
     if any(not (0 <= v <= P.mask) for v in vals):
-        raise ValueError("value wider than the dtype")
+        raise ValidationError("value wider than the dtype")
     w = _Writer()
     if not P.context:
         prev = lo - 1
@@ -289,11 +291,11 @@ def encode(state: RefState, positions, values, base, lo: int, hi: int, width: in
 class _Reader:
     def __init__(self, payload: bytes) -> None:
         if len(payload) < 4:
-            raise ValueError("payload shorter than rans_len")
+            raise FormatError("payload shorter than rans_len")
         rlen = int.from_bytes(payload[:4], "little")
         # Implied by the layout: two u32 states, then whole 16-bit words, inside the payload.
         if rlen < 8 or rlen % 2 or 4 + rlen > len(payload):
-            raise ValueError("bad rans_len")
+            raise FormatError("bad rans_len")
         self.x = [int.from_bytes(payload[4:8], "little"), int.from_bytes(payload[8:12], "little")]
         self.words = [int.from_bytes(payload[i:i + 2], "little") for i in range(12, 4 + rlen, 2)]
         self.wi = 0
@@ -308,7 +310,7 @@ class _Reader:
         x = ctx.freq[s] * (x >> PROB_BITS) + slot - ctx.cum[s]
         if x < RANS_L:
             if self.wi == len(self.words):
-                raise ValueError("rANS words run out")
+                raise FormatError("rANS words run out")
             x = (x << 16) | self.words[self.wi]
             self.wi += 1
         self.x[self.j % 2] = x
@@ -318,20 +320,20 @@ class _Reader:
 
     def bits(self, n: int) -> int:
         if self.ri + n > self.rawbits:
-            raise ValueError("raw bits run out")
+            raise FormatError("raw bits run out")
         v = (self.raw >> self.ri) & ((1 << n) - 1)
         self.ri += n
         return v
 
     def finish(self) -> None:
         if self.x != [RANS_L, RANS_L]:
-            raise ValueError("final rANS states are not 2^16")
+            raise FormatError("final rANS states are not 2^16")
         if self.wi != len(self.words):
-            raise ValueError("rANS words left unread")
+            raise FormatError("rANS words left unread")
         if self.rawbits - self.ri >= 8:
-            raise ValueError("raw bytes left unread")
+            raise FormatError("raw bytes left unread")
         if self.raw >> self.ri:
-            raise ValueError("raw padding is not zero")
+            raise FormatError("raw padding is not zero")
 
 
 def _dec_gap(st: RefState, r: _Reader, b: int) -> int:
@@ -340,7 +342,7 @@ def _dec_gap(st: RefState, r: _Reader, b: int) -> int:
     if q == QA - 1:
         L = r.bits(ESC_LEN_BITS)
         if L > ESC_MAX_LEN:
-            raise ValueError("escape length over 48")
+            raise FormatError("escape length over 48")
         q += r.bits(L)
     u = (q << k) | r.bits(k)
     st.gap_seen(b, u)
@@ -376,7 +378,7 @@ def decode(state: RefState, payload, nnz: int, base, lo: int, hi: int, width: in
     (``rans_len`` even, >= 8, inside the payload; reading past either stream's end)."""
     P = _Params(state, base, lo, hi, width, eshift, ebits, e_lo, op)
     if not (0 <= nnz <= hi - lo):
-        raise ValueError("nnz outside [0, range_len]")
+        raise FormatError("nnz outside [0, range_len]")
     r = _Reader(bytes(payload))
     pos: list[int] = []
     if not P.context:
@@ -384,7 +386,7 @@ def decode(state: RefState, payload, nnz: int, base, lo: int, hi: int, width: in
         for _ in range(nnz):
             g = _dec_gap(state, r, 0)
             if prev + g > hi - 1:
-                raise ValueError("gap past range_hi - 1")
+                raise FormatError("gap past range_hi - 1")
             prev += g
             pos.append(prev)
     else:
@@ -405,13 +407,13 @@ def decode(state: RefState, payload, nnz: int, base, lo: int, hi: int, width: in
                     found.append(lst[target[b] - seen[b]])
                     target[b] += _dec_gap(state, r, b)
                     if len(pos) + len(found) > nnz:
-                        raise ValueError("more changed elements than nnz")
+                        raise FormatError("more changed elements than nnz")
                 seen[b] += len(lst)
             pos.extend(sorted(found))
         if len(pos) != nnz:
-            raise ValueError("range ends before nnz changed elements")
+            raise FormatError("range ends before nnz changed elements")
     vals = [_dec_value(state, P, r, i) for i in pos]
     if P.op == 0 and 0 in vals:
-        raise ValueError("a zero XOR value (v1 carries none)")
+        raise FormatError("a zero XOR value (v1 carries none)")
     r.finish()
     return np.asarray(pos, dtype=np.int64), np.asarray(vals, dtype=np.dtype(f"<u{width}"))

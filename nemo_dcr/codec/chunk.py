@@ -51,6 +51,7 @@ from nemo_dcr.codec.model import ModelStates
 from nemo_dcr.codec.model import available as model_available
 from nemo_dcr.codec.payload import RecordSpec, check_payload_size, decode_payload, encode_payload
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.errors import ValidationError
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _check_base(name: str, dtype: str, numel: int, arr: np.ndarray) -> np.ndarra
     want = BITS_DTYPE[dtype]
     a = np.asarray(arr)
     if a.dtype != want or a.ndim != 1 or a.size != numel:
-        raise ValueError(f"{name}: base must be flat {want}[{numel}], got {a.dtype}{list(a.shape)}")
+        raise ValidationError(f"{name}: base must be flat {want}[{numel}], got {a.dtype}{list(a.shape)}")
     return a
 
 
@@ -144,9 +145,9 @@ def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates 
     name = d.name.encode("utf-8")
     # Refuse what a decoder with the default limits would refuse, here rather than there.
     if len(name) > _DEFAULT_LIMITS.max_name_bytes:
-        raise ValueError(f"tensor name of {len(name)} bytes exceeds {_DEFAULT_LIMITS.max_name_bytes}")
+        raise ValidationError(f"tensor name of {len(name)} bytes exceeds {_DEFAULT_LIMITS.max_name_bytes}")
     if len(d.shape) > _DEFAULT_LIMITS.max_ndim:
-        raise ValueError(f"{d.name}: {len(d.shape)} dimensions exceed {_DEFAULT_LIMITS.max_ndim}")
+        raise ValidationError(f"{d.name}: {len(d.shape)} dimensions exceed {_DEFAULT_LIMITS.max_ndim}")
     pos, val = _canonical(d)
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
@@ -172,7 +173,7 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
     """
     meta_body = _encode_meta(meta or {})
     if len(meta or {}) > _DEFAULT_LIMITS.max_meta_entries or len(meta_body) > _DEFAULT_LIMITS.max_meta_bytes:
-        raise ValueError("chunk metadata exceeds the default decoder limits")
+        raise ValidationError("chunk metadata exceeds the default decoder limits")
     states = ModelStates() if (model_available() or bucket_available()) else None
     chosen = None if codings is None else frozenset(Coding(c) for c in codings)
     entries, payloads = [], []

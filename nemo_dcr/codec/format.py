@@ -134,7 +134,7 @@ class ChunkLimits:
         for name in self.__dataclass_fields__:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"ChunkLimits.{name} must be a non-negative int, got {v!r}")
+                raise ValidationError(f"ChunkLimits.{name} must be a non-negative int, got {v!r}")
 
 
 def crc32(*parts: bytes | bytearray | memoryview | np.ndarray) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from nemo_dcr.errors import FormatError
+
 LIMIT_FLAG = 4095
 LIMIT_VAL = 1023
 NEXP, NPH = 32, 18
@@ -318,7 +320,7 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebi
         basev = P.base[i] if P.base is not None else 0
         h = dec_h(s.h_key(P, i, basev))
         if h > P.W:
-            raise ValueError("impossible value")
+            raise FormatError("impossible value")
         if P.base is None:
             v = dec_low(h)
         else:
@@ -328,7 +330,7 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebi
             newv = P.iord((P.ord(basev) + k) & P.mask)
             v = basev ^ newv if op == 0 else newv
         if op == 0 and v == 0:
-            raise ValueError("impossible value")
+            raise FormatError("impossible value")
         return h, v
 
     if P.base is None:
@@ -350,7 +352,7 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebi
                     x = (x << 1) | dec.bit(model("gapt", b, k), LIMIT_FLAG)
                 mean16 = _gap_mean(mean16, x)
                 if x > hi - (nnz - j) - prev:
-                    raise ValueError("gap beyond the range")
+                    raise FormatError("gap beyond the range")
                 i = prev + x
             h, v = dec_value(i)
             pos.append(i)
@@ -358,9 +360,9 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebi
             s.prev_h, s.last = h + 1, i
             prev = i
             if dec.over > MAX_STRIP:
-                raise ValueError("stream ends before its content")
+                raise FormatError("stream ends before its content")
         if dec.pos != len(dec.data):
-            raise ValueError("stream length does not match its content")
+            raise FormatError("stream length does not match its content")
         return np.asarray(pos, dtype=np.int64), vals
 
     i = lo
@@ -375,8 +377,8 @@ def decode(model: RefModel, stream: bytes, nnz, base, lo, hi, width, eshift, ebi
             s.prev_h, s.last = h + 1, i
         s.left = present
         if dec.over > MAX_STRIP:
-            raise ValueError("stream ends before its content")
+            raise FormatError("stream ends before its content")
         i += 1
     if len(pos) != nnz or dec.pos != len(dec.data):
-        raise ValueError("stream length does not match its content")
+        raise FormatError("stream length does not match its content")
     return np.asarray(pos, dtype=np.int64), vals

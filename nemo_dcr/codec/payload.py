@@ -16,6 +16,7 @@ import zstandard
 from nemo_dcr.codec import bucket, model
 from nemo_dcr.codec.format import ChunkFormatError, Coding
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
+from nemo_dcr.errors import ValidationError
 
 ZSTD_LEVEL = 3
 
@@ -53,11 +54,11 @@ class RecordSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in BITS_DTYPE:
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
+            raise ValidationError(f"unsupported dtype {self.dtype!r}")
         if not (0 <= self.lo <= self.hi) or not (0 <= self.nnz <= self.hi - self.lo):
-            raise ValueError(f"inconsistent record: range [{self.lo}, {self.hi}), {self.nnz} entries")
+            raise ValidationError(f"inconsistent record: range [{self.lo}, {self.hi}), {self.nnz} entries")
         if not 0 <= self.param <= 255:
-            raise ValueError(f"coding parameter {self.param} outside u8")
+            raise ValidationError(f"coding parameter {self.param} outside u8")
 
     @property
     def width(self) -> int:
@@ -161,7 +162,7 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
     cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
     use = default_codings(spec) if codings is None else codings
     if not use <= ENTROPY_CODINGS:
-        raise ValueError(f"codings must be a subset of {sorted(c.name for c in ENTROPY_CODINGS)}")
+        raise ValidationError(f"codings must be a subset of {sorted(c.name for c in ENTROPY_CODINGS)}")
     trials: dict[Coding, tuple[int, np.ndarray]] = {}
     if states is not None and Coding.MODEL in use and model.available():
         coded, e_lo, st = model.encode(spec, positions, values, base, states)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nemo_dcr import dtypes
+from nemo_dcr.errors import ValidationError
 
 #: Element dtypes the wire format knows, mapped to the unsigned integer dtype that carries
 #: their bits (a view of the one table, ``nemo_dcr.dtypes``).
@@ -60,33 +61,33 @@ class TensorDelta:
 
     def __post_init__(self) -> None:
         if self.dtype not in BITS_DTYPE:
-            raise ValueError(f"{self.name}: unsupported dtype {self.dtype!r}")
+            raise ValidationError(f"{self.name}: unsupported dtype {self.dtype!r}")
         if any(int(s) < 0 for s in self.shape):
-            raise ValueError(f"{self.name}: negative dimension in shape {self.shape}")
+            raise ValidationError(f"{self.name}: negative dimension in shape {self.shape}")
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if not isinstance(self.op, DeltaOp):
             object.__setattr__(self, "op", DeltaOp(self.op))
         pos = np.asarray(self.positions)
         val = np.asarray(self.values)
         if pos.ndim != 1 or val.ndim != 1 or pos.shape != val.shape:
-            raise ValueError(
+            raise ValidationError(
                 f"{self.name}: positions {pos.shape} and values {val.shape} must be 1-D and equal"
             )
         if pos.dtype != np.int64:
-            raise ValueError(f"{self.name}: positions must be int64, got {pos.dtype}")
+            raise ValidationError(f"{self.name}: positions must be int64, got {pos.dtype}")
         want = BITS_DTYPE[self.dtype]
         if val.dtype != want:
-            raise ValueError(f"{self.name}: values for {self.dtype} must be {want}, got {val.dtype}")
+            raise ValidationError(f"{self.name}: values for {self.dtype} must be {want}, got {val.dtype}")
         numel = self.numel
         lo, hi = self.element_range if self.element_range is not None else (0, numel)
         if not (0 <= lo <= hi <= numel):
-            raise ValueError(f"{self.name}: element_range {(lo, hi)} outside [0, {numel}]")
+            raise ValidationError(f"{self.name}: element_range {(lo, hi)} outside [0, {numel}]")
         object.__setattr__(self, "element_range", (int(lo), int(hi)))
         if pos.size:
             if pos[0] < lo or pos[-1] >= hi:
-                raise ValueError(f"{self.name}: positions outside element_range {(lo, hi)}")
+                raise ValidationError(f"{self.name}: positions outside element_range {(lo, hi)}")
             if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
-                raise ValueError(f"{self.name}: positions must be strictly increasing")
+                raise ValidationError(f"{self.name}: positions must be strictly increasing")
 
     @property
     def numel(self) -> int:

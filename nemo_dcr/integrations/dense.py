@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_dcr.errors import PlacementError
 from nemo_dcr.layout.mapping import CanonicalProjector
 from nemo_dcr.layout.shards import ParamView
 
@@ -59,11 +60,11 @@ def gather_canonical_state(
         filled[spec.key] += spec.numel
     for key, g in globals_.items():
         if filled[key] != g.numel():
-            raise RuntimeError(f"dense gather of {key}: {filled[key]} of {g.numel()} elements present")
+            raise PlacementError(f"dense gather of {key}: {filled[key]} of {g.numel()} elements present")
     out: dict[str, torch.Tensor] = {}
     for key, g in globals_.items():
         for cname, t in projector.dense(key, g).items():
             if cname in out:
-                raise RuntimeError(f"canonical tensor {cname} produced twice")
+                raise PlacementError(f"canonical tensor {cname} produced twice")
             out[cname] = t.contiguous()
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.layout.families import UnsupportedModelError
 from nemo_dcr.layout.mapping import ModelDims
 
@@ -160,7 +161,7 @@ def describe_gpt(gpt: torch.nn.Module, *, vocab_size: int | None = None) -> Mode
     if vocab_size is None:
         vocab_size = padded
     if not 0 < vocab_size <= padded:
-        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the model's padded vocabulary)")
+        raise ValidationError(f"vocab_size={vocab_size} must be in [1, {padded}] (the model's padded vocabulary)")
     heads = cfg.num_attention_heads
     return ModelDims(
         num_layers=cfg.num_layers,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.kernels.reference import xor_diff_reference
 from nemo_dcr.kernels.types import (
     DiffBuffers,
@@ -73,9 +74,9 @@ def _placed(current: torch.Tensor, baseline: torch.Tensor) -> tuple[torch.Tensor
     elif base_cuda and not cur_cuda:
         current = current.to(baseline.device, non_blocking=True)
     elif not cur_cuda and current.device != baseline.device:
-        raise ValueError(f"xor_diff: unsupported devices {current.device} / {baseline.device}")
+        raise ValidationError(f"xor_diff: unsupported devices {current.device} / {baseline.device}")
     if (cur_cuda or base_cuda) and current.device != baseline.device:
-        raise ValueError(f"xor_diff: current on {current.device}, baseline on {baseline.device}")
+        raise ValidationError(f"xor_diff: current on {current.device}, baseline on {baseline.device}")
     return current, baseline, cur_cuda or base_cuda
 
 

@@ -22,6 +22,7 @@ from nemo_dcr.kernels.types import (
     bits_view_np,
     check_pair,
 )
+from nemo_dcr.errors import ValidationError
 
 #: A thread is worth starting only for at least this many input bytes (current + baseline).
 MIN_BYTES_PER_THREAD = 4 << 20
@@ -41,7 +42,7 @@ def default_threads(nbytes: int) -> int:
 def _operands(current: torch.Tensor, baseline: torch.Tensor, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     check_pair(current, baseline, block_size)
     if current.device.type != "cpu" or baseline.device.type != "cpu":
-        raise ValueError(f"the C path needs CPU tensors, got {current.device} and {baseline.device}")
+        raise ValidationError(f"the C path needs CPU tensors, got {current.device} and {baseline.device}")
     return bits_view_np(current.detach().contiguous()), bits_view_np(baseline.detach().contiguous())
 
 
@@ -49,7 +50,7 @@ def _threads(a: np.ndarray, num_threads: int | None) -> int:
     if num_threads is None:
         return default_threads(2 * a.nbytes)
     if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        raise ValidationError(f"num_threads must be >= 1, got {num_threads}")
     return num_threads
 
 
@@ -96,7 +97,7 @@ def xor_diff_into_c(
 ) -> XorDiff:
     a, b = _operands(current, baseline, block_size)
     if out.xor_values.dtype != dtypes.bits_of_width(a.itemsize):
-        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(a.itemsize)}")
+        raise ValidationError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(a.itemsize)}")
     nt = _threads(a, num_threads)
     if block_counts is None:
         counts = np.empty(-(-a.size // block_size), dtype=np.int64)
@@ -110,7 +111,7 @@ def xor_diff_into_c(
         return XorDiff(positions, values, counts, block_size, int(a.size))
     counts = np.array(block_counts, dtype=np.int64, copy=True)
     if counts.shape != (-(-a.size // block_size),):
-        raise ValueError(f"block_counts has shape {counts.shape}, the tensor has {-(-a.size // block_size)} blocks")
+        raise ValidationError(f"block_counts has shape {counts.shape}, the tensor has {-(-a.size // block_size)} blocks")
     total = int(counts.sum())
     if total > out.capacity:
         raise DiffCapacityError(total, out.capacity, counts)

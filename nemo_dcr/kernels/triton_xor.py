@@ -105,6 +105,7 @@ import triton
 import triton.language as tl
 
 from nemo_dcr import dtypes
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.kernels.types import (
     DiffBuffers,
     DiffCapacityError,
@@ -374,14 +375,14 @@ def xor_diff_device(
     diff is still exact, through the overflow fill."""
     check_pair(current, baseline, block_size)
     if current.device != baseline.device:
-        raise ValueError(f"current on {current.device}, baseline on {baseline.device}")
+        raise ValidationError(f"current on {current.device}, baseline on {baseline.device}")
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        raise ValidationError(f"impl must be one of {IMPLS}, got {impl!r}")
     if capacity is not None and (impl != "single_pass" or capacity < 0):
-        raise ValueError(f"capacity is a non-negative slot count for impl='single_pass', got {capacity} for {impl!r}")
+        raise ValidationError(f"capacity is a non-negative slot count for impl='single_pass', got {capacity} for {impl!r}")
     tile = tile_for(block_size) if tile is None else tile
     if tile & (tile - 1) or tile < 16:
-        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+        raise ValidationError(f"tile must be a power of two >= 16, got {tile}")
     a, b = _flat_bits(current), _flat_bits(baseline)
     if impl == "two_pass":
         return _two_pass(a, b, block_size, tile)
@@ -415,7 +416,7 @@ def xor_diff_into_triton(
     total = d.positions.numel()
     width = d.xor_values.element_size()
     if out.xor_values.dtype != dtypes.bits_of_width(width):
-        raise ValueError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(width)}")
+        raise ValidationError(f"buffers carry {out.xor_values.dtype}, the tensor needs {dtypes.bits_of_width(width)}")
     if total > out.capacity:
         raise DiffCapacityError(total, out.capacity, counts)
     positions, values = out.positions[:total], out.xor_values[:total]

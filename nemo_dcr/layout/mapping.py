@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from nemo_dcr.layout.shards import ShardSpec
-from nemo_dcr.errors import PlacementError
+from nemo_dcr.errors import PlacementError, ValidationError
+from nemo_dcr.layout.shards import LayoutError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +56,12 @@ class ModelDims:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
+            raise ValidationError(
                 f"num_attention_heads={self.num_attention_heads} not divisible by "
                 f"num_query_groups={self.num_query_groups}"
             )
         if self.num_moe_experts and (self.moe_ffn_hidden_size <= 0 or self.moe_router_topk <= 0):
-            raise ValueError("an MoE model needs moe_ffn_hidden_size > 0 and moe_router_topk > 0")
+            raise ValidationError("an MoE model needs moe_ffn_hidden_size > 0 and moe_router_topk > 0")
 
 
 class Transform(abc.ABC):
@@ -100,7 +101,7 @@ class VocabRows(Transform):
 
     def parts(self, src_shape, dims):
         if src_shape[0] < dims.vocab_size:
-            raise ValueError(f"padded vocab {src_shape[0]} < vocab_size {dims.vocab_size}")
+            raise LayoutError(f"padded vocab {src_shape[0]} < vocab_size {dims.vocab_size}")
         return {"": (dims.vocab_size, *src_shape[1:])}
 
     def project(self, idx, src_shape, dims):
@@ -124,7 +125,7 @@ class RowHalves(Transform):
 
     def parts(self, src_shape, dims):
         if src_shape[0] % 2:
-            raise ValueError(f"GLU weight with odd row count {src_shape[0]}")
+            raise LayoutError(f"GLU weight with odd row count {src_shape[0]}")
         half = (src_shape[0] // 2, *src_shape[1:])
         return {self.names[0]: half, self.names[1]: half}
 
@@ -152,7 +153,7 @@ class GroupedQKV(Transform):
     def parts(self, src_shape, dims):
         qpg, d, blk = self._geometry(dims)
         if src_shape[0] != dims.num_query_groups * blk:
-            raise ValueError(f"fused QKV rows {src_shape[0]} != query_groups*(heads/group+2)*head_dim")
+            raise LayoutError(f"fused QKV rows {src_shape[0]} != query_groups*(heads/group+2)*head_dim")
         cols = tuple(src_shape[1:])
         return {
             "q": (dims.num_attention_heads * d, *cols),
@@ -209,8 +210,8 @@ class Rule:
         for part, template in self.targets.items():
             fields_ = {f for _, f, _, _ in string.Formatter().parse(template) if f}
             if fields_ != set(self.axes):
-                raise ValueError(f"rule {self.megatron_key}: target {template!r} (part {part!r}) uses "
-                                 f"{sorted(fields_)}, the rule's prepended axes are {list(self.axes)}")
+                raise ValidationError(f"rule {self.megatron_key}: target {template!r} (part {part!r}) uses "
+                                      f"{sorted(fields_)}, the rule's prepended axes are {list(self.axes)}")
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class CanonicalProjector:
         self._rules: dict[str, Rule] = {}
         for r in rules:
             if r.megatron_key in self._rules:
-                raise ValueError(f"duplicate rule for {r.megatron_key}")
+                raise ValidationError(f"duplicate rule for {r.megatron_key}")
             self._rules[r.megatron_key] = r
 
     def rule(self, key: str) -> Rule:
@@ -249,16 +250,16 @@ class CanonicalProjector:
     def _names(self, rule: Rule, index: tuple[int, ...], parts: dict) -> list[str]:
         missing = set(parts) - set(rule.targets)
         if missing:
-            raise ValueError(f"rule for {rule.megatron_key} has no target for parts {sorted(missing)}")
+            raise LayoutError(f"rule for {rule.megatron_key} has no target for parts {sorted(missing)}")
         fmt = dict(zip(rule.axes, index))
         return [rule.targets[p].format(**fmt) for p in parts]
 
     def check(self, spec: ShardSpec) -> None:
-        """Raise ``ValueError`` unless the rule of ``spec.key`` fits its geometry."""
+        """Raise ``LayoutError`` (a ``ValueError``) unless the rule of ``spec.key`` fits its geometry."""
         rule = self.rule(spec.key)
         if spec.prepend_axis_num != len(rule.axes):
-            raise ValueError(f"{spec.key}: Megatron prepends {spec.prepend_axis_num} axes, the "
-                             f"layout table expects {len(rule.axes)} ({', '.join(rule.axes) or 'none'})")
+            raise LayoutError(f"{spec.key}: Megatron prepends {spec.prepend_axis_num} axes, the "
+                              f"layout table expects {len(rule.axes)} ({', '.join(rule.axes) or 'none'})")
         rule.transform.parts(self._src_shape(rule, spec.global_shape), self.dims)
 
     def canonical_specs(self, spec: ShardSpec) -> list[CanonicalSpec]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_dcr.layout.mapping import CanonicalProjector
-from nemo_dcr.layout.shards import ParamView
+from nemo_dcr.layout.shards import LayoutError, ParamView
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class CanonicalRuns:
     def __post_init__(self) -> None:
         n = self.canon_start.size
         if self.param_start.size != n or self.length.size != n or (n and self.length.min() < 1):
-            raise ValueError(f"{self.name}: inconsistent runs")
+            raise LayoutError(f"{self.name}: inconsistent runs")
         if n > 1 and np.any(self.canon_start[1:] < self.canon_start[:-1] + self.length[:-1]):
-            raise ValueError(f"{self.name}: runs overlap in canonical coordinates")
+            raise LayoutError(f"{self.name}: runs overlap in canonical coordinates")
 
     @property
     def lo(self) -> int:
@@ -54,8 +54,8 @@ class CanonicalRuns:
         """``dst[lo:hi] = canonical bits`` taken from the parameter's flat bits; ``[lo, hi)``
         must lie inside the covered range (checked)."""
         if not (self.contiguous and self.lo <= lo <= hi <= self.hi):
-            raise ValueError(f"{self.name}: [{lo}, {hi}) is not inside the contiguous coverage "
-                             f"[{self.lo}, {self.hi})")
+            raise LayoutError(f"{self.name}: [{lo}, {hi}) is not inside the contiguous coverage "
+                              f"[{self.lo}, {self.hi})")
         ends = self.canon_start + self.length
         first = int(np.searchsorted(ends, lo, side="right"))
         for i in range(first, self.canon_start.size):

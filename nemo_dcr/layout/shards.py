@@ -20,6 +20,13 @@ import torch
 
 from nemo_dcr import dtypes
 from nemo_dcr.codec.types import shape_numel
+from nemo_dcr.errors import PlacementError
+
+
+class LayoutError(PlacementError, ValueError):
+    """Megatron's shard metadata, or a layout rule, does not describe the parameters it is
+    applied to (inconsistent offsets, gaps, overlaps, shapes a rule does not fit).  Also a
+    ``ValueError``, as code written before the error families caught it."""
 
 
 @dataclass(frozen=True)
@@ -43,15 +50,15 @@ class ShardSpec:
         nd = len(self.global_shape)
         p = self.prepend_axis_num
         if len(self.global_offset) != nd:
-            raise ValueError(f"{self.key}: global_offset {self.global_offset} vs global_shape {self.global_shape}")
+            raise LayoutError(f"{self.key}: global_offset {self.global_offset} vs global_shape {self.global_shape}")
         if not 0 <= p <= nd or len(self.local_shape) != nd - p:
-            raise ValueError(
+            raise LayoutError(
                 f"{self.key}: local_shape {self.local_shape} + {p} prepended axes != global rank {nd}"
             )
         for ax in range(nd):
             extent = 1 if ax < p else self.local_shape[ax - p]
             if self.global_offset[ax] < 0 or self.global_offset[ax] + extent > self.global_shape[ax]:
-                raise ValueError(
+                raise LayoutError(
                     f"{self.key}: shard [{self.global_offset[ax]}, +{extent}) outside axis {ax} "
                     f"of global shape {self.global_shape}"
                 )
@@ -119,7 +126,7 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
     by_storage: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in params.items():
         if not p.is_contiguous():
-            raise ValueError(f"parameter {name} is not contiguous")
+            raise LayoutError(f"parameter {name} is not contiguous")
         by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(
             (p.storage_offset(), p.numel(), name, p)
         )
@@ -135,16 +142,16 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
     for st in sharded:
         data = st.data
         if data is None or not isinstance(data, torch.Tensor):
-            raise ValueError(f"ShardedTensor {st.key} carries no local data")
+            raise LayoutError(f"ShardedTensor {st.key} carries no local data")
         owner = owner_of(data)
         if owner is None:
             continue  # a buffer or a tensor that is not a parameter (not refit here)
         name, p = owner
         if not data.is_contiguous() or data.dtype != p.dtype:
-            raise ValueError(f"ShardedTensor {st.key} is not a contiguous {p.dtype} view of {name}")
+            raise LayoutError(f"ShardedTensor {st.key} is not a contiguous {p.dtype} view of {name}")
         start = data.storage_offset() - p.storage_offset()
         if tuple(st.local_shape) != tuple(data.shape):
-            raise ValueError(f"ShardedTensor {st.key}: local_shape {st.local_shape} != data {tuple(data.shape)}")
+            raise LayoutError(f"ShardedTensor {st.key}: local_shape {st.local_shape} != data {tuple(data.shape)}")
         spec = ShardSpec(
             key=st.key,
             local_shape=tuple(int(s) for s in st.local_shape),
@@ -161,10 +168,10 @@ def collect_param_views(module: torch.nn.Module) -> dict[str, list[ParamView]]:
         covered = 0
         for v in vs:
             if v.start != covered:
-                raise ValueError(f"ShardedTensors of {name} leave a gap or overlap at element {covered}")
+                raise LayoutError(f"ShardedTensors of {name} leave a gap or overlap at element {covered}")
             covered += v.spec.numel
         if covered != params[name].numel():
-            raise ValueError(
+            raise LayoutError(
                 f"parameter {name}: ShardedTensors cover {covered} of {params[name].numel()} elements"
             )
     return views
@@ -186,15 +193,15 @@ def check_tiling(specs) -> None:
     for key, group in by_key.items():
         shapes = {s.global_shape for s in group}
         if len(shapes) != 1:
-            raise ValueError(f"{key}: shards disagree on the global shape: {sorted(shapes)}")
+            raise LayoutError(f"{key}: shards disagree on the global shape: {sorted(shapes)}")
         (shape,) = shapes
         offsets = [s.global_offset for s in group]
         if len(set(offsets)) != len(offsets):
             dup = next(o for o in offsets if offsets.count(o) > 1)
-            raise ValueError(f"{key}: two main replicas hold the shard at offset {dup} (an element would be "
-                             "emitted twice: check replica_id)")
+            raise LayoutError(f"{key}: two main replicas hold the shard at offset {dup} (an element would be "
+                              "emitted twice: check replica_id)")
         volume = sum(shape_numel(s.local_shape) for s in group)
         total = shape_numel(shape[group[0].prepend_axis_num:]) * shape_numel(shape[: group[0].prepend_axis_num])
         if volume != total:
-            raise ValueError(f"{key}: main replicas cover {volume} of {total} elements of {shape}"
-                             + (" (some shard has no main replica)" if volume < total else " (overlap)"))
+            raise LayoutError(f"{key}: main replicas cover {volume} of {total} elements of {shape}"
+                              + (" (some shard has no main replica)" if volume < total else " (overlap)"))

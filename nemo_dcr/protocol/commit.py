@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from nemo_dcr.errors import DcrError, FormatError
+from nemo_dcr.errors import DcrError, FormatError, ValidationError
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
     DOC_LIMITS,
@@ -73,11 +73,11 @@ class CommitCoordinator:
     def _check(self, rid: str, version: int, digest: str, data: bytes) -> Ack:
         ack = Ack.from_json(data, self.sealer)
         if ack.run_id != self.run_id:
-            raise ValueError(f"ack of run {ack.run_id}, not this run")
+            raise ValidationError(f"ack of run {ack.run_id}, not this run")
         if ack.receiver != rid or ack.version != version:
-            raise ValueError(f"ack names receiver {ack.receiver!r} version {ack.version}")
+            raise ValidationError(f"ack names receiver {ack.receiver!r} version {ack.version}")
         if ack.ok and ack.manifest_digest != digest:
-            raise ValueError("ack is for a different manifest than the one published")
+            raise ValidationError("ack is for a different manifest than the one published")
         return ack
 
     def collect_acks(self, version: int, manifest_digest: str) -> AckOutcome:
@@ -168,9 +168,9 @@ class FailureBudget:
 
     def __post_init__(self) -> None:
         if self.policy not in REFUSAL_POLICIES:
-            raise ValueError(f"on_refusal must be one of {REFUSAL_POLICIES}, got {self.policy!r}")
+            raise ValidationError(f"on_refusal must be one of {REFUSAL_POLICIES}, got {self.policy!r}")
         if self.max_consecutive < 1:
-            raise ValueError(f"max_consecutive_failures must be >= 1, got {self.max_consecutive}")
+            raise ValidationError(f"max_consecutive_failures must be >= 1, got {self.max_consecutive}")
 
     def record(self, committed: bool) -> bool:
         """Returns True when training must stop (policy ``fail``, or too many in a row)."""

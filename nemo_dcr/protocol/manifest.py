@@ -28,7 +28,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from nemo_dcr.errors import FormatError
+from nemo_dcr.errors import FormatError, ValidationError
 from nemo_dcr.protocol.signing import Sealer
 
 FORMAT = "nemo-dcr-manifest"
@@ -85,7 +85,7 @@ INIT_RECORD_KEY = f"{INIT_PREFIX}/INIT.json"
 
 def check_receiver_id(rid: str) -> str:
     if not _RECEIVER.match(rid):
-        raise ValueError(f"invalid receiver id {rid!r} (letters, digits, _ and -, at most 64)")
+        raise ValidationError(f"invalid receiver id {rid!r} (letters, digits, _ and -, at most 64)")
     return rid
 
 

@@ -28,7 +28,7 @@ import shlex
 import stat
 import sys
 
-from nemo_dcr.errors import FormatError, ProtocolError
+from nemo_dcr.errors import FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.jsondoc import parse_document
 
 KEY_ENV = "NEMO_DCR_KEY_FILE"
@@ -124,7 +124,7 @@ class Sealer:
 
     def seal(self, kind: str, doc: dict) -> bytes:
         if "signature" in doc:
-            raise ValueError("document already carries a signature field")
+            raise ValidationError("document already carries a signature field")
         sig = self._mac(kind, canonical_bytes(doc)) if self.key is not None else UNSIGNED
         return json.dumps({**doc, "signature": sig}, indent=1, sort_keys=True, allow_nan=False).encode()
 

@@ -67,7 +67,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from nemo_dcr.errors import FormatError, TransportError
+from nemo_dcr.errors import FormatError, TransportError, ValidationError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 _log = logging.getLogger(__name__)
@@ -104,10 +104,10 @@ class StorePolicy:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int):
             raise TypeError(f"store retries must be an int, got {self.retries!r}")
         if self.timeout_s <= 0 or self.min_bytes_per_s <= 0:
-            raise ValueError(f"store timeout_s and min_bytes_per_s must be > 0, got {self.timeout_s}, "
-                             f"{self.min_bytes_per_s}")
+            raise ValidationError(f"store timeout_s and min_bytes_per_s must be > 0, got {self.timeout_s}, "
+                                  f"{self.min_bytes_per_s}")
         if self.retries < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
-            raise ValueError("store retries, backoff_s and backoff_max_s must be >= 0")
+            raise ValidationError("store retries, backoff_s and backoff_max_s must be >= 0")
 
     def budget_s(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / self.min_bytes_per_s
@@ -178,7 +178,7 @@ class ObjectInfo:
 
 def check_key(key: str) -> str:
     if not _KEY.match(key) or any(part in {".", ".."} for part in key.split("/")):
-        raise ValueError(f"invalid store key {key!r}")
+        raise ValidationError(f"invalid store key {key!r}")
     return key
 
 
@@ -728,10 +728,10 @@ def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> Obj
     given = {k: options.pop(k) for k in list(options) if k in POLICY_FIELDS}
     if given:
         if policy is not None:
-            raise ValueError(f"pass either policy= or {sorted(given)}, not both")
+            raise ValidationError(f"pass either policy= or {sorted(given)}, not both")
         policy = StorePolicy(**given)
     if "://" not in uri or uri.startswith("file://"):
         if options:
-            raise ValueError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")
+            raise ValidationError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")
         return LocalDirStore(uri, policy=policy)
     return FsspecStore(uri, policy=policy, **options)
