@@ -52,7 +52,7 @@ import os
 
 import torch.distributed as dist
 
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import DcrError, ValidationError
 from nemo_dcr.integrations.attach import RefitAttachment, RefitMetrics
 from nemo_dcr.integrations.megatron_hook import from_rank0
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError, load_refit_settings
@@ -116,7 +116,7 @@ class RefitBridgeCallback:
         if settings is None:
             settings = load_refit_settings(list(overrides or ()))
         elif overrides:
-            raise ValueError("give settings or overrides, not both")
+            raise ValidationError("give settings or overrides, not both")
         self.refit = RefitAttachment(settings)
         self.last_metrics: RefitMetrics | None = None
         self._states: dict[int, dict] = {}  # Bridge step -> the run state a checkpoint of it carries

@@ -22,6 +22,7 @@ Framework-tested: ``tests/nemo/test_nemo_recipe.py`` runs ``llm.llama3_8b.pretra
 """
 from __future__ import annotations
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.integrations.attach import RefitAttachment
 from nemo_dcr.integrations.settings import RefitSettings, load_refit_settings
 
@@ -49,7 +50,7 @@ class RefitCallback(_Base):
         if settings is None:
             settings = load_refit_settings(list(overrides or ()))
         elif overrides:
-            raise ValueError("give settings or overrides, not both")
+            raise ValidationError("give settings or overrides, not both")
         self.refit = RefitAttachment(settings)
 
     def state_dict(self) -> dict:
