@@ -15,7 +15,9 @@ skips (bound n/a, with the reason) a record declaring more than ``--max-decode``
 elements (default 2**24), and any later record that continues its coder state: memory is
 one record's arrays at most (``nnz * (8 + width)`` bytes), whatever the file claims.
 ``--out`` may not name an input.
-Errors are one line on stderr: exit 2 for a usage error, 1 for anything else.
+Errors are one line on stderr (no traceback): exit 2 for bad input (arguments; a file that
+is missing, unreadable, corrupt, hostile or not the delta's base), 1 when the output cannot
+be written.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ INSPECT_MAX_DECODE = 1 << 24
 
 
 class DeltaCliError(ValidationError):
-    """A user-facing refusal (wrong base, mismatched files): printed without a traceback."""
+    """A user-facing refusal (wrong base, mismatched or unreadable files): printed without a
+    traceback, exit status 2."""
 
 
 class DeltaUsageError(DeltaCliError):
@@ -83,19 +86,30 @@ def main(args: argparse.Namespace) -> int:
             return _apply(args)
         if args.delta_cmd == "inspect":
             return _inspect(args)
-    except DeltaUsageError as e:
-        print(f"nemo-dcr delta {args.delta_cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except (DcrError, ValueError, OSError) as e:
-        # DcrError: refusals and malformed chunks; ValueError: inputs the encoder cannot carry;
-        # OSError: files that cannot be read or written.
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"nemo-dcr delta {args.delta_cmd}: error: {msg}", file=sys.stderr)
-        return 1
+    except (DcrError, ValueError) as e:
+        # Bad input: arguments, and files that are missing or unreadable (read through
+        # ``_read``/``_load``, which raise DeltaCliError), malformed or hostile chunks
+        # (FormatError), refusals (wrong base) and tensors the encoder cannot carry.
+        return _error(args, e, 2)
+    except OSError as e:  # inputs are read above; what is left is writing the output
+        return _error(args, e, 1)
     raise AssertionError(args.delta_cmd)
 
 
+def _error(args: argparse.Namespace, e: BaseException, code: int) -> int:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    print(f"nemo-dcr delta {args.delta_cmd}: error: {msg}", file=sys.stderr)
+    return code
+
+
 # ----------------------------------------------------------------------------- files
+
+def _read(path: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise DeltaCliError(f"cannot read {path}: {e.strerror or e}") from None
+
 
 def _load(path: str):
     from safetensors.torch import load_file
@@ -196,7 +210,7 @@ def _apply(args) -> int:
     from safetensors.torch import save_file
 
     _check_out(args.out, base=args.base, delta=args.delta)
-    data = pathlib.Path(args.delta).read_bytes()
+    data = _read(args.delta)
     meta = read_chunk_index(data).meta
     if meta.get("format") != META_FORMAT or "base_digest" not in meta:
         raise DeltaCliError(f"{args.delta} is a chunk but not a delta file (no base digest)")
@@ -277,7 +291,7 @@ def inspect_rows(data: bytes, base_bits: Mapping[str, np.ndarray] | None, *, exp
 def _inspect(args) -> int:
     if args.max_decode < 0:
         raise DeltaUsageError(f"--max-decode must be >= 0, got {args.max_decode}")
-    data = pathlib.Path(args.delta).read_bytes()
+    data = _read(args.delta)
     base = _load(args.base) if args.base else None
     report = inspect_rows(data, _bits(base) if base is not None else None,
                           expect=_expect(base) if base is not None else None, max_decode=args.max_decode)

@@ -86,7 +86,7 @@ def test_wrong_base_is_refused_and_nothing_written(files, capsys):
     wrong = tmp / "wrong.safetensors"
     save_file(other, str(wrong))
     capsys.readouterr()
-    assert main(["delta", "apply", "--base", str(wrong), "--delta", str(d), "--out", str(out)]) == 1
+    assert main(["delta", "apply", "--base", str(wrong), "--delta", str(d), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "not this delta's base" in err
     assert not out.exists()
@@ -100,7 +100,7 @@ def test_corrupt_delta_is_refused_and_nothing_written(files, capsys):
     data = bytearray(d.read_bytes())
     data[len(data) // 2] ^= 0x10
     d.write_bytes(bytes(data))
-    assert main(["delta", "apply", "--base", str(p["base"]), "--delta", str(d), "--out", str(out)]) == 1
+    assert main(["delta", "apply", "--base", str(p["base"]), "--delta", str(d), "--out", str(out)]) == 2
     assert "checksum" in capsys.readouterr().err
     assert not out.exists()
 
@@ -111,7 +111,7 @@ def test_mismatched_files_are_refused(files, tmp_path):
     odd["extra"] = torch.zeros(3)
     q = tmp / "odd.safetensors"
     save_file(odd, str(q))
-    assert main(["delta", "encode", "--base", str(p["base"]), "--target", str(q), "--out", str(tmp / "x.dcr")]) == 1
+    assert main(["delta", "encode", "--base", str(p["base"]), "--target", str(q), "--out", str(tmp / "x.dcr")]) == 2
     assert not (tmp / "x.dcr").exists()
 
 
@@ -161,12 +161,40 @@ def test_apply_out_naming_an_input_is_refused(files, capsys):
 def test_unreadable_inputs_are_one_line_errors(files, capsys):
     tmp, p, base, target = files
     code = main(["delta", "inspect", str(tmp / "missing.dcr")])
-    _one_line_error(capsys.readouterr().err, code, 1, "missing.dcr")
+    _one_line_error(capsys.readouterr().err, code, 2, "missing.dcr")
     (tmp / "junk.dcr").write_bytes(b"not a chunk at all" * 8)
     code = main(["delta", "apply", "--base", str(p["base"]), "--delta", str(tmp / "junk.dcr"),
                  "--out", str(tmp / "c.safetensors")])
-    _one_line_error(capsys.readouterr().err, code, 1, "bad magic")
+    _one_line_error(capsys.readouterr().err, code, 2, "bad magic")
     assert not (tmp / "c.safetensors").exists()
+    code = main(["delta", "apply", "--base", str(tmp / "missing.safetensors"), "--delta", str(tmp / "junk.dcr"),
+                 "--out", str(tmp / "c.safetensors")])
+    _one_line_error(capsys.readouterr().err, code, 2)
+    code = main(["delta", "encode", "--base", str(p["base"]), "--target", str(tmp / "missing.safetensors"),
+                 "--out", str(tmp / "x.dcr")])
+    _one_line_error(capsys.readouterr().err, code, 2, "missing.safetensors")
+    assert not (tmp / "c.safetensors").exists() and not (tmp / "x.dcr").exists()
+
+
+def test_corrupt_delta_is_bad_input_and_an_unwritable_output_is_not(files, capsys):
+    """Exit 2 is the input's fault (a corrupt or missing delta), 1 a failure to write the
+    output: the same good delta to an output directory that does not exist."""
+    tmp, p, base, target = files
+    d = tmp / "d.dcr"
+    assert main(["delta", "encode", "--base", str(p["base"]), "--target", str(p["target"]), "--out", str(d)]) == 0
+    capsys.readouterr()
+    data = bytearray(d.read_bytes())
+    data[-6] ^= 0x01  # inside the trailer's chunk CRC
+    (tmp / "corrupt.dcr").write_bytes(bytes(data))
+    for cmd in (["apply", "--base", str(p["base"]), "--delta", str(tmp / "corrupt.dcr"), "--out", str(tmp / "c.st")],
+                ["inspect", str(tmp / "corrupt.dcr")],
+                ["apply", "--base", str(p["base"]), "--delta", str(tmp / "gone.dcr"), "--out", str(tmp / "c.st")]):
+        code = main(["delta", *cmd])
+        _one_line_error(capsys.readouterr().err, code, 2, "nemo-dcr delta " + cmd[0])
+    assert not (tmp / "c.st").exists()
+    code = main(["delta", "apply", "--base", str(p["base"]), "--delta", str(d),
+                 "--out", str(tmp / "no-such-dir" / "c.st")])
+    _one_line_error(capsys.readouterr().err, code, 1, "no-such-dir")
 
 
 # ----------------------------------------------------------------- hostile delta files
@@ -214,10 +242,10 @@ def test_hostile_delta_is_refused_by_apply_before_decoding(files, capsys, monkey
     out = tmp / "c.safetensors"
     capsys.readouterr()
     code = main(["delta", "apply", "--base", str(p["base"]), "--delta", str(hostile), "--out", str(out)])
-    _one_line_error(capsys.readouterr().err, code, 1, needle)
+    _one_line_error(capsys.readouterr().err, code, 2, needle)
     assert not out.exists()
     code = main(["delta", "inspect", str(hostile), "--base", str(p["base"])])
-    _one_line_error(capsys.readouterr().err, code, 1, needle)
+    _one_line_error(capsys.readouterr().err, code, 2, needle)
 
 
 def test_inspect_decodes_only_records_within_max_decode(files, capsys):
@@ -291,7 +319,7 @@ def test_inspect_of_a_tiny_file_claiming_1e8_changes_is_bounded(files):
             f"{INSPECT_MAX_DECODE} entries per record") in got["stdout"]
     assert got["rss_growth_bytes"] < RSS_LIMIT
     got = _inspect_probe(hostile, "--max-decode", n)  # the user's knob: decode it anyway
-    _one_line_error(got["stderr"], got["rc"], 1, "record 'evil'")
+    _one_line_error(got["stderr"], got["rc"], 2, "record 'evil'")
     assert got["rss_growth_bytes"] < RSS_LIMIT
 
 
