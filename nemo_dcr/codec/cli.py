@@ -32,11 +32,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from nemo_dcr import dtypes
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.bound import iid_bound_bytes
 from nemo_dcr.codec.chunk import RecordInfo, decode_chunk, encode_chunk, read_chunk_index, stream_chunk
-from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.codec.types import DeltaOp, TensorDelta
 from nemo_dcr.errors import DcrError, ValidationError
 
 META_FORMAT = "nemo-dcr delta file v1"
@@ -121,10 +122,10 @@ def _load(path: str):
 
 
 def _dtype_name(t) -> str:
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in BITS_DTYPE:
-        raise DeltaCliError(f"unsupported dtype {name}")
-    return name
+    try:
+        return dtypes.from_torch(t.dtype).name
+    except ValidationError:
+        raise DeltaCliError(f"unsupported dtype {str(t.dtype).removeprefix('torch.')}") from None
 
 
 def _bits(tensors) -> dict[str, np.ndarray]:
