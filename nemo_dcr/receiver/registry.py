@@ -115,6 +115,12 @@ def _row(name: str) -> tuple[str, frozenset[str]]:
         raise UnknownRuntimeError(f"unknown runtime {name!r} (known: {', '.join(_RUNTIMES)})") from None
 
 
+def supported_options(name: str) -> frozenset[str]:
+    """The runtime options (``RuntimeOptions`` field names besides ``reference``) that
+    runtime ``name`` supports, from its row (imports nothing)."""
+    return _row(name)[1]
+
+
 def check_options(name: str, options: RuntimeOptions) -> None:
     """Refuse an unknown runtime, or options it does not support, without importing it."""
     _, supported = _row(name)

@@ -294,6 +294,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     _err(f"initial checkpoint written ({time.perf_counter() - t_start:.1f}s); starting "
          f"{len(cfg.refit.receivers)} receiver(s)")
 
+    from nemo_dcr.receiver.registry import supported_options
+
     receivers = []
     for rid in cfg.refit.receivers:
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
@@ -304,9 +306,14 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
             cmd.append("--verify-dense")
         if cfg.refit.receiver_dump_dir:
             cmd += ["--dump-dir", os.path.join(cfg.refit.receiver_dump_dir, rid)]
-        if cfg.receiver.runtime == "vllm":
-            cmd += ["--runtime", "vllm", "--tensor-parallel-size", str(cfg.receiver.tensor_parallel_size),
-                    "--max-model-len", str(cfg.model.seq_length), "--sample-tokens", str(cfg.receiver.sample_tokens)]
+        cmd += ["--runtime", cfg.receiver.runtime]
+        supported = supported_options(cfg.receiver.runtime)  # the registry row's options
+        for option, flag, value in (
+                ("tensor_parallel_size", "--tensor-parallel-size", cfg.receiver.tensor_parallel_size),
+                ("max_model_len", "--max-model-len", cfg.model.seq_length),
+                ("sample_tokens", "--sample-tokens", cfg.receiver.sample_tokens)):
+            if option in supported:
+                cmd += [flag, str(value)]
         receivers.append((rid, children.start(cmd, log, env), log))
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)

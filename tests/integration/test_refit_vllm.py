@@ -79,13 +79,16 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
     the clean version then applies (control)."""
     from nemo_dcr.protocol.manifest import Manifest, manifest_key
     from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
-    from nemo_dcr.runtimes.vllm.served import VLLMServedModel, verify_prompts
+    from nemo_dcr.receiver.registry import RuntimeOptions, RuntimeRequest, start_runtime
+    from nemo_dcr.runtimes.vllm.served import verify_prompts
     from nemo_dcr.transport.store import LocalDirStore
 
     src, cfg = vllm_store
     shutil.copytree(src, tmp_path / "store")
     store = LocalDirStore(str(tmp_path / "store"))
-    served = VLLMServedModel.start(str(tmp_path / "store" / "init"), max_model_len=32)
+    built = start_runtime("vllm", RuntimeRequest(init_dir=str(tmp_path / "store" / "init"), run_id="unused",
+                                                 state_dir=str(tmp_path), options=RuntimeOptions(max_model_len=32)))
+    served = built.served  # the registry's vllm factory: a VLLMServedModel
     try:
         rx = Receiver(served, store, ReceiverConfig(receiver_id="t0", model_id=cfg.refit.model_id))
         prompts = verify_prompts(cfg.model.vocab_size)
@@ -111,4 +114,4 @@ def test_vllm_receiver_refusals_keep_the_engine_serving(vllm_store, tmp_path):
         assert ack.ok and rx.held_version == 1
         assert state()[0] != before[0]  # the control applied and changed weights
     finally:
-        served.close()
+        built.close()
