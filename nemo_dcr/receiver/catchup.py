@@ -25,6 +25,7 @@ from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.types import DeltaOp, TensorDelta
 from nemo_dcr.protocol.manifest import Manifest
 from nemo_dcr.receiver.held import MirrorBits
+from nemo_dcr.receiver.served import validate_version
 
 
 def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta], Mapping[str, np.ndarray], dict]:
@@ -42,7 +43,7 @@ def compose(receiver, manifests: Sequence[Manifest]) -> tuple[list[TensorDelta],
         deltas = got.deltas
         for k in ("download_s", "decode_s", "wire_bytes", "changed"):
             stats[k] += got.stats[k]
-        receiver.served.validate(deltas)  # names, shapes, ranges against the runtime
+        validate_version(receiver.served.tensor_specs(), deltas)  # names, shapes, ranges: no runtime call
         for d in deltas:
             apply_delta_(mirror[d.name], d)
             meta.setdefault(d.name, d)
