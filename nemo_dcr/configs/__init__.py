@@ -176,10 +176,10 @@ def _writable(node) -> None:
 
 
 def load_config(schema: type[T], config_name: str, overrides: Sequence[str], *,
-                config_dir: str | None = None, error: type[ConfigError] = ConfigError) -> T:
+                config_dir: str | None = None, error: type[Exception] = ConfigError) -> T:
     """The validated ``schema`` instance from ``<config_dir>/<config_name>.yaml`` (by default
     this package's own file) composed with Hydra ``overrides``.  Any refusal is one ``error``
-    with a one-line message."""
+    with a one-line message (``error`` takes the message, as ``ConfigError`` does)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
