@@ -21,11 +21,15 @@ what lies under ``if request.param == "s3":`` counts only for that parameter, so
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import json
 import multiprocessing.process
 import os
+import resource
 import subprocess
 import sys
+import time
 import types
 import uuid
 from dataclasses import dataclass, field
@@ -60,7 +64,16 @@ SPAWNING_MARKERS = ("slow", "vllm")
 GUARD_MESSAGE = "spawns a process: mark it / fix the auto-marker"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--timelog", metavar="PATH", default=None,
+                     help="append one JSON line per test (wall and CPU seconds, CPU counting waited-for "
+                          "child processes) to PATH as each test ends; summary: tests/timelog_report.py")
+
+
 def pytest_configure(config):
+    path = config.getoption("timelog", None)
+    if path:
+        config.pluginmanager.register(_TimeLog(path), "nemo_dcr_timelog")
     config.addinivalue_line(
         "markers", "spawns: starts a process (torchrun, vLLM, moto_server, a subprocess); set "
         "automatically by tests/conftest.py, excluded by `make test-fast`")
@@ -106,22 +119,24 @@ class _Spawns:
 
     def __init__(self) -> None:
         self._cache: dict[types.CodeType, _Evidence] = {}
-        self._asts: dict[str, ast.Module] = {}
+        self._defs: dict[str, dict[tuple[str, int], ast.AST]] = {}
 
     def _node(self, fn: types.FunctionType) -> ast.AST | None:
+        """The ``def`` of ``fn`` in its file's AST (files parsed once, defs indexed by line)."""
         code = fn.__code__
-        tree = self._asts.get(code.co_filename)
-        if tree is None:
+        index = self._defs.get(code.co_filename)
+        if index is None:
+            index = self._defs[code.co_filename] = {}
             try:
-                tree = self._asts[code.co_filename] = ast.parse(Path(code.co_filename).read_text())
+                tree = ast.parse(Path(code.co_filename).read_text())
             except (OSError, SyntaxError):
-                return None
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
-                first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                if code.co_firstlineno in (node.lineno, first):
-                    return node
-        return None
+                tree = None
+            for node in ast.walk(tree) if tree else ():
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                    for line in {node.lineno, first}:
+                        index[(node.name, line)] = node
+        return index.get((code.co_name, code.co_firstlineno))
 
     def function(self, fn) -> _Evidence:
         fn = inspect.unwrap(getattr(fn, "__func__", fn))
@@ -270,7 +285,12 @@ def _local_imports(fn_node: ast.AST, package: str) -> dict[str, str]:
 
 def _under_tests(fn) -> bool:
     code = getattr(fn, "__code__", None)
-    return code is not None and Path(code.co_filename).resolve().is_relative_to(TESTS)
+    return code is not None and _file_under_tests(code.co_filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_under_tests(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(TESTS)
 
 
 def _qualname(obj, rest: list[str]) -> str | None:
@@ -401,6 +421,33 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     return (yield from _guarded(item))
+
+
+# --- --timelog: per-test wall and CPU seconds, written as each test ends --------------------
+
+class _TimeLog:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.started: dict[str, tuple[float, float, list[str]]] = {}
+
+    @staticmethod
+    def _cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.started[nodeid] = (time.monotonic(), self._cpu(), [])
+
+    def pytest_runtest_logreport(self, report):
+        if report.nodeid in self.started and report.outcome != "passed":
+            self.started[report.nodeid][2].append(f"{report.when}:{report.outcome}")
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        t0, c0, bad = self.started.pop(nodeid)
+        row = {"id": nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(self._cpu() - c0, 2),
+               "bad": bad, "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"), "end": round(time.time(), 1)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 # --- fixtures ---------------------------------------------------------------------------------
