@@ -1,8 +1,8 @@
 """Apply canonical XOR / overwrite deltas in place, executing a ``PlacementPlan``.
 
 Where each canonical tensor lives in the runtime is learnt at ``prewarm`` by
-``receiver/placement.py`` (probing through the runtime's own loader, classification, the
-frozen plan); a version's records are checked against the runtime's tensor specs by
+``receiver/probe.py`` (probing through the runtime's own loader) and
+``receiver/placement.py`` (classification, the frozen plan); a version's records are checked against the runtime's tensor specs by
 ``receiver/served.py::validate_version``.  This module executes a validated version
 against the plan, per placement kind:
 
@@ -102,8 +102,8 @@ class DeltaApplier:
     """In-place delta apply for one runtime (see the module docstring).
 
     probe_bytes: prewarm feeds probes in groups of at most this many bytes per loader call;
-        a group whose writes cannot all be attributed to one fed tensor is re-probed name by
-        name.
+        a group whose writes cannot all be attributed to one fed tensor is re-probed load
+        unit by load unit.
     """
 
     def __init__(
