@@ -68,6 +68,7 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
+from nemo_dcr import dtypes
 from nemo_dcr.codec import DeltaOp, TensorDelta, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.bound import iid_bound_bytes, pooled_bound_bytes
 from nemo_dcr.kernels import bits_view_np, xor_diff
@@ -77,8 +78,6 @@ PUBLISHED = ["gap16+xor+zstd1", "gap32+xor+zstd1", "idx32+bf16 raw", "idx32+bf16
 DCR = {"nemo_dcr": "free", "nemo_dcr context": "context"}  # format label -> mode key in the flat JSON
 FORMATS = list(DCR) + PUBLISHED
 SUMMARY_PCT = (0.5, 3.0)  # change rates (%) the summary averages over
-# (shift, width) of the exponent field: IEEE layouts, for the flag-entropy context only
-EXPONENT_FIELD = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8)}
 U16_ESCAPE = 0xFFFF
 
 
@@ -282,7 +281,9 @@ def flag_entropies(bits_base: np.ndarray, xor: np.ndarray, shape: tuple[int, ...
     if row:
         up[row:] = f[:-row]
     nb = left * 2 + up
-    eshift, ebits = EXPONENT_FIELD.get(dtype, (0, 0))
+    # (shift, width) of the exponent field (integers: none), for the flag-entropy context only
+    d = dtypes.DTYPES.get(dtype)
+    eshift, ebits = (d.exponent if d is not None else None) or (0, 0)
     e = ((bits_base >> eshift) & ((1 << ebits) - 1)).astype(np.int64) if ebits else np.zeros(n, np.int64)
     return {"iid": _cond_entropy_bits(np.zeros(n, np.int64), f, 1), "neighbours": _cond_entropy_bits(nb, f, 4),
             "neighbours_exponent": _cond_entropy_bits(nb * 256 + e, f, 4 * 256)}

@@ -144,10 +144,9 @@ def choose_class(seed: int, trial: int, schedule: str, classes: tuple[str, ...])
 
 # ----------------------------------------------------------------------------- checks
 def int_view(t) -> np.ndarray:
-    import torch
+    from nemo_dcr import dtypes
 
-    t = t.detach().contiguous().reshape(-1)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+    return dtypes.int_view(t.detach().contiguous().reshape(-1)).numpy()
 
 
 def compare_state(served: dict, dense: dict) -> list[str]:

@@ -146,14 +146,7 @@ _NAMES = set(dtypes.DTYPES) | {d.safetensors for d in dtypes.DTYPES.values()}
 #: still holds its own table.  Convert them to ``nemo_dcr.dtypes`` and delete the entry:
 #: ``test_allowlist_is_not_stale`` fails once a listed file no longer has a table.
 ALLOWLIST = {
-    "nemo_dcr/receiver/apply.py",       # _INT_TORCH / _INT_NUMPY (int_view, _signed_bits)
-    "nemo_dcr/receiver/placement.py",   # _INT_TORCH (int_view; new in the receiver split)
-    "nemo_dcr/receiver/verify.py",      # _INT
-    "nemo_dcr/receiver/traced.py",      # inline {1: torch.uint8, ...}[t.element_size()]
     "nemo_dcr/runtimes/hf.py",          # _SAFETENSORS_DTYPES
-    "nemo_dcr/testbed/link_refit.py",   # inline width table (no 8-byte entry)
-    "scripts/bench_codec.py",           # EXPONENT_FIELD (bfloat16, float16, float32)
-    "scripts/fault_campaign.py",        # inline width table in int_view
 }
 
 

@@ -76,14 +76,8 @@ BARE = ("ValueError", "RuntimeError")
 #: delete the entry: ``test_bare_raise_allowlist_is_not_stale`` fails once a listed file has
 #: none left.
 BARE_RAISE_ALLOWLIST = {
-    "integrations/sender.py",       # 1 RuntimeError
-    "receiver/apply.py",            # 1 ValueError
     "receiver/engine.py",           # 1 ValueError, 1 RuntimeError
     "receiver/journal.py",          # 1 RuntimeError
-    "receiver/provenance.py",       # 2 ValueError
-    "receiver/served.py",           # 1 ValueError
-    "receiver/traced.py",           # 2 ValueError
-    "receiver/verify.py",           # 1 ValueError
     "runtimes/hf.py",               # 6 ValueError
     "runtimes/hf_convert.py",       # 4 ValueError
     "runtimes/vllm/runtime.py",     # 1 ValueError

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec import chunk_digest, encode_chunk
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
-from nemo_dcr.errors import ProtocolError
+from nemo_dcr.errors import PlacementError, ProtocolError
 from nemo_dcr.integrations.settings import RefitOptions
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
@@ -146,7 +146,7 @@ class RefitSender:
             for name, c in d.items():
                 prev = self.canonical.setdefault(name, c)
                 if prev != c:
-                    raise RuntimeError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
+                    raise PlacementError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
         # context mode: where this rank can rebuild a record's canonical base bits
         self._runs: dict[tuple[str, str], CanonicalRuns] = {}
         if cfg.context:

@@ -37,7 +37,10 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from nemo_dcr import dtypes
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.dtypes import int_view
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.capture import CapturedWrite, Geometry, WriteCapture, module_storages, storage_fingerprint
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
 from nemo_dcr.receiver.placement import (
@@ -48,7 +51,6 @@ from nemo_dcr.receiver.placement import (
     Planner,
     TensorPlacement,
     TracedTarget,
-    int_view,
     unit_tensor,
 )
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
@@ -65,12 +67,9 @@ __all__ = [
     "int_view",
 ]
 
-_INT_NUMPY = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
 def _signed_bits(values: np.ndarray) -> np.ndarray:
     """Unsigned wire bit patterns -> the integer dtype ``int_view(...).numpy()`` has (no copy)."""
-    return np.ascontiguousarray(values).view(_INT_NUMPY[values.dtype.itemsize])
+    return np.ascontiguousarray(values).view(dtypes.torch_int_np(values.dtype.itemsize))
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ class DeltaApplier:
         if not isinstance(adapter, RuntimeAdapter):
             raise TypeError(f"{type(adapter).__name__} does not implement RuntimeAdapter")
         if probe_bytes <= 0:
-            raise ValueError("probe_bytes must be positive")
+            raise ValidationError("probe_bytes must be positive")
         self._adapter = adapter
         self._specs: dict[str, TensorSpec] = dict(adapter.tensor_specs())
         self._planner = Planner(adapter, self._specs, coverage=coverage, probe_bytes=probe_bytes)

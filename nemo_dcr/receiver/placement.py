@@ -49,6 +49,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from nemo_dcr.dtypes import int_view
 from nemo_dcr.receiver.capture import (
     CapturedWrite,
     Geometry,
@@ -60,14 +61,6 @@ from nemo_dcr.receiver.errors import PlacementError
 from nemo_dcr.receiver.probe import probe_all
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
 from nemo_dcr.receiver.traced import Runs, check_traced_overlaps, flat_storage, load_units
-
-_INT_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """Same-width integer view of ``t`` (any strides); bit operations on it are exact."""
-    return t.view(_INT_TORCH[t.element_size()])
-
 
 class PlacementKind(enum.Enum):
     DIRECT = "direct"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.capture import StorageOwner, WriteCapture
 
 _aten = torch.ops.aten
@@ -62,9 +63,9 @@ class OriginTable:
 
     def __post_init__(self) -> None:
         if not (len(self.names) == self.bases.size == self.numels.size):
-            raise ValueError("OriginTable: names, bases and numels differ in length")
+            raise ValidationError("OriginTable: names, bases and numels differ in length")
         if self.bases.size > 1 and not bool(np.all(self.bases[1:] > self.bases[:-1] + self.numels[:-1])):
-            raise ValueError("OriginTable: id ranges must ascend with a gap")
+            raise ValidationError("OriginTable: id ranges must ascend with a gap")
 
     @classmethod
     def of(cls, fed: Mapping[str, torch.Tensor]) -> OriginTable:

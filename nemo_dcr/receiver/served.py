@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec.types import TensorDelta
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
 
@@ -122,7 +123,7 @@ class InProcessModel:
         from nemo_dcr.receiver.verify import compare_with_dense
 
         if self.reference is None:
-            raise ValueError("verify_dense needs a reference runtime")
+            raise ValidationError("verify_dense needs a reference runtime")
         report = compare_with_dense(self.applier.adapter.module, self.reference, dense)
         return {"bit_exact": report.equal, "mismatches": list(report.mismatched_names)[:10]}
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.dtypes import int_view
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.capture import CapturedWrite
 from nemo_dcr.receiver.errors import PlacementError
 from nemo_dcr.receiver.provenance import OriginTable
@@ -44,10 +46,10 @@ class Runs:
     def __post_init__(self) -> None:
         n = self.canon.size
         if not all(a.ndim == 1 and a.size == n for a in (self.dest, self.length, self.owner)):
-            raise ValueError("Runs: arrays differ in length")
+            raise ValidationError("Runs: arrays differ in length")
         bad_owner = n and (int(self.owner.min()) < 0 or int(self.owner.max()) >= len(self.owners))
         if n and (int(self.length.min()) <= 0 or bad_owner):
-            raise ValueError("Runs: empty run or owner index out of range")
+            raise ValidationError("Runs: empty run or owner index out of range")
 
     @property
     def count(self) -> int:
@@ -131,9 +133,8 @@ def plain_pieces(w: CapturedWrite, fed: torch.Tensor) -> Runs:
 
 def flat_storage(t: torch.Tensor) -> np.ndarray:
     """Writable integer numpy view over the whole storage of ``t`` (element-sized)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     n = t.untyped_storage().nbytes() // t.element_size()
-    return torch.as_strided(t.detach().view(ints), (n,), (1,), 0).numpy()
+    return torch.as_strided(int_view(t.detach()), (n,), (1,), 0).numpy()
 
 
 def check_traced_overlaps(

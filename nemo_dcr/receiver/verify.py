@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_dcr.dtypes import int_view
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.runtime import RuntimeAdapter
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().to("cpu")
-    return t.view(_INT[t.element_size()]) if t.dim() else t.reshape(1).view(_INT[t.element_size()])
+    return int_view(t if t.dim() else t.reshape(1))
 
 
 def compare_tensors(left: Mapping[str, torch.Tensor], right: Mapping[str, torch.Tensor]) -> StateComparison:
@@ -128,7 +128,7 @@ def load_dense(adapter: RuntimeAdapter, state: Mapping[str, torch.Tensor]) -> No
     specs = adapter.tensor_specs()
     missing, extra = sorted(set(specs) - set(state)), sorted(set(state) - set(specs))
     if missing or extra:
-        raise ValueError(f"dense state does not match the runtime's specs: missing {missing[:3]}, extra {extra[:3]}")
+        raise ValidationError(f"dense state does not match the runtime's specs: missing {missing[:3]}, extra {extra[:3]}")
     with torch.no_grad():
         adapter.load_weights(state.items())
     adapter.post_load(frozenset(state))

@@ -184,12 +184,11 @@ def trainer_main(argv: list[str]) -> int:
 def _negative_control(module, reference) -> bool:
     """Flip one bit of the dense model; True if the comparison then reports a difference
     (the bit is flipped back before returning)."""
-    import torch
-
+    from nemo_dcr.dtypes import int_view
     from nemo_dcr.receiver.verify import compare_modules
 
     name, p = next(iter(reference.named_parameters()))
-    bits = p.data.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[p.element_size()])
+    bits = int_view(p.data.view(-1))
     bits[0] ^= 1
     try:
         seen = not compare_modules(module, reference).equal

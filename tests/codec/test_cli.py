@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nemo_dcr import dtypes
 from nemo_dcr.cli import main
 from nemo_dcr.codec import BITS_DTYPE, Coding, DeltaOp, TensorDelta, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.bound import _entropy_bits, symbol_counts
@@ -21,8 +22,7 @@ from codec_helpers import entry_fields, forge_chunk, needs_native
 
 
 def _ints(t: torch.Tensor) -> np.ndarray:
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(width).numpy().copy()
+    return dtypes.int_view(t.contiguous()).numpy().copy()
 
 
 @pytest.fixture
