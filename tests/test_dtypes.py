@@ -142,14 +142,6 @@ def test_codec_keeps_working_without_torch():
 
 _NAMES = set(dtypes.DTYPES) | {d.safetensors for d in dtypes.DTYPES.values()}
 
-#: Files other engineers were refactoring when the table was introduced (issue 16); each
-#: still holds its own table.  Convert them to ``nemo_dcr.dtypes`` and delete the entry:
-#: ``test_allowlist_is_not_stale`` fails once a listed file no longer has a table.
-ALLOWLIST = {
-    "nemo_dcr/runtimes/hf.py",          # _SAFETENSORS_DTYPES
-}
-
-
 def _is_dtype_expr(node: ast.AST) -> bool:
     """``torch.int16``, ``np.uint8``, ``np.dtype(...)``: a dtype written out."""
     if isinstance(node, ast.Call):
@@ -197,12 +189,5 @@ def test_detector_finds_tables():
 
 
 def test_no_module_keeps_its_own_table():
-    offenders = {rel: lines for rel, src in _sources()
-                 if rel not in ALLOWLIST and (lines := tables_in(src))}
+    offenders = {rel: lines for rel, src in _sources() if (lines := tables_in(src))}
     assert not offenders, f"dtype tables outside nemo_dcr/dtypes.py: {offenders}"
-
-
-def test_allowlist_is_not_stale():
-    have = {rel for rel, src in _sources() if tables_in(src)}
-    stale = ALLOWLIST - have
-    assert not stale, f"converted, remove from ALLOWLIST: {sorted(stale)}"

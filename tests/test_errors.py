@@ -71,20 +71,6 @@ def test_layout_error_is_placement_and_value_error():
 ROOT = Path(nemo_dcr.__file__).resolve().parent
 BARE = ("ValueError", "RuntimeError")
 
-#: Files other engineers were refactoring when the bare raises were converted (issue 16),
-#: with the sites each held then.  Convert them to a family of nemo_dcr/errors.py and
-#: delete the entry: ``test_bare_raise_allowlist_is_not_stale`` fails once a listed file has
-#: none left.
-BARE_RAISE_ALLOWLIST = {
-    "receiver/engine.py",           # 1 ValueError, 1 RuntimeError
-    "receiver/journal.py",          # 1 RuntimeError
-    "runtimes/hf.py",               # 6 ValueError
-    "runtimes/hf_convert.py",       # 4 ValueError
-    "runtimes/vllm/runtime.py",     # 1 ValueError
-    "runtimes/vllm/served.py",      # 1 ValueError
-}
-
-
 def bare_raises(source: str) -> list[tuple[int, str]]:
     """(line, builtin) of each ``raise ValueError(...)`` / ``raise RuntimeError`` (with or
     without arguments or ``from``), however many lines the statement spans."""
@@ -114,12 +100,5 @@ def test_bare_raise_detector():
 
 
 def test_no_bare_value_or_runtime_error():
-    found = {rel: sites for rel, src in _product_sources()
-             if rel not in BARE_RAISE_ALLOWLIST and (sites := bare_raises(src))}
+    found = {rel: sites for rel, src in _product_sources() if (sites := bare_raises(src))}
     assert not found, f"raise a family of nemo_dcr/errors.py instead: {found}"
-
-
-def test_bare_raise_allowlist_is_not_stale():
-    have = {rel for rel, src in _product_sources() if bare_raises(src)}
-    stale = BARE_RAISE_ALLOWLIST - have
-    assert not stale, f"no bare raise left, remove from BARE_RAISE_ALLOWLIST: {sorted(stale)}"

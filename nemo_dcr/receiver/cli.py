@@ -19,8 +19,9 @@ from nemo_dcr.receiver.registry import RuntimeOptions, check_options, runtime_na
 PROG = "nemo-dcr receive"
 
 
-class _BadInput(Exception):
-    """Input refused before the receiver starts: exit status 2."""
+class _BadInput(ValidationError):
+    """Input refused before the receiver starts: exit status 2 (``main`` catches it before
+    the ``DcrError`` of a failed run, exit status 1)."""
 
 
 def parser() -> argparse.ArgumentParser:

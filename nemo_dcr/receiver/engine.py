@@ -104,7 +104,7 @@ class Receiver:
 
         if isinstance(applier, DeltaApplier):
             if cfg.verify_dense and reference is None:
-                raise ValueError("verify_dense needs a reference runtime")
+                raise ValidationError("verify_dense needs a reference runtime")
             self.served = InProcessModel(applier, reference)
         else:
             self.served = applier
@@ -276,7 +276,7 @@ class Receiver:
         """The tentative version was aborted: overwrite every element it changed with its
         base bits, in place, through the same apply path."""
         if not self.journal.active:
-            raise RuntimeError("rollback without a tentative version")
+            raise ProtocolError("rollback without a tentative version")
         self._undo()
 
     def verify_against_dense(self, version: int) -> dict:

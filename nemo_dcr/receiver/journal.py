@@ -62,7 +62,7 @@ class ApplyJournal:
         """Record undo and redo values of ``deltas`` (``base_bits[name]``: the flat canonical
         bits held now) and persist them; call before the first write."""
         if self.active:
-            raise RuntimeError(f"journal already holds version {self.version}")
+            raise ProtocolError(f"journal already holds version {self.version}")
         entries = []
         for d in deltas:
             if d.nnz == 0:

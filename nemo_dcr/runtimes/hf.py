@@ -37,23 +37,10 @@ from pathlib import Path
 
 import torch
 
+from nemo_dcr import dtypes
+from nemo_dcr.errors import FormatError, ValidationError
 from nemo_dcr.receiver.runtime import TensorSpec, dtype_name
 from nemo_dcr.runtimes.hf_convert import CheckpointConversion, conversion_transforms, reverted_specs
-
-_SAFETENSORS_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I8": "int8",
-    "U8": "uint8",
-    "I16": "int16",
-    "I32": "int32",
-    "I64": "int64",
-    "BOOL": "bool",
-}
-
 
 def checkpoint_specs(directory: str | os.PathLike[str]) -> dict[str, TensorSpec]:
     """Canonical specs read from the safetensors headers of an HF checkpoint directory."""
@@ -78,11 +65,14 @@ def _checkpoint_index(directory: str | os.PathLike[str]) -> dict[str, tuple[Tens
             for name in f.keys():
                 sl = f.get_slice(name)
                 st_dtype = sl.get_dtype()
-                if st_dtype not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"{path.name}: {name} has dtype {st_dtype} the wire format cannot carry")
+                try:
+                    dtype = dtypes.from_safetensors(st_dtype)
+                except ValidationError:
+                    raise ValidationError(
+                        f"{path.name}: {name} has dtype {st_dtype} the wire format cannot carry") from None
                 if name in out:
-                    raise ValueError(f"{name} appears in both {out[name][1].name} and {path.name}")
-                out[name] = (TensorSpec(name, _SAFETENSORS_DTYPES[st_dtype], tuple(sl.get_shape())), path)
+                    raise FormatError(f"{name} appears in both {out[name][1].name} and {path.name}")
+                out[name] = (TensorSpec(name, dtype.name, tuple(sl.get_shape())), path)
     return out
 
 
@@ -93,7 +83,7 @@ def read_checkpoint_tensor(path: str | os.PathLike[str], spec: TensorSpec) -> to
     with safe_open(str(path), framework="pt") as f:
         t = f.get_tensor(spec.name)
     if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != spec.shape:
-        raise ValueError(f"{Path(path).name}: {spec.name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
+        raise ValidationError(f"{Path(path).name}: {spec.name} is {t.dtype}{tuple(t.shape)}, spec says {spec}")
     return t
 
 
@@ -135,13 +125,13 @@ class HFTransformersAdapter:
         self._specs = dict(specs) if specs is not None else module_specs(model)
         for key, spec in self._specs.items():
             if key != spec.name:
-                raise ValueError(f"spec under key {key!r} is named {spec.name!r}")
+                raise ValidationError(f"spec under key {key!r} is named {spec.name!r}")
         transforms = conversion_transforms(model)
         self._conversion = CheckpointConversion(model, self._specs, transforms) if transforms else None
         loadable = set(model.state_dict().keys())
         unknown = sorted(set(self._specs) - loadable) if self._conversion is None else []
         if unknown:
-            raise ValueError(
+            raise ValidationError(
                 f"{type(model).__name__}.load_state_dict does not know {len(unknown)} canonical "
                 f"names, e.g. {unknown[:3]}"
             )
@@ -177,7 +167,7 @@ class HFTransformersAdapter:
         batch: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             if name in batch:
-                raise ValueError(f"load_weights: {name} given twice")
+                raise ValidationError(f"load_weights: {name} given twice")
             batch[name] = tensor
         if self._conversion is not None:
             batch = self._conversion.to_module(batch)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.runtime import TensorSpec
 
 
@@ -92,10 +93,10 @@ class CheckpointConversion:
                 continue
             conv = by_pattern[pattern] if pattern is not None else None
             if converter_of.setdefault(key, conv) != conv:
-                raise ValueError(f"{name} and {found[key][0][0]} both load into {key} through different conversions")
+                raise ValidationError(f"{name} and {found[key][0][0]} both load into {key} through different conversions")
             found.setdefault(key, []).append((name, pattern))
         if unknown:
-            raise ValueError(
+            raise ValidationError(
                 f"{type(model).__name__} has no parameter or buffer for {len(unknown)} canonical names, "
                 f"e.g. {unknown[:3]}"
             )
@@ -103,7 +104,7 @@ class CheckpointConversion:
         self._target_of: dict[str, str] = {}
         for key, members in found.items():
             if converter_of[key] is None and len(members) > 1:
-                raise ValueError(f"{[m for m, _ in members][:3]} all load into {key}")
+                raise ValidationError(f"{[m for m, _ in members][:3]} all load into {key}")
             self._targets[key] = _Target(
                 key, tuple(m for m, _ in members), tuple(p for _, p in members), converter_of[key]
             )
@@ -132,7 +133,7 @@ class CheckpointConversion:
             target = self._targets[key]
             missing = [m for m in target.members if m not in batch]
             if missing:
-                raise ValueError(
+                raise ValidationError(
                     f"{key} is converted from {len(target.members)} checkpoint tensors; "
                     f"{len(missing)} were not given, e.g. {missing[:3]}"
                 )

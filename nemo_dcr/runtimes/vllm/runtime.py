@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec.types import BITS_DTYPE, TensorDelta
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
 from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs
@@ -61,7 +62,7 @@ class VLLMRuntime:
         cls, checkpoint_dir: str, *, tensor_parallel_size: int = 1, max_model_len: int | None = None
     ) -> VLLMRuntime:
         if tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
+            raise ValidationError("tensor_parallel_size must be >= 1")
         os.environ.update(_engine_env(tensor_parallel_size))
         from vllm import LLM
 

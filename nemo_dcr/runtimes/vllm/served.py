@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec.types import TensorDelta
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.runtime import TensorSpec
 
 VERIFY_TOKENS = 16
@@ -88,7 +89,7 @@ class VLLMServedModel:
 
     def verify_dense(self, dense: Mapping[str, torch.Tensor]) -> dict:
         if self.reference is None:
-            raise ValueError("verify_dense needs a reference engine (start(..., reference=True))")
+            raise ValidationError("verify_dense needs a reference engine (start(..., reference=True))")
         from safetensors.torch import save_file
 
         prompts = verify_prompts(self.vocab_size)
