@@ -72,7 +72,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     path = config.getoption("timelog", None)
-    if path:
+    if path and (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
+        # under xdist the workers write the rows (the controller would repeat them)
         config.pluginmanager.register(_TimeLog(path), "nemo_dcr_timelog")
     config.addinivalue_line(
         "markers", "spawns: starts a process (torchrun, vLLM, moto_server, a subprocess); set "
@@ -325,37 +326,6 @@ def pytest_collection_modifyitems(config, items):
         reasons = finder.item(item)
         if reasons:
             item.add_marker(pytest.mark.spawns(reason=reasons[0]))
-    if config.pluginmanager.hasplugin("xdist"):
-        _xdist_groups(items)
-
-
-def _xdist_groups(items) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): tests that share a module- or
-    class-scoped fixture (one torchrun launch feeding several tests) go to one worker, so the
-    launch runs once; every other test is distributed on its own.  Groups are the connected
-    components of "uses the same such fixture" within a module."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    shared: dict[object, list[str]] = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        keys = []
-        for name in (info.names_closure if info else ()):
-            defs = info.name2fixturedefs.get(name)
-            if defs and defs[-1].scope in ("module", "class", "package"):
-                keys.append(f"{defs[-1].baseid or item.module.__name__}::{name}")
-        for k in keys[1:]:
-            parent[find(k)] = find(keys[0])
-        shared[item] = keys
-    for item, keys in shared.items():
-        if keys:
-            item.add_marker(pytest.mark.xdist_group(name=find(keys[0])))
 
 
 # --- the guard: an unmarked test that starts a process fails ---------------------------------
