@@ -8,7 +8,7 @@ meaning (one docstring per field).  Everything else embeds it instead of restati
 * :class:`RefitSettings` adds what attaching to someone else's training loop (NeMo recipe,
   Megatron-Bridge, a plain megatron-core loop) needs: the store, the model mapping, the
   cadence and the resume point;
-* the demo's ``refit`` section (``nemo_dcr.testbed.config.RefitConfig``) adds its test-bed
+* the demo's ``refit`` section (``RefitConfig`` in the test bed's ``config.py``) adds its test-bed
   aids.
 
 ``load_refit_settings(overrides)`` composes the packaged ``nemo_dcr/configs/refit.yaml``
