@@ -110,15 +110,17 @@ class ReceiverRuntimeConfig:
     (0 = none)."""
 
     def __post_init__(self) -> None:
-        from nemo_dcr.receiver.registry import runtime_names  # names only: imports no runtime
+        # the registry's rows, names and options only: imports no runtime
+        from nemo_dcr.receiver.registry import runtime_names, supported_options
 
         names = runtime_names()
         if self.runtime not in names:
             raise ValueError(f"receiver.runtime must be one of {names}, got {self.runtime!r}")
         if self.tensor_parallel_size < 1 or self.sample_tokens < 0:
             raise ValueError("receiver.tensor_parallel_size must be >= 1 and receiver.sample_tokens >= 0")
-        if self.runtime == "hf" and self.tensor_parallel_size != 1:
-            raise ValueError("receiver.tensor_parallel_size applies to receiver.runtime=vllm only")
+        if self.tensor_parallel_size != 1 and "tensor_parallel_size" not in supported_options(self.runtime):
+            takers = "|".join(n for n in names if "tensor_parallel_size" in supported_options(n))
+            raise ValueError(f"receiver.tensor_parallel_size applies to receiver.runtime={takers} only")
 
 
 @dataclass(kw_only=True)
