@@ -6,8 +6,10 @@ file and rename it; object stores give this for free).  This is what lets a rece
 treat "the manifest exists" as "the version is published".
 
 ``open_store(uri)``: a plain path or ``file://`` URI is the embedded default
-(``LocalDirStore``); any other scheme (``s3://``, ``memory://``, ...) goes through fsspec.
-URIs stay strings: ``pathlib.Path`` would mangle ``s3://bucket``.
+(``LocalDirStore``); ``relay://host:port`` and ``http(s)://`` are a relay of the relay tree
+(``transport/relay_client.py``); any other scheme (``s3://``, ``memory://``, ...) goes
+through fsspec; a comma-separated list is an ordered upstream list that fails over
+(``transport/failover.py``).  URIs stay strings: ``pathlib.Path`` would mangle ``s3://bucket``.
 
 Bounded calls
 -------------
@@ -720,8 +722,14 @@ def _s3_options(options: dict, policy: StorePolicy) -> dict:
     return options
 
 
+_RELAY_SCHEMES = ("relay", "http", "https")
+
+
 def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> ObjectStore:
-    """Open ``uri``.  ``options`` named like :class:`StorePolicy` fields (``timeout_s``,
+    """Open ``uri``: a directory (the embedded default), ``relay://host:port`` /
+    ``http(s)://host:port`` (a relay, ``transport/relay_client.py``), any other fsspec URI,
+    or a comma-separated ordered list of these (a ``FailoverStore``: the node re-parents
+    down the list, ``transport/failover.py``).  ``options`` named like :class:`StorePolicy` fields (``timeout_s``,
     ``retries``, ``backoff_s``, ``backoff_max_s``, ``min_bytes_per_s``) set the store's
     call policy (or pass ``policy=``); the rest are fsspec storage options.  A URI that
     cannot be opened raises :class:`StoreError` naming it."""
@@ -730,6 +738,23 @@ def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> Obj
         if policy is not None:
             raise ValidationError(f"pass either policy= or {sorted(given)}, not both")
         policy = StorePolicy(**given)
+    if "," in uri:  # an ordered upstream list: re-parenting (transport/failover.py)
+        from nemo_dcr.transport.failover import FailoverStore
+
+        parts = [u.strip() for u in uri.split(",")]
+        if any(not u for u in parts):
+            raise ValidationError(f"empty entry in the upstream list {uri!r}")
+        if len(set(parts)) != len(parts):
+            raise ValidationError(f"upstream list {uri!r} names a store twice")
+        retry_after_s = options.pop("retry_after_s", 30.0)
+        return FailoverStore([open_store(u, policy=policy, **options) for u in parts], retry_after_s=retry_after_s)
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    if scheme in _RELAY_SCHEMES:
+        if options:
+            raise ValidationError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")
+        from nemo_dcr.transport.relay_client import RelayStore
+
+        return RelayStore(uri, policy=policy)
     if "://" not in uri or uri.startswith("file://"):
         if options:
             raise ValidationError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")

@@ -1,0 +1,213 @@
+"""An ordered list of upstreams behind one ``ObjectStore``: re-parenting for relays and
+receivers.
+
+A node of the relay tree (``docs/relay.md``) reads from its parent relay, and when the
+parent fails, stalls or serves bytes that fail their check, from the next upstream in its
+list (the grandparent, ..., the origin store).  ``FailoverStore`` is that list:
+
+* every call goes to the **current** upstream; one that fails there (a ``StoreError``
+  after that upstream's own bounded attempts: refused connection, timeouts, 5xx) makes
+  the next upstream current and the call runs again there.  Answers are not failures:
+  not-found, too-large and invalid keys pass through from the upstream that gave them;
+* ``fetch_verified(store, key, max_bytes=, check=)`` fetches an object whose expected
+  bytes the caller can check (chunks: size and sha256 from the signed manifest).  Bytes
+  that fail ``check`` demote the upstream that served them and the key is fetched from
+  the next one; with every upstream tried the last reason is raised;
+* an upstream left for a failure is not used again for ``retry_after_s``; after that it
+  is preferred again (the list's order is the tree's shape), so a tree heals back;
+* what the node already holds is never fetched again: the store keeps nothing, the
+  caller (relay spool, receiver's decoded chunks) does, and only asks for what it lacks.
+
+Writes (``put``: acks through a relay) follow the same order.  Counters per upstream
+(``upstream_stats``) tell how many bytes each served, chunk bytes apart: the demo's
+``origin_read_bytes`` and the relay benchmark read them.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from nemo_dcr.errors import FormatError, TransportError, ValidationError
+from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+
+_log = logging.getLogger(__name__)
+
+CHUNK_MARK = "/chunks/"
+
+
+class VerificationFailed(StoreError):
+    """Every upstream served bytes that failed the caller's check; the message names the key
+    and the last upstream's reason."""
+
+
+@dataclass
+class UpstreamStats:
+    uri: str
+    is_relay: bool
+    bytes_read: int = 0
+    chunk_bytes_read: int = 0
+    failures: int = 0
+    bad_bytes: int = 0
+    """Objects whose bytes failed the caller's check."""
+    down_until: float = 0.0
+
+
+def is_relay(store: ObjectStore) -> bool:
+    return bool(getattr(store, "is_relay", False))
+
+
+class FailoverStore:
+    """``ObjectStore`` over ``stores``, tried in order (see the module docstring)."""
+
+    is_relay = False  # a list is a relay's client only through its members
+
+    def __init__(self, stores: Sequence[ObjectStore], *, retry_after_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not stores:
+            raise ValidationError("a failover store needs at least one upstream")
+        if retry_after_s < 0:
+            raise ValidationError(f"retry_after_s must be >= 0, got {retry_after_s}")
+        self.stores = list(stores)
+        self.uri = ",".join(s.uri for s in self.stores)
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stats = [UpstreamStats(s.uri, is_relay(s)) for s in self.stores]
+        self.switches = 0
+        self._last: int | None = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _order(self) -> list[int]:
+        """Upstreams to try, best first: those not resting after a failure in list order,
+        then the resting ones (a node whose every upstream failed recently still tries)."""
+        now = self._clock()
+        with self._lock:
+            up = [i for i, s in enumerate(self._stats) if s.down_until <= now]
+            down = sorted((i for i, s in enumerate(self._stats) if s.down_until > now),
+                          key=lambda i: self._stats[i].down_until)
+        return up + down
+
+    def _served(self, i: int, key: str, nbytes: int) -> None:
+        with self._lock:
+            st = self._stats[i]
+            st.bytes_read += nbytes
+            if CHUNK_MARK in key:
+                st.chunk_bytes_read += nbytes
+            if self._last is not None and self._last != i:
+                self.switches += 1
+                _log.warning("%s: now reading from %s (was %s)", self.uri, st.uri, self._stats[self._last].uri)
+            self._last = i
+
+    def _demote(self, i: int, why: str, *, bad_bytes: bool = False) -> None:
+        with self._lock:
+            st = self._stats[i]
+            st.failures += 1
+            st.bad_bytes += int(bad_bytes)
+            st.down_until = self._clock() + self.retry_after_s
+        _log.warning("%s: upstream %s left for %.0f s: %s", self.uri, st.uri, self.retry_after_s, why)
+
+    @property
+    def current(self) -> ObjectStore:
+        return self.stores[self._order()[0]]
+
+    def upstream_stats(self) -> list[dict]:
+        cur = self._order()[0]
+        with self._lock:
+            return [{"uri": s.uri, "is_relay": s.is_relay, "current": i == cur, "bytes_read": s.bytes_read,
+                     "chunk_bytes_read": s.chunk_bytes_read, "failures": s.failures, "bad_bytes": s.bad_bytes}
+                    for i, s in enumerate(self._stats)]
+
+    def origin_chunk_bytes(self) -> int:
+        """Chunk bytes read from upstreams that are not relays (the origin store)."""
+        with self._lock:
+            return sum(s.chunk_bytes_read for s in self._stats if not s.is_relay)
+
+    # ------------------------------------------------------------------ the calls
+    def _each(self, op: str, key: str, fn: Callable[[ObjectStore], object], size: Callable[[object], int]):
+        last: TransportError | None = None
+        for i in self._order():
+            try:
+                out = fn(self.stores[i])
+            except (ObjectNotFound, FormatError, ValidationError):
+                raise  # an answer (absent, too large, invalid key), not a failing upstream
+            except TransportError as e:
+                self._demote(i, str(e))
+                last = e
+                continue
+            self._served(i, key, size(out))
+            return out
+        raise StoreError(f"{self.uri}: {op} {key!r} failed on every upstream; last: {last}",
+                         uri=self.uri, op=op, key=key) from last
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self._each("get", key, lambda s: s.get(key, max_bytes=max_bytes), len)
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
+        return self._each("get", key, lambda s: s.get_with_info(key, max_bytes=max_bytes), lambda r: len(r[0]))
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self._each("stat", key, lambda s: s.stat(key), lambda r: 0)
+
+    def exists(self, key: str) -> bool:
+        return self._each("exists", key, lambda s: s.exists(key), lambda r: 0)
+
+    def list(self, prefix: str) -> list[str]:
+        return self._each("list", prefix, lambda s: s.list(prefix), lambda r: 0)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._each("put", key, lambda s: s.put(key, data), lambda r: 0)
+
+    def delete(self, key: str) -> None:
+        self._each("delete", key, lambda s: s.delete(key), lambda r: 0)
+
+    def get_verified(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None]) -> bytes:
+        """``get`` whose bytes must pass ``check`` (None = good, else the reason); an upstream
+        that serves bad bytes is demoted and the next one asked.  Raises
+        :class:`VerificationFailed` when no upstream served good bytes."""
+        reason = "no upstream answered"
+        last: TransportError | None = None
+        for i in self._order():
+            try:
+                blob = self.stores[i].get(key, max_bytes=max_bytes)
+            except (ObjectNotFound, FormatError, ValidationError) as e:
+                # absent or oversized HERE: a relay that lost or bloated an object the
+                # manifest lists is as bad as one that corrupted it; ask the next one
+                self._demote(i, f"{key}: {e}", bad_bytes=True)
+                reason, last = str(e), None
+                continue
+            except TransportError as e:
+                self._demote(i, str(e))
+                reason, last = str(e), e
+                continue
+            self._served(i, key, len(blob))
+            why = check(blob)
+            if why is None:
+                return blob
+            self._demote(i, f"{key}: {why}", bad_bytes=True)
+            reason = f"{self.stores[i].uri}: {why}"
+        raise VerificationFailed(f"{self.uri}: {key!r}: no upstream served good bytes; last: {reason}",
+                                 uri=self.uri, op="get", key=key) from last
+
+
+def fetch_verified(store: ObjectStore, key: str, *, max_bytes: int | None,
+                   check: Callable[[bytes], str | None]) -> bytes:
+    """The bytes of ``key`` that pass ``check`` (see :meth:`FailoverStore.get_verified`).
+    On a single store: one ``get`` and one check; bad bytes raise :class:`VerificationFailed`.
+    Not-found and too-large answers of a single store propagate as they are."""
+    if isinstance(store, FailoverStore):
+        return store.get_verified(key, max_bytes=max_bytes, check=check)
+    blob = store.get(key, max_bytes=max_bytes)
+    why = check(blob)
+    if why is not None:
+        raise VerificationFailed(f"{store.uri}: {key!r}: {why}", uri=store.uri, op="get", key=key)
+    return blob
+
+
+def origin_chunk_bytes(store: ObjectStore) -> int | None:
+    """Chunk bytes ``store`` read from the origin (non-relay upstreams), when it counts them."""
+    if isinstance(store, FailoverStore):
+        return store.origin_chunk_bytes()
+    return None
