@@ -724,6 +724,10 @@ def _s3_options(options: dict, policy: StorePolicy) -> dict:
 
 _RELAY_SCHEMES = ("relay", "http", "https")
 
+HOP_POLICY = StorePolicy(timeout_s=5.0, retries=1, backoff_s=0.2, backoff_max_s=1.0)
+"""Policy of every upstream of a list but the last (``open_store("A,B,C")`` without a
+policy): two attempts of 5 s, so a dead or stalled parent is left within about 10 s."""
+
 
 def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> ObjectStore:
     """Open ``uri``: a directory (the embedded default), ``relay://host:port`` /
@@ -747,7 +751,11 @@ def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> Obj
         if len(set(parts)) != len(parts):
             raise ValidationError(f"upstream list {uri!r} names a store twice")
         retry_after_s = options.pop("retry_after_s", 30.0)
-        return FailoverStore([open_store(u, policy=policy, **options) for u in parts], retry_after_s=retry_after_s)
+        # every member but the last has a next one to take over: unless a policy was given,
+        # it gets HOP_POLICY (a stalled relay is left in ~10 s, not the default's ~158 s)
+        hop = policy or HOP_POLICY
+        return FailoverStore([open_store(u, policy=hop if i < len(parts) - 1 else policy, **options)
+                              for i, u in enumerate(parts)], retry_after_s=retry_after_s)
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
     if scheme in _RELAY_SCHEMES:
         if options:

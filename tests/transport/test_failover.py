@@ -113,6 +113,9 @@ def test_open_store_parses_upstream_lists(tmp_path):
     fs = open_store(f"{a},{b}", timeout_s=2.0, retries=0)
     assert isinstance(fs, FailoverStore) and [s.uri for s in fs.stores] == [a, b]
     assert all(s.policy.timeout_s == 2.0 and s.policy.retries == 0 for s in fs.stores)
+    fs = open_store(f"{a},{b}")  # no policy given: the parent gets the hop policy, the last the default
+    assert fs.stores[0].policy.timeout_s == 5.0 and fs.stores[0].policy.retries == 1
+    assert fs.stores[1].policy.timeout_s == 30.0 and fs.stores[1].policy.retries == 4
     for bad in (f"{a},,{b}", f"{a},{a}", f"{a},"):
         with pytest.raises(ValidationError):
             open_store(bad)
