@@ -75,10 +75,16 @@ class StoreConfig:
     old one's objects unless asked (``store.reset=true`` or ``force=true``)."""
 
 
+TRANSPORTS = ("store", "relay")
+"""``refit.transport``'s values (the demo's topology, not the refit's: see ``RefitConfig``)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class RefitConfig(RefitOptions):
     """The refit schema (every ``refit.*`` key a callback takes that applies to a refit run
-    by the demo) plus the test bed's verification aids."""
+    by the demo) plus the test bed's verification aids and how its receivers read the store
+    (``transport``, ``relay_fanout``: the rollout side's topology, which the trainer and the
+    callbacks' ``RefitOptions`` do not know about)."""
 
     verify_dense: bool = True
     """Also publish a dense reference per version and have each receiver compare itself
@@ -86,6 +92,28 @@ class RefitConfig(RefitOptions):
     receiver_dump_dir: str = ""
     """Testing aid: each receiver writes every parameter and buffer after each applied
     version to ``<dir>/<receiver>/v<N>.safetensors`` ('' = off)."""
+    transport: str = "store"
+    """How the demo's receivers read the store: ``store``, each one directly; ``relay``,
+    through a tree of ``nemo-dcr relay`` processes the demo starts over the store
+    (``docs/relay.md``; the tree's shape: ``relay_fanout``).  The trainer writes the same
+    store either way."""
+    relay_fanout: int = 2
+    """With ``transport=relay``: children (relays or receivers) per relay.  The receivers are
+    the leaves, all at the same depth; each level above groups the one below in consecutive
+    runs of this many, up to one root relay (4 receivers, fanout 2: 2 relays above them, 1
+    root)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # checks every field's type, these two included
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"refit.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.relay_fanout < 1:
+            raise ValueError(f"refit.relay_fanout must be >= 1, got {self.relay_fanout}")
+        if self.transport != "relay" and self.relay_fanout != 2:
+            raise ValueError(f"refit.relay_fanout={self.relay_fanout} applies to refit.transport=relay only")
+        if self.transport == "relay" and self.relay_fanout == 1 and len(self.receivers) > 1:
+            raise ValueError(f"refit.relay_fanout=1 cannot join {len(self.receivers)} receivers under one root "
+                             f"relay (a relay with one child never narrows the tree); use >= 2")
 
 
 def _demo_refit() -> RefitConfig:
@@ -144,6 +172,9 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
+        if "," in self.store.uri:
+            raise ValueError(f"store.uri is the one store the trainer writes, not an upstream list: "
+                             f"{self.store.uri!r} has a ','")
         if self.receiver.runtime == "vllm":
             if self.model.head_dim not in VLLM_HEAD_DIMS:
                 raise ValueError(f"receiver.runtime=vllm: vLLM's CPU attention takes head_dim in {VLLM_HEAD_DIMS}, "
