@@ -3,6 +3,8 @@
   nemo-dcr demo [hydra overrides...]          end-to-end refit demo (what `make demo` runs)
   nemo-dcr receive --store URI --receiver-id R --model-id M [--runtime NAME] ...
                                                a receiver (runtimes: receiver/registry.py)
+  nemo-dcr relay --upstream URI[,URI...] --listen HOST:PORT [--spool DIR] ...
+                                               a relay of the relay tree (docs/relay.md)
   nemo-dcr keygen PATH                         a new signing key for a run (mode 0600)
   nemo-dcr delta {encode,apply,inspect} ...    standalone delta files (see codec/cli.py)
 
@@ -29,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_dcr.receiver.cli import main as receive_main
 
         return receive_main(rest)
+    if cmd == "relay":
+        from nemo_dcr.transport.relay import main as relay_main
+
+        return relay_main(rest)
     if cmd == "keygen":
         if len(rest) != 1 or rest[0].startswith("-"):
             print("nemo-dcr keygen: give the path of the key file to create", file=sys.stderr)
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="nemo-dcr delta")
         delta_cli.add_arguments(parser)
         return delta_cli.main(parser.parse_args(rest))
-    print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, keygen, delta; see nemo-dcr --help)",
+    print(f"nemo-dcr: unknown command {cmd!r} (commands: demo, receive, relay, keygen, delta; see nemo-dcr --help)",
           file=sys.stderr)
     return 2
 
