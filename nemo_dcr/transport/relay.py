@@ -211,9 +211,9 @@ class Relay:
         if self.cfg.spool_dir is not None:
             os.makedirs(self.cfg.spool_dir, exist_ok=True)
             self._spool_root = tempfile.mkdtemp(prefix="relay-spool-", dir=self.cfg.spool_dir)
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, shutdown_timeout=1.0)
+        site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.address = tuple(self._runner.addresses[0][:2])
         self._sweeper = asyncio.ensure_future(self._sweep())
@@ -721,7 +721,11 @@ class Relay:
         return _text(200, "ok")
 
     def _key(self, request) -> str:
-        return _check(request.match_info.get("key", ""))
+        """The key exactly as sent: the raw path, neither percent-decoded nor
+        dot-segment-normalized (``a/./b`` is refused, not read as ``a/b``)."""
+        raw = request.raw_path.split("?", 1)[0]
+        prefix = f"{API}/object/"
+        return _check(raw[len(prefix):] if raw.startswith(prefix) else "")
 
 
 # ====================================================================== helpers

@@ -1,0 +1,455 @@
+"""The relay server (``transport/relay.py``) and its client store (``relay_client.py``).
+
+In-process relays (``RelayThread``: the relay's own loop in a thread) over a
+``LocalDirStore`` origin wrapped in a counting store, so that every claim is proved by
+counters (upstream calls, bytes, peaks), not by timing.  The process tests start
+``nemo-dcr relay`` itself (the CLI, the listening line, SIGTERM).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import urllib3
+
+from nemo_dcr.transport import relay as relay_mod
+from nemo_dcr.transport.relay import RelayConfig, RelayThread
+from nemo_dcr.transport.relay_client import RelayStore
+from nemo_dcr.transport.store import LocalDirStore, ObjectNotFound, ObjectTooLarge, StoreError, StorePolicy
+
+CHUNK = "v/00000001/chunks/r000-{:05d}.dcr"
+
+
+class CountingStore:
+    """An origin that counts its calls per (op, key); ``gate`` (an Event) holds every
+    get until it is set."""
+
+    def __init__(self, inner):
+        self.inner, self.uri = inner, inner.uri
+        self.calls: Counter = Counter()
+        self.gate: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def _count(self, op, key):
+        with self._lock:
+            self.calls[op, key] += 1
+
+    def ops(self, op: str) -> int:
+        with self._lock:
+            return sum(n for (o, _), n in self.calls.items() if o == op)
+
+    def get_with_info(self, key, *, max_bytes=None):
+        self._count("get", key)
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        return self.inner.get_with_info(key, max_bytes=max_bytes)
+
+    def get(self, key, *, max_bytes=None):
+        return self.get_with_info(key, max_bytes=max_bytes)[0]
+
+    def stat(self, key):
+        self._count("stat", key)
+        return self.inner.stat(key)
+
+    def exists(self, key):
+        return self.stat(key) is not None
+
+    def list(self, prefix):
+        self._count("list", prefix)
+        return self.inner.list(prefix)
+
+    def put(self, key, data):
+        self._count("put", key)
+        self.inner.put(key, data)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+
+@pytest.fixture
+def origin(tmp_path):
+    return CountingStore(LocalDirStore(str(tmp_path / "origin")))
+
+
+def client(uri: str, retries: int = 0) -> RelayStore:
+    return RelayStore(uri, policy=StorePolicy(timeout_s=10, retries=retries, backoff_s=0.05))
+
+
+def wait_for(cond, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- the basics
+def test_read_side_round_trip(origin):
+    origin.inner.put("RUN.json", b'{"run": 1}')
+    payload = os.urandom(3 << 20)
+    origin.inner.put(CHUNK.format(0), payload)
+    with RelayThread(origin) as r:
+        c = client(r.uri)
+        got, info = c.get_with_info(CHUNK.format(0))
+        assert got == payload and info.size == len(payload)
+        assert info.tag == origin.inner.stat(CHUNK.format(0)).tag  # the upstream's tag, passed through
+        assert c.get("RUN.json") == b'{"run": 1}'
+        assert c.stat("RUN.json").size == 10 and c.exists("RUN.json")
+        assert c.stat("nope.json") is None and not c.exists("nope.json")
+        with pytest.raises(ObjectNotFound):
+            c.get("nope.json")
+        with pytest.raises(ObjectTooLarge) as e:
+            c.get(CHUNK.format(0), max_bytes=1000)
+        assert e.value.size == len(payload)
+        assert c.get(CHUNK.format(0), max_bytes=len(payload)) == payload
+        assert c.list("v/00000001/chunks") == [CHUNK.format(0)]
+        assert c.list("") == ["RUN.json", CHUNK.format(0)]
+        assert c.list("v/00000009/") == []
+        assert origin.calls["get", CHUNK.format(0)] == 1  # served three times, fetched once
+        s = r.stats()
+        assert s["served_bytes"] == 2 * len(payload) + 10
+        assert s["upstreams"][0]["chunk_bytes_read"] == len(payload)
+        with urllib3.PoolManager() as http:
+            assert http.request("GET", r.uri.replace("relay", "http") + "/v1/health").data == b"ok\n"
+
+
+def test_single_flight(origin):
+    """N children asking for one key at once: one upstream fetch, N-1 coalesced."""
+    payload = os.urandom(1 << 20)
+    origin.inner.put(CHUNK.format(0), payload)
+    origin.gate = threading.Event()
+    n = 12
+    with RelayThread(origin) as r:
+        with ThreadPoolExecutor(n) as pool:
+            futs = [pool.submit(client(r.uri).get, CHUNK.format(0)) for _ in range(n)]
+            wait_for(lambda: r.stats()["coalesced"] == n - 1, "every request to join the one fetch")
+            origin.gate.set()
+            got = [f.result(30) for f in futs]
+        assert all(g == payload for g in got)
+        assert origin.calls["get", CHUNK.format(0)] == 1
+        assert r.stats()["upstream_fetches"] == 1
+
+
+def test_cut_through_fetches_listed_chunks_before_any_child_asks(origin):
+    payloads = {CHUNK.format(i): os.urandom((1 << 20) + i) for i in range(6)}
+    for k, v in payloads.items():
+        origin.inner.put(k, v)
+    with RelayThread(origin, RelayConfig(prefetch=2)) as r:
+        c = client(r.uri)
+        assert c.list("v/00000001/chunks/") == sorted(payloads)
+        wait_for(lambda: r.stats()["prefetched"] == len(payloads), "the listed chunks to be prefetched")
+        assert origin.ops("get") == len(payloads)  # fetched with no child GET yet
+        for k, v in payloads.items():
+            assert c.get(k) == v
+        assert origin.ops("get") == len(payloads)  # the children's GETs fetched nothing more
+        s = r.stats()
+        assert s["cache_hits"] == len(payloads) and s["prefetch_started"] == len(payloads)
+        # a manifest or an unlisted key is not prefetched: only chunk keys are
+        origin.inner.put("v/00000001/MANIFEST.json", b"{}")
+        c.list("v/00000001/")
+        assert r.stats()["prefetch_started"] == len(payloads)
+
+
+def test_two_level_tree_serves_identical_bytes(origin):
+    a, b = os.urandom(2 << 20), os.urandom(2 << 20)
+    origin.inner.put(CHUNK.format(0), a)
+    origin.inner.put(CHUNK.format(1), b)
+    with RelayThread(origin) as r0, RelayThread(client(r0.uri, retries=2)) as r1:
+        c = client(r1.uri)
+        got0, got1 = c.get(CHUNK.format(0)), c.get(CHUNK.format(1))
+        assert got0 == a and got1 == b
+        assert got0 != got1  # negative control: another object differs
+        flipped = bytearray(got0)
+        flipped[12345] ^= 1
+        assert bytes(flipped) != a
+        assert c.get(CHUNK.format(0)) == a
+        assert origin.calls["get", CHUNK.format(0)] == 1
+        assert r1.stats()["upstreams"][0]["is_relay"] is True
+        assert r0.stats()["served_bytes"] == len(a) + len(b)  # each object crossed r0 -> r1 once
+
+
+# ---------------------------------------------------------------------------- mutable keys
+def test_mutable_keys_and_not_found_live_only_for_the_window(origin):
+    origin.inner.put("HEAD.json", b'{"v": 1}')
+    with RelayThread(origin, RelayConfig(coalesce_ms=300)) as r:
+        c = client(r.uri)
+        assert c.get("HEAD.json") == b'{"v": 1}'
+        with pytest.raises(ObjectNotFound):
+            c.get("COMMITTED.json")
+        origin.inner.put("HEAD.json", b'{"v": 2}')
+        origin.inner.put("COMMITTED.json", b'{"v": 2}')
+        time.sleep(0.35)  # past the window (the relay's clock is monotonic)
+        assert c.get("HEAD.json") == b'{"v": 2}'
+        assert c.get("COMMITTED.json") == b'{"v": 2}'
+        assert origin.calls["get", "HEAD.json"] == 2
+    origin.calls.clear()
+    with RelayThread(origin, RelayConfig(coalesce_ms=60_000)) as r:  # a long window: polls share one fetch
+        c = client(r.uri)
+        assert [c.get("HEAD.json") for _ in range(5)] == [b'{"v": 2}'] * 5
+        origin.inner.put("HEAD.json", b'{"v": 3}')
+        assert c.get("HEAD.json") == b'{"v": 2}'  # within the window
+        assert origin.calls["get", "HEAD.json"] == 1 and r.stats()["coalesced"] == 5
+
+
+# ---------------------------------------------------------------------------- caps
+def test_memory_cap_evicts_and_refuses(origin):
+    cap = 4 << 20
+    objs = {CHUNK.format(i): os.urandom(1_500_000) for i in range(5)}
+    for k, v in objs.items():
+        origin.inner.put(k, v)
+    origin.inner.put("v/00000001/chunks/big.dcr", os.urandom(cap + 1))
+    with RelayThread(origin, RelayConfig(max_memory_bytes=cap)) as r:
+        c = client(r.uri)
+        for k, v in objs.items():
+            assert c.get(k) == v
+        s = r.stats()
+        assert s["memory_peak_bytes"] <= cap and s["memory_bytes"] <= cap
+        assert s["memory_evictions"] >= 3 and s["cached_objects"] == 2
+        with pytest.raises(StoreError, match="HTTP 503"):
+            c.get("v/00000001/chunks/big.dcr")  # can never fit: 503, the child moves on
+        assert origin.calls["get", "v/00000001/chunks/big.dcr"] == 0  # refused before its body was read
+        assert r.stats()["rejected"] == 1 and r.stats()["memory_peak_bytes"] <= cap
+
+
+def test_spool_cap_and_serving_from_spool(origin, tmp_path):
+    mem_cap, spool_cap = 3 << 20, 5 << 20
+    objs = {CHUNK.format(i): os.urandom(1 << 20) for i in range(8)}
+    for k, v in objs.items():
+        origin.inner.put(k, v)
+    spool = tmp_path / "spool"
+    cfg = RelayConfig(max_memory_bytes=mem_cap, spool_dir=str(spool), max_spool_bytes=spool_cap)
+    with RelayThread(origin, cfg) as r:
+        c = client(r.uri)
+        for k, v in objs.items():
+            assert c.get(k) == v
+            wait_for(lambda: r.stats()["in_flight"] == 0 and not r.relay._tasks, "the spool write")
+            on_disk = sum(f.stat().st_size for f in spool.rglob("*") if f.is_file())
+            assert on_disk <= spool_cap
+        s = r.stats()
+        assert s["spool_peak_bytes"] <= spool_cap and s["memory_peak_bytes"] <= mem_cap
+        assert s["spool_writes"] == len(objs) and s["spool_evictions"] == 3
+        fetched = origin.ops("get")
+        # the last five are held (on the spool; only the newest few also in memory): no refetch
+        for k in list(objs)[-5:]:
+            assert c.get(k) == objs[k]
+        assert origin.ops("get") == fetched
+        assert c.get(CHUNK.format(0)) == objs[CHUNK.format(0)]  # evicted from both: fetched again
+        assert origin.ops("get") == fetched + 1
+    assert not any(spool.iterdir())  # the relay's spool is removed at shutdown
+
+
+def test_keep_versions_drops_the_oldest(origin):
+    keys = [f"v/{v:08d}/chunks/r000-00000.dcr" for v in (1, 2, 3)]
+    for i, k in enumerate(keys):
+        origin.inner.put(k, bytes([i]) * 1000)
+    with RelayThread(origin, RelayConfig(keep_versions=2)) as r:
+        c = client(r.uri)
+        for k in keys:
+            c.get(k)
+        s = r.stats()
+        assert s["versions"] == [2, 3] and s["versions_dropped"] == 1 and s["cached_objects"] == 2
+        assert c.get(keys[0]) == bytes([0]) * 1000  # an older version is still served, not cached
+        assert origin.calls["get", keys[0]] == 2 and r.stats()["versions"] == [2, 3]
+        c.list("v/00000001/chunks/")  # nor prefetched
+        assert r.stats()["prefetch_started"] == 0
+
+
+def _stalled_get(address: tuple[str, int], key: str) -> socket.socket:
+    """A child that asks for ``key`` and then never reads (a small receive buffer, so
+    the kernel cannot absorb the object either)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+    s.connect(address)
+    s.sendall(f"GET /v1/object/{key} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return s
+
+
+def test_stalled_child_costs_a_socket_buffer_not_a_copy(origin):
+    big = os.urandom(24 << 20)
+    origin.inner.put(CHUNK.format(0), big)
+    other = os.urandom(14 << 20)  # does not fit beside the pinned 24 MiB under 36 MiB
+    origin.inner.put(CHUNK.format(1), other)
+    cap = 36 << 20
+    with RelayThread(origin, RelayConfig(max_memory_bytes=cap, send_timeout_s=60)) as r:
+        stalled = _stalled_get(r.relay.address, CHUNK.format(0))
+        try:
+            wait_for(lambda: r.stats()["sending"], "the stalled send to start")
+
+            def sent():
+                return r.stats()["sending"][0]["sent"]
+
+            before = -1
+            while sent() != before:  # until the relay's writes block on the full socket
+                before = sent()
+                time.sleep(0.3)
+            assert sent() < len(big) // 2  # aiohttp drained: the rest was not pushed into buffers
+            s = r.stats()
+            assert s["memory_bytes"] <= len(big) + 64 and s["memory_peak_bytes"] <= cap
+            # the pinned copy stays shared: another child is served the same object meanwhile
+            assert client(r.uri).get(CHUNK.format(0)) == big
+            # and an object that does not fit beside the pinned one is refused, not buffered
+            with pytest.raises(StoreError, match="HTTP 503"):
+                client(r.uri).get(CHUNK.format(1))
+            assert r.stats()["memory_peak_bytes"] <= cap
+        finally:
+            stalled.close()
+        wait_for(lambda: not r.stats()["sending"], "the stalled send to end")
+        assert client(r.uri).get(CHUNK.format(1)) == other  # unpinned: evictable, admitted now
+        assert r.stats()["memory_peak_bytes"] <= cap
+
+
+def test_stalled_child_is_cut_off_after_send_timeout(origin):
+    origin.inner.put(CHUNK.format(0), os.urandom(16 << 20))
+    with RelayThread(origin, RelayConfig(send_timeout_s=0.5)) as r:
+        stalled = _stalled_get(r.relay.address, CHUNK.format(0))
+        try:
+            wait_for(lambda: r.stats()["send_timeouts"] == 1, "the send timeout")
+            wait_for(lambda: not r.stats()["sending"], "the send to end")
+            e = r.call(lambda: r.relay._cache[CHUNK.format(0)])
+            assert e.pins == 0
+        finally:
+            stalled.close()
+
+
+# ---------------------------------------------------------------------------- writes and bad input
+def test_put_writes_through_only_small_acks(origin):
+    with RelayThread(origin) as r0, RelayThread(client(r0.uri)) as r1:
+        c = client(r1.uri)
+        c.put("acks/rx0/00000001.json", b'{"ok": true}')  # through two relays
+        assert origin.inner.get("acks/rx0/00000001.json") == b'{"ok": true}'
+        with pytest.raises(StoreError, match="HTTP 403"):
+            c.put("HEAD.json", b"{}")
+        with pytest.raises(StoreError, match="HTTP 403"):
+            c.put("v/00000001/chunks/r000-00000.dcr", b"x")
+        with pytest.raises(ObjectTooLarge):
+            c.put("acks/rx0/00000002.json", b"x" * ((1 << 20) + 1))
+        c.put("acks/rx0/00000003.json", b"x" * (1 << 20))  # exactly the limit passes
+        with pytest.raises(StoreError, match="HTTP 403"):
+            c.delete("acks/rx0/00000001.json")
+        assert not origin.inner.exists("HEAD.json") and not origin.inner.exists("acks/rx0/00000002.json")
+        assert origin.inner.exists("acks/rx0/00000003.json") and origin.inner.exists("acks/rx0/00000001.json")
+        assert r0.stats()["acks_forwarded"] == 2 and r1.stats()["acks_forwarded"] == 2
+
+
+@pytest.mark.parametrize("path", [
+    "/v1/object/a%20b", "/v1/object/a//b", "/v1/object/", "/v1/object/a/./b", "/v1/object/x%2F..%2Fy",
+    "/v1/list?prefix=a%20b", "/v1/object/RUN.json?max_bytes=-1", "/v1/object/RUN.json?max_bytes=x",
+])
+def test_bad_requests_are_400(origin, path):
+    origin.inner.put("RUN.json", b"{}")
+    with RelayThread(origin) as r:
+        conn = http.client.HTTPConnection(*r.relay.address, timeout=10)  # sends the path as given
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 400, (path, resp.status, body)
+        assert body.count(b"\n") == 1
+        conn.request("GET", "/v1/object/RUN.json")
+        assert conn.getresponse().status == 200
+        conn.close()
+
+
+def test_upstream_failure_is_502_and_transient(tmp_path):
+    dead = RelayStore("relay://127.0.0.1:9", policy=StorePolicy(timeout_s=2, retries=0))
+    with RelayThread(dead) as r:
+        with urllib3.PoolManager() as http:
+            resp = http.request("GET", r.uri.replace("relay", "http") + "/v1/object/RUN.json")
+        assert resp.status == 502 and b"upstream failed" in resp.data
+        with pytest.raises(StoreError, match="after 2 attempts"):  # 5xx: retried by the child's policy
+            client(r.uri, retries=1).get("RUN.json")
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--upstream", "/tmp/x"],
+    ["--upstream", "/tmp/x", "--listen", "nope"],
+    ["--upstream", "/tmp/x", "--listen", "127.0.0.1:99999"],
+    ["--upstream", "a,,b", "--listen", "127.0.0.1:0"],
+    ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--max-memory-bytes", "lots"],
+    ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--keep-versions", "0"],
+    ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--prefetch", "64"],
+    ["--upstream", "relay://host-without-port", "--listen", "127.0.0.1:0"],
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
+    assert relay_mod.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("nemo-dcr relay: ")
+
+
+def test_byte_counts():
+    assert relay_mod.byte_count("1024") == 1024
+    assert relay_mod.byte_count("512M") == 512 << 20
+    assert relay_mod.byte_count("1GiB") == 1 << 30
+    assert relay_mod.byte_count("64k") == 64 << 10
+    with pytest.raises(ValueError):
+        relay_mod.byte_count("1.5G")
+
+
+# ---------------------------------------------------------------------------- processes
+def _start_relay(upstream: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_dcr.cli", "relay", "--upstream", upstream,
+                             "--listen", "127.0.0.1:0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise AssertionError(f"relay did not start: {proc.stderr.read()}")
+    ready = json.loads(line)
+    assert ready["relay"] == "listening" and ready["upstreams"] == [upstream]
+    return proc, "relay://" + ready["address"]
+
+
+def test_relay_processes_tree_and_sigterm(tmp_path):
+    origin = LocalDirStore(str(tmp_path / "origin"))
+    a, b = os.urandom(3 << 20), os.urandom(3 << 20)
+    origin.put(CHUNK.format(0), a)
+    origin.put(CHUNK.format(1), b)
+    p0, uri0 = _start_relay(origin.uri, "--spool", str(tmp_path / "spool0"))
+    try:
+        p1, uri1 = _start_relay(uri0, "--max-memory-bytes", "16M")
+        try:
+            c = client(uri1)
+            assert c.list("v/00000001/chunks/") == [CHUNK.format(0), CHUNK.format(1)]
+            got = [c.get(CHUNK.format(0)), c.get(CHUNK.format(1))]
+            assert got == [a, b] and got[0] != got[1]
+            c.put("acks/rx/00000001.json", b"{}")
+            assert origin.get("acks/rx/00000001.json") == b"{}"
+            with urllib3.PoolManager() as http:
+                s0 = json.loads(http.request("GET", uri0.replace("relay", "http") + "/v1/stats").data)
+            assert s0["upstream_chunk_bytes"] == len(a) + len(b) and s0["served_bytes"] == len(a) + len(b)
+        finally:
+            p1.send_signal(signal.SIGTERM)
+            assert p1.wait(20) == 0
+        stopped = json.loads(p1.stderr.read().strip().splitlines()[-1])
+        assert stopped["relay"] == "stopped" and stopped["served_bytes"] == len(a) + len(b)
+    finally:
+        p0.send_signal(signal.SIGTERM)
+        assert p0.wait(20) == 0
+    assert not any((tmp_path / "spool0").iterdir())
+
+
+def test_relay_over_s3(s3_bucket):
+    from nemo_dcr.transport.store import open_store
+
+    s3 = open_store(s3_bucket + "/run", timeout_s=10, retries=1)
+    payload = os.urandom(1 << 20)
+    s3.put(CHUNK.format(0), payload)
+    counting = CountingStore(s3)
+    with RelayThread(counting) as r:
+        c = client(r.uri)
+        assert c.list("v/00000001/chunks/") == [CHUNK.format(0)]
+        assert c.get(CHUNK.format(0)) == payload
+        assert c.get(CHUNK.format(0)) == payload
+        c.put("acks/rx/00000001.json", b"{}")
+    assert counting.calls["get", CHUNK.format(0)] == 1
+    assert s3.get("acks/rx/00000001.json") == b"{}"
