@@ -178,7 +178,7 @@ class Relay:
             "too_large", "bad_requests", "acks_forwarded", "versions_dropped", "memory_evictions",
             "spool_writes", "spool_evictions", "send_timeouts", "memory_peak_bytes", "spool_peak_bytes"), 0)
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
-        self._disk = ThreadPoolExecutor(2, thread_name_prefix="nemo-dcr-relay-spool")
+        self._disk = ThreadPoolExecutor(4, thread_name_prefix="nemo-dcr-relay-spool")
         self._spool_root: str | None = None
         self._runner = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -893,10 +893,12 @@ def parser() -> argparse.ArgumentParser:
                     help="versions v/<n>/ held; the oldest is dropped first (default 4)")
     ap.add_argument("--coalesce-ms", type=float, default=d.coalesce_ms,
                     help="how long answers about mutable keys, not-founds, stats and lists are reused (default 50)")
-    ap.add_argument("--timeout-s", type=float, default=30.0,
-                    help="upstream: each attempt's connect/read timeout (StorePolicy.timeout_s, default 30)")
-    ap.add_argument("--retries", type=int, default=4,
-                    help="upstream: further attempts after a transient failure (StorePolicy.retries, default 4)")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="upstream: each attempt's connect/read timeout (StorePolicy.timeout_s; default: "
+                         "open_store's, 30 s, and 5 s for every member of a list but the last)")
+    ap.add_argument("--retries", type=int, default=None,
+                    help="upstream: further attempts after a transient failure (StorePolicy.retries; default: "
+                         "open_store's, 4, and 1 for every member of a list but the last)")
     ap.add_argument("--fetch-threads", type=int, default=d.fetch_threads,
                     help="upstream calls at once (default 16)")
     ap.add_argument("--prefetch", type=int, default=d.prefetch,
@@ -925,7 +927,8 @@ def check_input(args) -> tuple[ObjectStore, RelayConfig, tuple[str, int]]:
     except (DcrError, ValueError) as e:
         raise _BadInput(str(e)) from None
     try:
-        store = open_store(args.upstream, timeout_s=args.timeout_s, retries=args.retries)
+        given = {k: v for k, v in (("timeout_s", args.timeout_s), ("retries", args.retries)) if v is not None}
+        store = open_store(args.upstream, **given)
     except (DcrError, ValueError, TypeError, ImportError) as e:
         raise _BadInput(f"--upstream: {type(e).__name__}: {e}") from None
     return store, cfg, listen

@@ -292,6 +292,7 @@ def test_stalled_child_costs_a_socket_buffer_not_a_copy(origin):
             while sent() != before:  # until the relay's writes block on the full socket
                 before = sent()
                 time.sleep(0.3)
+            print("stalled child: sent", sent(), "of", len(big))
             assert sent() < len(big) // 2  # aiohttp drained: the rest was not pushed into buffers
             s = r.stats()
             assert s["memory_bytes"] <= len(big) + 64 and s["memory_peak_bytes"] <= cap
@@ -367,6 +368,26 @@ def test_upstream_failure_is_502_and_transient(tmp_path):
         assert resp.status == 502 and b"upstream failed" in resp.data
         with pytest.raises(StoreError, match="after 2 attempts"):  # 5xx: retried by the child's policy
             client(r.uri, retries=1).get("RUN.json")
+
+
+def test_failover_upstream_list(tmp_path):
+    """``--upstream relay://dead,ORIGIN``: the relay reads on from the origin and says so."""
+    from nemo_dcr.transport.store import open_store
+
+    origin = LocalDirStore(str(tmp_path / "origin"))
+    payload = os.urandom(1 << 20)
+    origin.put(CHUNK.format(0), payload)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"relay://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    up = open_store(f"{dead},{origin.uri}", timeout_s=2, retries=0)
+    with RelayThread(up) as r:
+        assert client(r.uri).get(CHUNK.format(0)) == payload
+        s = r.stats()
+    assert s["current_upstream"] == origin.uri
+    rows = {u["uri"]: u for u in s["upstreams"]}
+    assert rows[dead]["failures"] >= 1 and rows[dead]["is_relay"] and rows[dead]["chunk_bytes_read"] == 0
+    assert rows[origin.uri]["chunk_bytes_read"] == len(payload)
 
 
 @pytest.mark.parametrize("argv", [
