@@ -424,24 +424,28 @@ class Relay:
 
     async def _fetch(self, key: str) -> _Entry | None:
         """One object from upstream (``None``: not there): its size first (``stat``), so
-        memory is reserved before the body is read; the body with ``max_bytes`` = that."""
-        self.c["upstream_stats"] += 1
-        info = await self._up(self.store.stat, key)
-        if info is None:
-            return self._not_found(key)
-        if not self._reserve(info.size):
-            self.c["rejected"] += 1
-            raise _Overloaded(f"{key!r} ({info.size} bytes) does not fit under the memory cap now "
-                              f"({self.mem + self.reserved} of {self.cfg.max_memory_bytes} bytes in use)")
-        try:
-            self.c["upstream_fetches"] += 1
-            data, got = await self._up(self.store.get_with_info, key, max_bytes=info.size)
-        except ObjectNotFound:
-            return self._not_found(key)
-        except ObjectTooLarge as e:
-            raise StoreError(f"{key!r} changed while read: {e}", key=key, op="get") from None
-        finally:
-            self.reserved -= info.size
+        memory is reserved before the body is read; the body with ``max_bytes`` = that.
+        A mutable object replaced by a larger one in between is read again (twice at most)."""
+        for attempt in range(3):
+            self.c["upstream_stats"] += 1
+            info = await self._up(self.store.stat, key)
+            if info is None:
+                return self._not_found(key)
+            if not self._reserve(info.size):
+                self.c["rejected"] += 1
+                raise _Overloaded(f"{key!r} ({info.size} bytes) does not fit under the memory cap now "
+                                  f"({self.mem + self.reserved} of {self.cfg.max_memory_bytes} bytes in use)")
+            try:
+                self.c["upstream_fetches"] += 1
+                data, got = await self._up(self.store.get_with_info, key, max_bytes=info.size)
+                break
+            except ObjectNotFound:
+                return self._not_found(key)
+            except ObjectTooLarge as e:
+                if is_immutable(key) or attempt == 2:
+                    raise StoreError(f"{key!r} changed while read: {e}", key=key, op="get") from None
+            finally:
+                self.reserved -= info.size
         e = _Entry(key, data, got.tag, key_version(key))
         self.mem += e.size
         self._peak()
