@@ -390,6 +390,86 @@ def test_failover_upstream_list(tmp_path):
     assert rows[origin.uri]["chunk_bytes_read"] == len(payload)
 
 
+class CannedServer:
+    """A loopback server that answers every request with the same raw bytes (then closes),
+    or with nothing at all (``answer=None``: a stalled relay)."""
+
+    def __init__(self, answer: bytes | None):
+        self.answer, self.requests = answer, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.uri = f"relay://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                piece = conn.recv(65536)
+                if not piece:
+                    break
+                data += piece
+            self.requests += 1
+            if self.answer is None:
+                self._held.append(conn)
+                continue
+            conn.sendall(self.answer)
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+        for c in self._held:
+            c.close()
+
+
+@pytest.mark.parametrize("answer, error, attempts", [
+    (None, "timed out|Timeout", 2),  # stalled: connect succeeds, no answer within timeout_s
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789", "IncompleteRead|Protocol|Content-Length", 2),
+    (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 5\r\n\r\noops\n", "HTTP 500", 2),
+    (b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n", "HTTP 429", 2),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 4\r\n\r\nbad\n", "HTTP 400: bad", 1),  # not retried
+])
+def test_client_classifies_failures(answer, error, attempts):
+    srv = CannedServer(answer)
+    try:
+        c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=0.5, retries=1, backoff_s=0.01))
+        with pytest.raises(StoreError, match=error) as e:
+            c.get("RUN.json")
+        assert e.value.attempts == attempts and srv.requests == attempts
+    finally:
+        srv.close()
+
+
+def test_client_refuses_a_body_over_max_bytes():
+    """A relay that ignores max_bytes (chunked, no Content-Length) is cut at max_bytes + 1."""
+    body = b"x" * 5000
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + \
+        f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    srv = CannedServer(chunked)
+    try:
+        c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=2, retries=0))
+        with pytest.raises(ObjectTooLarge, match="grew to at least 101 bytes"):
+            c.get("RUN.json", max_bytes=100)
+        assert len(c.get("RUN.json")) == len(body)  # negative control: without the cap it reads all
+    finally:
+        srv.close()
+
+
+def test_client_uri_forms():
+    for bad in ("relay://host", "relay://h:1/path", "ftp://h:1", "relay://u@h:1", "http://h:1?x=1"):
+        with pytest.raises(ValueError):
+            RelayStore(bad)
+    assert RelayStore("https://h:8443").base == "https://h:8443/v1"
+    assert RelayStore("relay://[::1]:7000").base == "http://[::1]:7000/v1"
+    assert RelayStore("http://h:1").is_relay
+
+
 @pytest.mark.parametrize("argv", [
     [],
     ["--upstream", "/tmp/x"],
