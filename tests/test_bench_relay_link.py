@@ -1,0 +1,172 @@
+"""The pure parts of scripts/bench_relay_link.py: arguments, the relay tree, the link
+counters, the stats deltas, the hop summary and the bit-exact check with its negative
+control.  The benchmark itself needs root and network namespaces and is not run here."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_relay_link.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_relay_link", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+# ---------------------------------------------------------------- arguments
+def test_defaults(bench):
+    a = bench.parse_args([])
+    assert a.rates == [50.0, 200.0] and a.receivers == 4 and a.fanout == 2
+    assert a.topologies == ["store", "relay"] and a.steps == 2 and a.model == "link"
+
+
+@pytest.mark.parametrize("argv", [["--rates", "0,50"], ["--rates", "x"], ["--receivers", "0"],
+                                  ["--topologies", "store,mesh"], ["--topologies", "store,store"],
+                                  ["--fanout", "1"], ["--steps", "0"], ["--model", "huge"], ["--lr", "-1"]])
+def test_bad_arguments_are_exit_2(bench, argv):
+    with pytest.raises(bench.BenchError) as e:
+        bench.parse_args(argv)
+    assert e.value.exit_code == 2
+
+
+def test_refuses_without_root(bench, monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert bench.main(["--rates", "50"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the tree
+def test_tree_of_four_receivers_fanout_two(bench):
+    t = bench.relay_tree(["rx0", "rx1", "rx2", "rx3"], 2)
+    assert [(n.name, n.parent, n.children) for n in t.relays] == [
+        ("r0", None, ("r1", "r2")), ("r1", "r0", ("rx0", "rx1")), ("r2", "r0", ("rx2", "rx3"))]
+    addr = {"r0": "h:7000", "r1": "h:7001", "r2": "h:7002"}
+    assert t.upstreams("rx3", addr, "s3://b/run") == "relay://h:7002,relay://h:7000,s3://b/run"
+    assert t.upstreams("r1", addr, "s3://b/run") == "relay://h:7000,s3://b/run"
+    assert t.upstreams("r0", addr, "s3://b/run") == "s3://b/run"
+
+
+@pytest.mark.parametrize("n,fanout", [(1, 1), (1, 2), (3, 2), (4, 4), (5, 2), (9, 3), (16, 2)])
+def test_tree_shape(bench, n, fanout):
+    rx = [f"rx{i}" for i in range(n)]
+    t = bench.relay_tree(rx, fanout)
+    roots = [r for r in t.relays if r.parent is None]
+    assert len(roots) == 1 and t.relays[0] is roots[0]
+    assert all(len(r.children) <= fanout for r in t.relays)
+    assert sorted(t.receiver_parent) == sorted(rx)
+    seen = set()
+    for r in t.relays:  # a parent starts before its children
+        assert r.parent is None or r.parent in seen
+        seen.add(r.name)
+    for x in rx:  # every receiver's chain ends at the root
+        assert t.ancestors(x)[-1] == "r0"
+
+
+def test_tree_refuses_fanout_one_over_many(bench):
+    with pytest.raises(ValueError):
+        bench.relay_tree(["a", "b"], 1)
+
+
+# ---------------------------------------------------------------- counters
+TC = """class htb 1:10 root prio 0 rate 50Mbit ceil 50Mbit burst 1600b cburst 1600b
+ Sent 123456789 bytes 90123 pkt (dropped 0, overlimits 4 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+
+
+def test_tc_class_sent(bench):
+    assert bench.tc_class_sent(TC) == 123456789
+    with pytest.raises(bench.BenchError):
+        bench.tc_class_sent(TC, "1:20")
+
+
+def test_counter_log_interpolates_and_finds_the_busy_span(bench):
+    log = bench.CounterLog()
+    for t, v in [(0.0, 0), (1.0, 100), (2.0, 100 + 10 ** 6), (3.0, 100 + 3 * 10 ** 6), (4.0, 3 * 10 ** 6 + 200)]:
+        log.add(t, v)
+    assert log.at(-1) == 0 and log.at(9) == 3 * 10 ** 6 + 200
+    assert log.at(0.5) == 50
+    assert log.delta(1.0, 3.0) == 3 * 10 ** 6
+    assert log.busy_span(0.0, 4.0) == (2.0, 3 * 10 ** 6)  # the 100-byte polls are not busy
+    assert log.busy_span(0.0, 1.0) is None
+    with pytest.raises(ValueError):
+        log.add(3.5, 0)
+
+
+def test_stats_delta_keys_upstreams_by_uri(bench):
+    before = {"requests": 3, "upstreams": [{"uri": "s3://b/run", "chunk_bytes_read": 10, "bytes_read": 50}],
+              "versions": [1], "sending": []}
+    after = {"requests": 9, "upstreams": [{"uri": "s3://b/run", "chunk_bytes_read": 1010, "bytes_read": 1100}],
+             "versions": [1, 2], "sending": [{"key": "k", "size": 1, "sent": 0}]}
+    d = bench.stats_delta(before, after)
+    assert d == {"requests": 6, "upstreams.s3://b/run.bytes_read": 1050, "upstreams.s3://b/run.chunk_bytes_read": 1000}
+    assert bench.origin_chunk_bytes(d, "s3://b/run") == 1000
+    assert bench.origin_chunk_bytes(d, "s3://other") is None
+
+
+def test_summarize_hops(bench):
+    rows = []
+    for m in (50.0, 200.0):
+        per_mb = 8 / m  # seconds per MB at the rate, goodput = the rate
+        for path, extra in (("origin", 0.0), ("root", 0.01), ("leaf", 0.02)):
+            rows.append({"link_mbit": m, "path": path, "bytes": 4096, "seconds": [0.002 + extra / 10] * 3})
+            rows.append({"link_mbit": m, "path": path, "bytes": 1_004_096,
+                         "seconds": [0.002 + per_mb + extra] * 3})
+    h = bench.summarize_hops(rows, 1 << 20)
+    assert h["link_efficiency"] == pytest.approx(1.0)
+    assert h["relay_hop_fixed_s"] == pytest.approx(0.001)
+    assert h["relay_hop_chunk_s"] == pytest.approx(0.01)
+    assert h["relay_hop_goodput_gbps"] == pytest.approx(1e6 / 0.009 / 1e9)
+
+
+# ---------------------------------------------------------------- bit-exactness
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+            "b.weight": torch.randn(128, generator=g).to(torch.bfloat16)}
+
+
+def test_verify_equal_and_negative_control(bench):
+    ref = _state()
+    got = {k: v.clone() for k, v in ref.items()}
+    v = bench.verify(got, ref, negative_control=True)
+    assert v["bit_exact"] and v["compared"] == 2 and v["negative_control"] == "detected"
+    assert torch.equal(got["a.weight"].view(torch.int16), ref["a.weight"].view(torch.int16))  # the copy was flipped
+
+
+def test_verify_sees_one_bit_and_signed_zero(bench):
+    ref = _state()
+    got = {k: v.clone() for k, v in ref.items()}
+    got["b.weight"].view(torch.int16)[5] ^= 1
+    assert bench.verify(got, ref, negative_control=False)["differing"] == ["b.weight"]
+    z = {"z": torch.zeros(4, dtype=torch.bfloat16)}
+    assert bench.bit_differences({"z": -z["z"]}, z) == ["z"]  # -0.0 == 0.0 as floats, not as bits
+    assert bench.bit_differences({"z": z["z"].float()}, z) == ["z"]  # dtype first
+    assert bench.bit_differences({}, z) == ["z"]
+
+
+def test_read_persistent_weights_round_trip(bench, tmp_path):
+    from nemo_dcr.runtimes.persistent import bind_persistent
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+    bind_persistent(model, str(tmp_path), "run-1")
+    with torch.no_grad():
+        model[0].weight.view(-1)[3] = 7.0  # an in-place write lands in the mapped file
+    got = bench.read_persistent_weights(str(tmp_path))
+    ref = {k: v.detach().clone() for k, v in model.named_parameters()}
+    assert bench.bit_differences(got, ref) == []
+    assert json.loads((tmp_path / "weights.json").read_text())["run_id"] == "run-1"
