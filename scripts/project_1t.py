@@ -8,8 +8,10 @@ time for two transports:
   s3     object storage: the trainer ranks upload chunks; every receiver replica downloads
          all of them (the store's egress is unlimited unless --s3-egress-gbps caps it)
   relay  a relay tree: the trainer uploads once to the root replica; every replica forwards
-         what it receives to ``--fanout`` children.  The relay transport does not exist in
-         nemo_dcr yet; this only models the link use.
+         what it receives to ``--fanout`` children (``nemo-dcr relay``, docs/relay.md).  The
+         relay rows use the relay's per-hop rates measured by scripts/bench_relay_link.py
+         (benchmarks/results/relay_link.json, "hops"): the link's goodput as a share of its
+         nominal rate, a relay's forwarding goodput, and the fixed delay a relay hop adds.
 
 Sizes (GB = 1e9 bytes): D = params x elem_bytes parameter bytes, N = changed x params
 changed elements, W = b x N wire bytes (b: bytes per changed element of the format).
@@ -22,10 +24,13 @@ Stage times (each the time for the whole refit at that stage's aggregate rate):
   (diff on CPU: one stage "diff + encode" = D / C_t x (1/r_diff_cpu + 1/r_enc); no d2h)
   s3:    upload    W / B_up                          B_up: trainer uplink, aggregate
          download  W / min(n_r x B_down, B_s3 / R)   per replica, all replicas at once
-  relay: upload    W / min(B_up, n_r x B_down)       trainer -> root replica
-         hop i     W / (n_r x B_down / f)            a replica's uplink (n_r x B_down, full
-                                                     duplex) split over its f children;
+  relay: upload    W / (e x min(B_up, n_r x B_down)) trainer -> root replica
+         hop i     W f / min(e x n_r x B_down,       a replica's uplink (n_r x B_down, full
+                         n_r x r_relay)              duplex) or its n_r relays' forwarding
+                                                     rate, split over its f children;
                                                      L - 1 hops for L tree levels
+         relay latency  L x d_hop                    every level's relay adds its fixed delay
+                                                     once (added to the wall, not pipelined)
   decode + apply  D / C_r x (1/r_dec + 1/r_apply)    C_r cores per replica do both, so
                                                      their times add
 
@@ -33,7 +38,8 @@ Stages on different resources overlap: chunks stream through them (the sender cu
 chunks of --chunk-bytes raw records, 10 bytes per changed BF16 element).  With m chunks
 per emitting rank, one "wave" (one chunk per rank) takes T_s / m at stage s, and
 
-  wall = max_s T_s + (sum_s T_s - max_s T_s) / m,    m = max(1, N (8 + w) / (G x chunk_bytes))
+  wall = max_s T_s + (sum_s T_s - max_s T_s) / m + latency,
+  m = max(1, N (8 + w) / (G x chunk_bytes))
 
 i.e. the slowest stage plus the time the first wave needs to reach it and the last wave
 to leave the others (fill latency).  The slowest stage is named as dominating.
@@ -51,6 +57,13 @@ Rates and where they come from (each printed with its source; any can be overrid
   r_apply          benchmarks/results/vllm_apply.json (TP=1: checkpoint bytes / median
                    apply, divided by the VM's cores), else refit.json (transformers
                    receiver), else an ASSUMPTION
+  e, r_relay, d_hop  benchmarks/results/relay_link.json "hops" (the hop probe of
+                   scripts/bench_relay_link.py): e = the shaped link's measured goodput /
+                   its nominal rate (median over the rates), r_relay = one relay hop's
+                   goodput for a chunk-sized object on the unshaped far-side network (one
+                   stream, one relay process on the VM), d_hop = the delay one relay hop
+                   adds to a small object.  Without the file: e = 1, no relay cap, no delay
+                   (link arithmetic only), each labelled an ASSUMPTION
 
 Ignored: request latency and per-object limits of the store, TCP ramp-up, the commit
 round trip (manifest, acks, decision), memory pressure, stragglers, and skew between
@@ -154,6 +167,12 @@ class Rates:
     diff_gpu: Rate
     d2h: Rate
     apply: Rate
+    link_efficiency: Rate
+    """Measured goodput / nominal rate of the inter-cluster link (relay rows)."""
+    relay_hop: Rate
+    """GB/s one relay process forwards (0: no cap, link arithmetic only)."""
+    relay_latency: Rate
+    """Seconds one relay hop adds to an object, whatever its size."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,8 @@ class Projection:
     wire_bytes: float
     waves: float
     tree_levels: int | None = None
+    latency_s: float = 0.0
+    """Fixed delays added to the pipelined wall (the relay levels' per-hop delay)."""
 
 
 # ---- rates from the result files -----------------------------------------------------------------
@@ -263,6 +284,30 @@ def apply_rate(vllm: dict | None, refit: dict | None) -> Rate:
                 assumed=True)
 
 
+def relay_rates(relay: dict | None) -> tuple[Rate, Rate, Rate]:
+    """Link efficiency, relay forwarding rate and per-hop delay from relay_link.json's
+    ``hops`` (scripts/bench_relay_link.py), each an ASSUMPTION when not measured."""
+    hops = (relay or {}).get("hops") or {}
+    where = "relay_link.json hop probe"
+    if hops.get("link_efficiency"):
+        rates = ", ".join(f"{x['link_mbit']:g} Mbit/s: {x['goodput_mbit']:.1f}" for x in hops.get("link", []))
+        eff = Rate(hops["link_efficiency"], f"{where}: S3 GET goodput / nominal link rate, median ({rates})")
+    else:
+        eff = Rate(1.0, "ASSUMPTION (no relay_link.json): links run at their nominal rate", assumed=True)
+    if hops.get("relay_hop_goodput_gbps") and hops.get("relay_hop_fixed_s") is not None:
+        n = hops.get("relay_hop_samples", "?")
+        size = hops.get("probe_chunk_bytes", 0) / 2 ** 20
+        fwd = Rate(hops["relay_hop_goodput_gbps"],
+                   f"{where}: one relay hop's goodput for a {size:g} MiB object (added time minus the fixed delay; "
+                   f"one stream, one relay process, unshaped far-side network of the 2-core VM; median of {n})")
+        lat = Rate(max(hops["relay_hop_fixed_s"], 0.0),
+                   f"{where}: delay one relay hop adds to a {hops.get('probe_small_bytes', 0)} B object, median of {n}")
+    else:
+        fwd = Rate(0.0, "ASSUMPTION (no relay hop measurement): relays forward at link speed", assumed=True)
+        lat = Rate(0.0, "ASSUMPTION (no relay hop measurement): a relay hop adds no delay", assumed=True)
+    return eff, fwd, lat
+
+
 def load_rates(results: pathlib.Path, dep: Deployment, overrides: dict[str, float | None]) -> tuple[Rates, list[str]]:
     codec = _load(results / "codec.json")
     if codec is None:
@@ -275,13 +320,17 @@ def load_rates(results: pathlib.Path, dep: Deployment, overrides: dict[str, floa
         if dep.diff_on == "cpu" and overrides.get("diff_cpu") is None:
             raise
         diff_cpu = Rate(0.0, "no bench_xor.json (unused: the diff runs on the GPU)", assumed=True)
+    eff, fwd, lat = relay_rates(_load(results / "relay_link.json"))
     rates = Rates(bytes_per_changed=b, encode=enc, decode=dec, diff_cpu=diff_cpu, diff_gpu=diff_gpu, d2h=d2h,
-                  apply=apply_rate(_load(results / "vllm_apply.json"), _load(results / "refit.json")))
+                  apply=apply_rate(_load(results / "vllm_apply.json"), _load(results / "refit.json")),
+                  link_efficiency=eff, relay_hop=fwd, relay_latency=lat)
     for name, v in overrides.items():
         if v is not None:
-            if v <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
-            flag = "--bytes-per-changed" if name == "bytes_per_changed" else f"--{name.replace('_', '-')}-gbps"
+            flag = RATE_FLAGS[name]
+            if v < 0 or (v == 0 and name != "relay_latency"):
+                raise ValueError(f"{flag} must be positive")
+            if name == "link_efficiency" and v > 1:
+                raise ValueError(f"{flag} must be at most 1")
             rates = replace(rates, **{name: Rate(v, f"{flag} (command line)")})
     return rates, formats
 
@@ -315,6 +364,7 @@ def project(dep: Deployment, r: Rates, transport: str) -> Projection:
         parts = {"diff": D / (Ct * r.diff_cpu.value * gb), "encode": D / (Ct * r.encode.value * gb)}
         stages.append(Stage("diff + encode (CPU)", sum(parts.values()), "D / C_t (1/r_diff_cpu + 1/r_enc)", parts))
     levels = None
+    latency = 0.0
     if transport == "s3":
         stages.append(Stage("upload", W / (dep.trainer_uplink_gbps * gb), "W / B_up"))
         down = node_bw
@@ -325,11 +375,16 @@ def project(dep: Deployment, r: Rates, transport: str) -> Projection:
         stages.append(Stage("download", W / down, eq))
     elif transport == "relay":
         levels = tree_levels(dep.receivers, dep.fanout)
-        stages.append(Stage("upload to root", W / min(dep.trainer_uplink_gbps * gb, node_bw),
-                            "W / min(B_up, n_r B_down)"))
-        hop = W / (node_bw / dep.fanout)
+        e = r.link_efficiency.value
+        stages.append(Stage("upload to root", W / (e * min(dep.trainer_uplink_gbps * gb, node_bw)),
+                            "W / (e min(B_up, n_r B_down))"))
+        out_bw, eq = e * node_bw, "W f / (e n_r B_down)"
+        if r.relay_hop.value and dep.receiver_nodes * r.relay_hop.value * gb < out_bw:
+            out_bw, eq = dep.receiver_nodes * r.relay_hop.value * gb, "W f / (n_r r_relay)"
+        hop = W * dep.fanout / out_bw
         for i in range(1, levels):
-            stages.append(Stage(f"relay hop {i}", hop, "W f / (n_r B_down)"))
+            stages.append(Stage(f"relay hop {i}", hop, eq))
+        latency = levels * r.relay_latency.value
     else:
         raise ValueError(f"unknown transport {transport!r}")
     parts = {"decode": D / (Cr * r.decode.value * gb), "apply": D / (Cr * r.apply.value * gb)}
@@ -337,8 +392,8 @@ def project(dep: Deployment, r: Rates, transport: str) -> Projection:
     waves = max(1.0, raw / (G * dep.chunk_bytes))
     slow = max(stages, key=lambda s: s.seconds)
     fill = (sum(s.seconds for s in stages) - slow.seconds) / waves
-    return Projection(transport=transport, stages=stages, wall_s=slow.seconds + fill, fill_s=fill,
-                      dominating=slow.name, wire_bytes=W, waves=waves, tree_levels=levels)
+    return Projection(transport=transport, stages=stages, wall_s=slow.seconds + fill + latency, fill_s=fill,
+                      dominating=slow.name, wire_bytes=W, waves=waves, tree_levels=levels, latency_s=latency)
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -362,7 +417,8 @@ def print_report(dep: Deployment, rates: Rates, projs: dict[str, Projection], fo
     print(f"trainer: {dep.trainer_gpus} GPUs, diff on {dep.diff_on}, {dep.trainer_cores} cores encoding, uplink "
           f"{dep.trainer_uplink_gbps:g} GB/s; {dep.receivers} receiver replicas x {dep.receiver_nodes} nodes "
           f"({dep.receiver_downlink_gbps:g} GB/s each), {dep.receiver_cores} cores decode + apply per replica")
-    print("\nrates (GB/s of parameter bytes per core, per GPU for diff_gpu and d2h):")
+    print("\nrates (GB/s of parameter bytes per core, per GPU for diff_gpu and d2h; link_efficiency a fraction, "
+          "relay_hop GB/s per relay process, relay_latency seconds per hop):")
     for f in fields(rates):
         r = getattr(rates, f.name)
         print(f"  {f.name:18s} {r.value:10.4g}   {r.source}")
@@ -382,6 +438,7 @@ def print_report(dep: Deployment, rates: Rates, projs: dict[str, Projection], fo
         print(f"{n:22s}" + "".join(f" | {c}" for c in cells))
     print("-" * (22 + 29 * len(projs)))
     print(f"{'fill latency':22s}" + "".join(f" | {_fmt_s(pr.fill_s):>26s}" for pr in projs.values()))
+    print(f"{'relay latency':22s}" + "".join(f" | {_fmt_s(pr.latency_s):>26s}" for pr in projs.values()))
     print(f"{'wall (pipelined)':22s}" + "".join(f" | {_fmt_s(pr.wall_s):>26s}" for pr in projs.values()))
     print(f"{'dominating stage':22s}" + "".join(f" | {pr.dominating:>26s}" for pr in projs.values()))
     for s in next(iter(projs.values())).stages:
@@ -426,12 +483,15 @@ def plot(projs: dict[str, Projection], dep: Deployment, path: pathlib.Path) -> N
 
 RATE_FLAGS = {"bytes_per_changed": "--bytes-per-changed", "encode": "--encode-gbps", "decode": "--decode-gbps",
               "diff_cpu": "--diff-cpu-gbps", "diff_gpu": "--diff-gpu-gbps", "d2h": "--d2h-gbps",
-              "apply": "--apply-gbps"}
+              "apply": "--apply-gbps", "link_efficiency": "--link-efficiency", "relay_hop": "--relay-hop-gbps",
+              "relay_latency": "--relay-latency-s"}
 
 
 RATE_UNITS = {"bytes_per_changed": "bytes per changed element", "encode": "rate, GB/s per core",
               "decode": "rate, GB/s per core", "diff_cpu": "rate, GB/s per core", "diff_gpu": "rate, GB/s per GPU",
-              "d2h": "rate, GB/s of diff output per GPU", "apply": "rate, GB/s per core"}
+              "d2h": "rate, GB/s of diff output per GPU", "apply": "rate, GB/s per core",
+              "link_efficiency": "share of the nominal link rate (0-1]", "relay_hop": "rate, GB/s per relay process",
+              "relay_latency": "delay per relay hop, seconds (0: none)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"command": "scripts/project_1t.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "model": "wall = max_s T_s + (sum_s T_s - max_s T_s) / m; see the script's docstring",
+           "model": "wall = max_s T_s + (sum_s T_s - max_s T_s) / m + latency; see the script's docstring",
            "deployment": asdict(dep), "rates": {f.name: asdict(getattr(rates, f.name)) for f in fields(rates)},
            "projections": {t: asdict(p) for t, p in projs.items()}, "published": published,
            "formats": formats_cmp}

@@ -113,3 +113,45 @@ def test_missing_or_wrong_inputs_exit_2(p1t, tmp_path):
                                                      (22, 4, 4), (3, 1, 3)])
 def test_tree_levels(p1t, receivers, fanout, levels):
     assert p1t.tree_levels(receivers, fanout) == levels
+
+
+def _relay_link(d, *, efficiency: float, hop_gbps: float, fixed_s: float) -> None:
+    """relay_link.json's "hops" as scripts/bench_relay_link.py writes it."""
+    hops = {"probe_small_bytes": 4096, "probe_chunk_bytes": 1 << 20, "chunk_bytes": 1 << 20,
+            "link": [{"link_mbit": 50.0, "goodput_mbit": 50 * efficiency, "efficiency": efficiency}],
+            "link_efficiency": efficiency, "relay_hop_fixed_s": fixed_s, "relay_hop_chunk_s": 0.01,
+            "relay_hop_goodput_gbps": hop_gbps, "relay_hop_samples": 4}
+    (d / "relay_link.json").write_text(json.dumps({"cases": [], "hops": hops}))
+
+
+def test_relay_rows_use_the_measured_hop_rates(p1t, tmp_path):
+    write_results(tmp_path / "res")
+    plain = run(p1t, tmp_path)
+    for name in ("link_efficiency", "relay_hop", "relay_latency"):  # no relay_link.json: link arithmetic only
+        assert plain["rates"][name]["assumed"] and "ASSUMPTION" in plain["rates"][name]["source"]
+    assert plain["projections"]["relay"]["latency_s"] == 0
+
+    _relay_link(tmp_path / "res", efficiency=0.5, hop_gbps=0.002, fixed_s=0.25)
+    res = run(p1t, tmp_path)
+    assert res["rates"]["relay_hop"]["source"].startswith("relay_link.json")
+    assert not res["rates"]["link_efficiency"]["assumed"]
+    relay, s3 = res["projections"]["relay"], res["projections"]["s3"]
+    W, dep = relay["wire_bytes"], res["deployment"]
+    up = next(s for s in relay["stages"] if s["name"] == "upload to root")
+    assert up["seconds"] == pytest.approx(W / (0.5 * 1e9))  # the 1 GB/s uplink at half its rate
+    hop = next(s for s in relay["stages"] if s["name"] == "relay hop 1")
+    # 4 nodes x 2 MB/s forwarding is below 4 x 12.5 GB/s x 0.5: the relays cap the hop
+    assert hop["seconds"] == pytest.approx(W * dep["fanout"] / (dep["receiver_nodes"] * 0.002e9))
+    assert hop["equation"] == "W f / (n_r r_relay)" and relay["dominating"] == "relay hop 1"
+    assert relay["latency_s"] == pytest.approx(relay["tree_levels"] * 0.25)
+    t = [s["seconds"] for s in relay["stages"]]
+    assert relay["wall_s"] == pytest.approx(max(t) + (sum(t) - max(t)) / relay["waves"] + relay["latency_s"])
+    assert s3 == plain["projections"]["s3"]  # the store's rows do not use the relay's rates
+
+    _relay_link(tmp_path / "res", efficiency=0.9, hop_gbps=1000.0, fixed_s=0.0)  # a fast relay: the links cap
+    hop = next(s for s in run(p1t, tmp_path)["projections"]["relay"]["stages"] if s["name"] == "relay hop 1")
+    assert hop["equation"] == "W f / (e n_r B_down)"
+    res = run(p1t, tmp_path, "--relay-hop-gbps", "0.001", "--link-efficiency", "1")  # overrides win
+    assert res["rates"]["relay_hop"]["source"].startswith("--relay-hop-gbps")
+    assert p1t.main(["--results", str(tmp_path / "res"), "--out", str(tmp_path / "out"),
+                     "--link-efficiency", "1.5"]) == 2
