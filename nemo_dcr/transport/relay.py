@@ -127,7 +127,7 @@ class _Entry:
     in the immutable cache; ``fresh``: a mutable object within its coalescing window.
     An entry in neither is released when its last pin goes."""
 
-    __slots__ = ("key", "size", "tag", "version", "data", "path", "pins", "cached", "fresh")
+    __slots__ = ("key", "size", "tag", "version", "data", "path", "pins", "cached", "fresh", "served")
 
     def __init__(self, key: str, data: bytes, tag: str, version: int | None):
         self.key, self.size, self.tag, self.version = key, len(data), tag, version
@@ -136,6 +136,7 @@ class _Entry:
         self.pins = 0
         self.cached = False
         self.fresh = False
+        self.served = False  # asked for by a child at least once (a prefetch evicts only those)
 
 
 class _NotFound(Exception):
@@ -147,11 +148,12 @@ class _Overloaded(Exception):
 
 
 class _Flight:
-    __slots__ = ("task", "waiters")
+    __slots__ = ("task", "waiters", "wanted")
 
     def __init__(self) -> None:
         self.task: asyncio.Task | None = None
         self.waiters = 0
+        self.wanted = asyncio.Event()  # a child waits on it: a queued prefetch goes now
 
 
 class Relay:
@@ -248,10 +250,11 @@ class Relay:
         self.c["memory_peak_bytes"] = max(self.c["memory_peak_bytes"], self.mem + self.reserved)
         self.c["spool_peak_bytes"] = max(self.c["spool_peak_bytes"], self.spool)
 
-    def _reserve(self, n: int) -> bool:
+    def _reserve(self, n: int, *, prefetch: bool = False) -> bool:
         """Room for ``n`` more bytes in memory, making it by evicting unpinned cached
         objects (least recently used first: those on the spool only leave memory, the
-        others are dropped)."""
+        others are dropped).  A prefetch drops no object that no child has asked for yet
+        (it would evict what it fetched ahead for another prefetch)."""
         cap = self.cfg.max_memory_bytes
         if n > cap:
             return False
@@ -259,7 +262,7 @@ class Relay:
             for e in list(self._cache.values()):
                 if self.mem + self.reserved + n <= cap:
                     break
-                if e.data is None or e.pins:
+                if e.data is None or e.pins or (prefetch and e.path is None and not e.served):
                     continue
                 self.c["memory_evictions"] += 1
                 if e.path is not None:
@@ -387,7 +390,7 @@ class Relay:
             self.c["upstream_failures"] += 1
             raise
 
-    def _flight(self, kind: str, key: str, make: Callable[[], Awaitable]) -> _Flight:
+    def _flight(self, kind: str, key: str, make: Callable[[_Flight], Awaitable]) -> _Flight:
         fl = self._flights.get((kind, key))
         if fl is not None:
             self.c["coalesced"] += 1
@@ -396,7 +399,7 @@ class Relay:
 
         async def run():
             try:
-                result = await make()
+                result = await make(fl)
             finally:
                 del self._flights[(kind, key)]  # nobody joins a finished flight
             if isinstance(result, _Entry):
@@ -411,6 +414,7 @@ class Relay:
     async def _join(self, fl: _Flight) -> Any:
         """The flight's result; an ``_Entry`` comes pinned for the caller."""
         fl.waiters += 1
+        fl.wanted.set()
         try:
             return await asyncio.shield(fl.task)
         except asyncio.CancelledError:
@@ -422,7 +426,7 @@ class Relay:
                 fl.waiters -= 1
             raise
 
-    async def _fetch(self, key: str) -> _Entry | None:
+    async def _fetch(self, key: str, *, prefetch: bool = False) -> _Entry | None:
         """One object from upstream (``None``: not there): its size first (``stat``), so
         memory is reserved before the body is read; the body with ``max_bytes`` = that.
         A mutable object replaced by a larger one in between is read again (twice at most)."""
@@ -431,7 +435,7 @@ class Relay:
             info = await self._up(self.store.stat, key)
             if info is None:
                 return self._not_found(key)
-            if not self._reserve(info.size):
+            if not self._reserve(info.size, prefetch=prefetch):
                 self.c["rejected"] += 1
                 raise _Overloaded(f"{key!r} ({info.size} bytes) does not fit under the memory cap now "
                                   f"({self.mem + self.reserved} of {self.cfg.max_memory_bytes} bytes in use)")
@@ -475,6 +479,7 @@ class Relay:
             self._cache.move_to_end(key)
             self.c["cache_hits"] += 1
             e.pins += 1
+            e.served = True
             return e
         fresh = self._fresh.get(key)
         if fresh is not None and fresh[0] > now:
@@ -483,9 +488,10 @@ class Relay:
                 raise _NotFound(key)
             fresh[1].pins += 1
             return fresh[1]
-        e = await self._join(self._flight("get", key, lambda: self._fetch(key)))
+        e = await self._join(self._flight("get", key, lambda fl: self._fetch(key)))
         if e is None:
             raise _NotFound(key)
+        e.served = True
         return e
 
     async def stat(self, key: str) -> ObjectInfo | None:
@@ -506,7 +512,7 @@ class Relay:
             self._fresh_stat[key] = (self._loop.time() + self._window, info)
             return info
 
-        return await self._join(self._flight("stat", key, fetch))
+        return await self._join(self._flight("stat", key, lambda fl: fetch()))
 
     async def list(self, prefix: str) -> list[str]:
         hit = self._fresh_list.get(prefix)
@@ -521,7 +527,7 @@ class Relay:
             self._cut_through(keys)
             return keys
 
-        return await self._join(self._flight("list", prefix, fetch))
+        return await self._join(self._flight("list", prefix, lambda fl: fetch()))
 
     def _cut_through(self, keys: list[str]) -> None:
         """Start fetching every chunk a list revealed that the relay neither holds nor is
@@ -536,14 +542,28 @@ class Relay:
             self.c["prefetch_started"] += 1
             self._flight("get", key, functools.partial(self._prefetch, key))
 
-    async def _prefetch(self, key: str) -> _Entry | None:
-        async with self._prefetch_sem:
-            try:
-                e = await self._fetch(key)
-            except Exception as exc:  # noqa: BLE001 - counted; a child's GET tries again
-                self.c["prefetch_failed"] += 1
+    async def _prefetch(self, key: str, fl: _Flight) -> _Entry | None:
+        """A cut-through fetch: ``prefetch`` at a time, unless a child asks for the key
+        while it is queued (then it goes at once: a child never waits behind the queue)."""
+        slot = asyncio.ensure_future(self._prefetch_sem.acquire())
+        wanted = asyncio.ensure_future(fl.wanted.wait())
+        try:
+            await asyncio.wait({slot, wanted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wanted.cancel()
+            if not slot.done():
+                slot.cancel()
+        holding = slot.done() and not slot.cancelled()
+        try:
+            e = await self._fetch(key, prefetch=not fl.waiters)
+        except Exception as exc:  # noqa: BLE001 - counted; a child's GET tries again
+            self.c["prefetch_failed"] += 1
+            if not isinstance(exc, _Overloaded):
                 self._log({"relay": "prefetch_failed", "key": key, "error": _one_line(exc)})
-                raise
+            raise
+        finally:
+            if holding:
+                self._prefetch_sem.release()
         self.c["prefetched"] += 1
         return e
 

@@ -32,12 +32,13 @@ CHUNK = "v/00000001/chunks/r000-{:05d}.dcr"
 
 class CountingStore:
     """An origin that counts its calls per (op, key); ``gate`` (an Event) holds every
-    get until it is set."""
+    get (of the keys in ``gated``, when given) until it is set."""
 
     def __init__(self, inner):
         self.inner, self.uri = inner, inner.uri
         self.calls: Counter = Counter()
         self.gate: threading.Event | None = None
+        self.gated: set[str] | None = None
         self._lock = threading.Lock()
 
     def _count(self, op, key):
@@ -50,7 +51,7 @@ class CountingStore:
 
     def get_with_info(self, key, *, max_bytes=None):
         self._count("get", key)
-        if self.gate is not None:
+        if self.gate is not None and (self.gated is None or key in self.gated):
             assert self.gate.wait(30)
         return self.inner.get_with_info(key, max_bytes=max_bytes)
 
@@ -158,6 +159,44 @@ def test_cut_through_fetches_listed_chunks_before_any_child_asks(origin):
         origin.inner.put("v/00000001/MANIFEST.json", b"{}")
         c.list("v/00000001/")
         assert r.stats()["prefetch_started"] == len(payloads)
+
+
+def test_a_child_never_waits_behind_the_prefetch_queue(origin):
+    payloads = {CHUNK.format(i): os.urandom(1000 + i) for i in range(4)}
+    for k, v in payloads.items():
+        origin.inner.put(k, v)
+    origin.gate, origin.gated = threading.Event(), {CHUNK.format(0)}
+    with RelayThread(origin, RelayConfig(prefetch=1)) as r:
+        try:
+            client(r.uri).list("v/00000001/chunks/")
+            wait_for(lambda: origin.calls["get", CHUNK.format(0)] == 1, "the first prefetch to hold the one slot")
+            assert origin.ops("get") == 1  # the others are queued behind it
+            with ThreadPoolExecutor(1) as pool:  # a child asks for a queued one: it goes at once
+                assert pool.submit(client(r.uri).get, CHUNK.format(3)).result(10) == payloads[CHUNK.format(3)]
+            assert origin.calls["get", CHUNK.format(0)] == 1 and origin.calls["get", CHUNK.format(3)] == 1
+            assert origin.calls["get", CHUNK.format(1)] == 0  # still queued: the slot is held
+        finally:
+            origin.gate.set()
+        wait_for(lambda: r.stats()["prefetched"] == 4, "the queue to drain")
+        assert origin.ops("get") == 4
+
+
+def test_prefetch_does_not_evict_what_no_child_has_read(origin):
+    """Without a spool, cut-through fills memory once and then stops (prefetches that do
+    not fit fail) instead of evicting its own unread work: no chunk crosses twice."""
+    payloads = {CHUNK.format(i): os.urandom(1 << 20) for i in range(6)}
+    for k, v in payloads.items():
+        origin.inner.put(k, v)
+    cap = (3 << 20) + (1 << 19)
+    with RelayThread(origin, RelayConfig(max_memory_bytes=cap, prefetch=1)) as r:
+        c = client(r.uri)
+        c.list("v/00000001/chunks/")
+        wait_for(lambda: r.stats()["prefetched"] + r.stats()["prefetch_failed"] == 6, "the prefetches")
+        assert r.stats()["prefetched"] == 3 and r.stats()["prefetch_failed"] == 3
+        for k, v in payloads.items():
+            assert c.get(k) == v
+        assert {origin.calls["get", k] for k in payloads} == {1}
+        assert r.stats()["memory_peak_bytes"] <= cap
 
 
 def test_two_level_tree_serves_identical_bytes(origin):
