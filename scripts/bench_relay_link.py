@@ -326,14 +326,15 @@ def bit_differences(received: dict, reference: dict) -> list[str]:
     return out
 
 
-def read_persistent_weights(state_dir: str) -> dict:
+def read_persistent_weights(weights_dir: str) -> dict:
     """A receiver's parameters as stored by ``--persistent-weights`` (``weights.json``'s
-    layout over ``weights.bin``); read-only copies of the bytes on disk / in the page cache."""
+    layout over ``weights.bin`` in ``<state dir>/weights``): copies of the bytes in the
+    shared mapping (the page cache), which the receiver's model writes in place."""
     import torch
 
-    with open(os.path.join(state_dir, "weights.json")) as f:
+    with open(os.path.join(weights_dir, "weights.json")) as f:
         layout = json.load(f)["layout"]
-    with open(os.path.join(state_dir, "weights.bin"), "rb") as f:
+    with open(os.path.join(weights_dir, "weights.bin"), "rb") as f:
         raw = f.read()
     out = {}
     for e in layout:
@@ -566,29 +567,36 @@ def case_entry(topology: str, mbit: float, receivers: int, refits: list[dict]) -
 
 
 def summarize_hops(probe: list[dict], chunk_bytes: int) -> dict:
-    """Per-hop rates from the hop probe rows ({link_mbit, path, bytes, seconds: [...]}):
-    the link's goodput (the chunk-sized GET from the origin), and what each relay hop adds
-    (the leaf relay's path has one more hop than the root relay's, which has one more than
-    the origin's): its fixed delay (small object) and the store-and-forward time of a chunk;
-    medians over the rates for the intra-cluster hops, which the link rate does not shape."""
-    med = {(r["link_mbit"], r["path"], r["bytes"]): statistics.median(r["seconds"]) for r in probe}
+    """Per-hop rates from the hop probe rows ({link_mbit, path, bytes, seconds: [...]}, the
+    i-th seconds of every path and size measured in the same round): the link's goodput
+    (chunk-sized minus small GET from the origin), and what each relay hop adds (the leaf
+    relay's path has one more hop than the root relay's, which has one more than the
+    origin's): its fixed delay (small object) and the time of a chunk.  Differences are
+    paired by round, then the median is taken (over the rounds, and over the rates for the
+    relay hops, which the link rate does not shape).  A hop whose chunk costs no more than
+    its fixed delay has no measurable goodput (None)."""
+    by = {(r["link_mbit"], r["path"], r["bytes"]): r["seconds"] for r in probe}
     rates = sorted({r["link_mbit"] for r in probe})
     sizes = sorted({r["bytes"] for r in probe})
     if len(sizes) < 2:
         raise ValueError("the hop probe needs a small and a chunk-sized object")
     small, big = sizes[0], sizes[-1]
+
+    def paired(a: list[float] | None, b: list[float] | None) -> list[float]:
+        return [y - x for x, y in zip(a, b)] if a and b else []
+
     links, hop_fixed, hop_chunk = [], [], []
     for m in rates:
-        t = {(p, s): med.get((m, p, s)) for p in ("origin", "root", "leaf") for s in (small, big)}
-        if t[("origin", big)] is not None:
-            g = (big - small) * 8 / max(t[("origin", big)] - t[("origin", small)], 1e-9) / 1e6
+        t = {(p, s): by.get((m, p, s)) for p in ("origin", "root", "leaf") for s in (small, big)}
+        d = paired(t[("origin", small)], t[("origin", big)])
+        if d:
+            g = (big - small) * 8 / max(statistics.median(d), 1e-9) / 1e6
             links.append({"link_mbit": m, "goodput_mbit": g, "efficiency": g / m,
-                          "get_small_s": t[("origin", small)], "get_chunk_s": t[("origin", big)]})
+                          "get_small_s": statistics.median(t[("origin", small)]),
+                          "get_chunk_s": statistics.median(t[("origin", big)])})
         for a, b in (("origin", "root"), ("root", "leaf")):
-            if t[(a, small)] is not None and t[(b, small)] is not None:
-                hop_fixed.append(t[(b, small)] - t[(a, small)])
-            if t[(a, big)] is not None and t[(b, big)] is not None:
-                hop_chunk.append(t[(b, big)] - t[(a, big)])
+            hop_fixed += paired(t[(a, small)], t[(b, small)])
+            hop_chunk += paired(t[(a, big)], t[(b, big)])
     out = {"probe_small_bytes": small, "probe_chunk_bytes": big, "chunk_bytes": chunk_bytes, "link": links}
     if links:
         out["link_efficiency"] = statistics.median(x["efficiency"] for x in links)
@@ -596,7 +604,7 @@ def summarize_hops(probe: list[dict], chunk_bytes: int) -> dict:
         fixed, chunk = statistics.median(hop_fixed), statistics.median(hop_chunk)
         out["relay_hop_fixed_s"] = fixed
         out["relay_hop_chunk_s"] = chunk
-        out["relay_hop_goodput_gbps"] = (big - small) / max(chunk - fixed, 1e-9) / 1e9
+        out["relay_hop_goodput_gbps"] = (big - small) / (chunk - fixed) / 1e9 if chunk > fixed else None
         out["relay_hop_samples"] = len(hop_chunk)
     return out
 
@@ -978,6 +986,7 @@ class Run:
                 self.stop_receivers()
             self.link.set_rate(args.setup_mbit)
             self.start_receivers(uris, env)
+            first_check = True
             _progress(f"{topology}: {len(uris)} receivers ready ({time.monotonic() - t_start:.0f}s); store URIs: "
                       + "; ".join(f"{k}={v}" for k, v in uris.items()))
             plan = [{"lr": args.lr, "link_mbit": args.setup_mbit, "warmup": True}]
@@ -985,7 +994,7 @@ class Run:
             for p in plan:
                 n += 1
                 r = self.step(n, {**p, "topology": topology}, topology, verify_all=True, first_check=first_check)
-                first_check = False
+                first_check = False  # one negative control per topology (set again at the next switch)
                 r["warmup"] = p["warmup"]
                 records.append(r)
                 tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s"

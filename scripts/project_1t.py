@@ -294,16 +294,18 @@ def relay_rates(relay: dict | None) -> tuple[Rate, Rate, Rate]:
         eff = Rate(hops["link_efficiency"], f"{where}: S3 GET goodput / nominal link rate, median ({rates})")
     else:
         eff = Rate(1.0, "ASSUMPTION (no relay_link.json): links run at their nominal rate", assumed=True)
-    if hops.get("relay_hop_goodput_gbps") and hops.get("relay_hop_fixed_s") is not None:
-        n = hops.get("relay_hop_samples", "?")
+    n = hops.get("relay_hop_samples", "?")
+    if hops.get("relay_hop_goodput_gbps"):
         size = hops.get("probe_chunk_bytes", 0) / 2 ** 20
         fwd = Rate(hops["relay_hop_goodput_gbps"],
                    f"{where}: one relay hop's goodput for a {size:g} MiB object (added time minus the fixed delay; "
                    f"one stream, one relay process, unshaped far-side network of the 2-core VM; median of {n})")
+    else:
+        fwd = Rate(0.0, "ASSUMPTION (no relay hop goodput measured): relays forward at link speed", assumed=True)
+    if hops.get("relay_hop_fixed_s") is not None:
         lat = Rate(max(hops["relay_hop_fixed_s"], 0.0),
                    f"{where}: delay one relay hop adds to a {hops.get('probe_small_bytes', 0)} B object, median of {n}")
     else:
-        fwd = Rate(0.0, "ASSUMPTION (no relay hop measurement): relays forward at link speed", assumed=True)
         lat = Rate(0.0, "ASSUMPTION (no relay hop measurement): a relay hop adds no delay", assumed=True)
     return eff, fwd, lat
 

@@ -131,6 +131,18 @@ def test_summarize_hops(bench):
     assert h["relay_hop_fixed_s"] == pytest.approx(0.001)
     assert h["relay_hop_chunk_s"] == pytest.approx(0.01)
     assert h["relay_hop_goodput_gbps"] == pytest.approx(1e6 / 0.009 / 1e9)
+    assert h["relay_hop_samples"] == 2 * 2 * 3  # two hops, two rates, three rounds
+
+
+def test_summarize_hops_pairs_rounds_and_admits_no_goodput(bench):
+    # round 2 is slow on every path (a loaded machine): paired differences cancel it
+    rows = [{"link_mbit": 50.0, "path": p, "bytes": b, "seconds": [t, t + 5, t]}
+            for p, d in (("origin", 0.0), ("root", 0.05), ("leaf", 0.1))
+            for b, t in ((4096, 0.01 + d), (1 << 20, 0.2 + d))]
+    h = bench.summarize_hops(rows, 1 << 20)
+    assert h["relay_hop_fixed_s"] == pytest.approx(0.05) and h["relay_hop_chunk_s"] == pytest.approx(0.05)
+    assert h["relay_hop_goodput_gbps"] is None  # a chunk costs the hop no more than a small object
+    assert h["link"][0]["goodput_mbit"] == pytest.approx(((1 << 20) - 4096) * 8 / 0.19 / 1e6)
 
 
 # ---------------------------------------------------------------- bit-exactness
