@@ -99,7 +99,7 @@ class RelayConfig:
     """Cut-through fetches at once (counted within ``fetch_threads``)."""
     send_timeout_s: float = 120.0
     """A child that takes no bytes for this long is disconnected."""
-    piece_bytes: int = 256 << 10
+    piece_bytes: int = 1 << 20
     """Bytes handed to the socket per write when serving."""
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ from nemo_dcr.transport.store import (
 )
 
 API = "/v1"
-_PIECE = 1 << 20
+_PIECE = 4 << 20
 MAX_LIST_BYTES = 256 << 20
 """Largest ``list`` answer read (a version's chunk keys are ~40 bytes each)."""
 
@@ -102,25 +102,27 @@ class RelayStore(_BoundedStore):
         """The body, at most ``limit + 1`` bytes (so a body longer than announced is seen)."""
         import urllib3
 
-        out = bytearray()
+        pieces: list[bytes] = []
+        got = 0
         try:
             length = _int_header(resp, "Content-Length")
             if length is not None:
                 att.add_bytes(length)
             while True:
-                want = _PIECE if limit is None else min(_PIECE, limit + 1 - len(out))
+                want = _PIECE if limit is None else min(_PIECE, limit + 1 - got)
                 if want <= 0:
                     break
                 piece = resp.read(want)
                 if not piece:
                     break
-                out += piece
-            return bytes(out)
+                pieces.append(piece)
+                got += len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one copy, no regrowth
         except urllib3.exceptions.HTTPError as e:
             resp.close()
             raise RelayUnavailable(f"reading the answer: {type(e).__name__}: {e}") from e
         finally:
-            if limit is not None and len(out) > limit:
+            if limit is not None and got > limit:
                 resp.close()  # the rest of an oversized body is not read: the connection goes
             resp.release_conn()
 
