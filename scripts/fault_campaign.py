@@ -48,13 +48,32 @@ import uuid
 
 import numpy as np
 
-CLASSES = ("none", "apply_exception", "receiver_kill", "trainer_kill", "store_stall", "store_error",
-           "chunk_tamper", "manifest_tamper", "decision_tamper", "ack_tamper", "one_refuses",
-           "pointer_attack", "hostile_doc")
+STORE_CLASSES = ("none", "apply_exception", "receiver_kill", "trainer_kill", "store_stall", "store_error",
+                 "chunk_tamper", "manifest_tamper", "decision_tamper", "ack_tamper", "one_refuses",
+                 "pointer_attack", "hostile_doc")
+# faults of the relay tree: they need a relay epoch (--classes relay), where the receivers read
+# through two relays whose upstream lists end with the origin store
+RELAY_CLASSES = ("relay_kill", "relay_stop", "relay_flip", "relay_restart_empty")
+CLASSES = STORE_CLASSES + RELAY_CLASSES
+# store classes that also run in a relay epoch (they need no store injector in the receivers)
+RELAY_EPOCH_CLASSES = ("none", "apply_exception", "one_refuses")
+# --classes aliases
+CLASS_GROUPS = {"store": STORE_CLASSES, "relay": ("none",) + RELAY_CLASSES}
 # relative frequency in a random campaign (trainer kills restart everything: rare)
 WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill": 0.5, "store_stall": 4,
            "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
-           "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8}
+           "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8,
+           "relay_kill": 24, "relay_stop": 24, "relay_flip": 24, "relay_restart_empty": 24}
+# The relay tree of a relay epoch (a chain of two relays; every upstream list ends with the
+# origin store, which is implied here):
+#     origin <- ra <- rb          r0 reads rb, ra, origin          r1 reads ra, origin
+RELAYS = ("ra", "rb")
+RELAY_UPSTREAMS = {"ra": (), "rb": ("ra",)}
+RECEIVER_UPSTREAMS = {"r0": ("rb", "ra"), "r1": ("ra",)}
+# when a relay fault strikes: right after the go (the trainer is uploading), once the first
+# chunk of the version is on the origin (relays are pulling), once its manifest is (receivers
+# are fetching)
+RELAY_MOMENTS = ("go", "chunks", "manifest")
 # what a key-less writer plants in hostile_doc trials (the oversized one is over every cap but
 # the manifest's: 2 MiB of whitespace around an empty object)
 HOSTILE_DOCS = {
@@ -128,6 +147,18 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
     elif cls == "hostile_doc":
         f = [{"kind": "hostile", "target": "driver", "receiver": r, "at": rng.choice(["head", "ack", "decision"]),
               "mode": rng.choice(sorted(HOSTILE_DOCS))}]
+    elif cls in ("relay_kill", "relay_stop", "relay_restart_empty"):  # the driver signals a relay process
+        fault = {"kind": cls, "target": rng.choice(RELAYS), "at": rng.choice(RELAY_MOMENTS),
+                 "delay_s": round(rng.uniform(0.0, 0.3), 2)}
+        if cls == "relay_stop":  # SIGCONT within the trial, or never (killed and restarted after the checks)
+            after = rng.choice([None, round(rng.uniform(0.5, 4.0), 2)])
+            fault.update(mode="never" if after is None else "cont", cont_after_s=after)
+        if cls == "relay_restart_empty":  # back on the same port with a new, empty spool
+            fault["down_s"] = round(rng.uniform(0.0, 1.0), 2)
+        f = [fault]
+    elif cls == "relay_flip":  # the relay serves chunks of v with a bit flipped (testbed/relay_faults.py)
+        f = [{"kind": "relay_flip", "target": rng.choice(RELAYS), "mode": rng.choice(["one_chunk", "every_chunk"]),
+              "offset": round(rng.random(), 3), "bit": rng.randint(0, 7)}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -222,9 +253,12 @@ class ReceiverProc:
         self.incarnation += 1
         state_dir = os.path.join(self.dir, f"state-{self.incarnation}")  # from scratch
         log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
-        cmd = [sys.executable, "-m", "nemo_dcr.testbed.faults", "--store", self.epoch.uri,
+        cmd = [sys.executable, "-m", "nemo_dcr.testbed.faults", "--store", self.epoch.store_uri(self.rid),
                "--receiver-id", self.rid, "--model-id", "fault-campaign", "--init-dir", self.epoch.init_dir,
                "--plan-dir", self.epoch.plan_dir, "--dir", self.dir, "--state-dir", state_dir]
+        if self.epoch.relays:  # faults are the relays' here (see main: no receiver store faults)
+            cmd += ["--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s),
+                    "--no-store-faults"]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.epoch.env,
                                      cwd=ROOT, start_new_session=True)
 
@@ -268,13 +302,93 @@ class ReceiverProc:
         _kill(self.proc)
 
 
-class Epoch:
-    """One trainer run on a fresh bucket, with its receivers."""
+class RelayProc:
+    """One relay of a relay epoch: the product's relay server, run by the test-bed launcher
+    ``nemo_dcr.testbed.relay_faults`` (which can make it serve flipped chunk bytes, per plan),
+    on a port fixed for the epoch so that a restarted relay is found at the same address."""
 
-    def __init__(self, work: str, index: int, moto: Moto, key_file: str, ack_timeout_s: float, seed: int):
+    def __init__(self, epoch: Epoch, role: str):
+        self.epoch = epoch
+        self.role = role
+        self.dir = os.path.join(epoch.dir, "relays", role)
+        os.makedirs(self.dir, exist_ok=True)
+        self.port = free_port()
+        self.uri = f"relay://127.0.0.1:{self.port}"
+        self.incarnation = 0
+        self.spools = 0
+        self.stopped = False
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *, empty_spool: bool = False) -> None:
+        """(Re)start on the epoch's port; ``empty_spool``: on a new, empty spool directory."""
+        self.incarnation += 1
+        if empty_spool or not self.spools:
+            self.spools += 1
+        upstream = ",".join([self.epoch.relays[r].uri for r in RELAY_UPSTREAMS[self.role]] + [self.epoch.uri])
+        cmd = [sys.executable, "-m", "nemo_dcr.testbed.relay_faults", "--role", self.role,
+               "--plan-dir", self.epoch.plan_dir, "--upstream", upstream, "--listen", f"127.0.0.1:{self.port}",
+               "--spool", os.path.join(self.dir, f"spool-{self.spools}"),
+               "--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s)]
+        log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
+        self.stopped = False
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.epoch.env, cwd=ROOT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if not self.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"relay {self.role} did not start:\n"
+                                   f"{_tail(os.path.join(self.dir, f'log-{self.incarnation}.txt'))}")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.stopped = sig == signal.SIGSTOP or (self.stopped and sig != signal.SIGCONT)
+
+    def kill(self) -> None:
+        _kill(self.proc)
+        self.stopped = False
+
+    def log_count(self, needle: str) -> int:
+        n = 0
+        for name in os.listdir(self.dir):
+            if name.startswith("log-"):
+                with open(os.path.join(self.dir, name), errors="replace") as f:
+                    n += f.read().count(needle)
+        return n
+
+    def close(self) -> None:
+        self.kill()
+
+
+class Epoch:
+    """One trainer run on a fresh bucket, with its receivers (and, in a relay epoch, the
+    relay tree they read through)."""
+
+    def __init__(self, work: str, index: int, moto: Moto, key_file: str, ack_timeout_s: float, seed: int,
+                 relays: bool = False, hop_timeout_s: float = 2.0, retry_after_s: float = 5.0):
         import s3fs
 
         self.index = index
+        self.hop_timeout_s = hop_timeout_s
+        self.retry_after_s = retry_after_s
+        self.relays: dict[str, RelayProc] = {}
         self.dir = os.path.join(work, f"epoch-{index}")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.plan_dir = os.path.join(self.dir, "plan")
@@ -306,6 +420,12 @@ class Epoch:
         os.environ.update(moto.env)
         self.store = open_store(self.uri)
         self.init_dir = download_checkpoint(self.store, os.path.join(self.dir, "init"))
+        if relays:  # roots first: a relay's upstream list names its parent
+            self.relays = {role: RelayProc(self, role) for role in RELAYS}
+            for relay in self.relays.values():
+                relay.start()
+            for relay in self.relays.values():
+                relay.wait_ready()
         self.receivers = {rid: ReceiverProc(self, rid) for rid in RECEIVERS}
         for rx in self.receivers.values():  # the first version must not race their start
             while rx.log_count('"ready": true') < 1:
@@ -319,6 +439,30 @@ class Epoch:
         self.aborted: set[int] = set()
         self.rows_seen = 0
         self.setup_s = time.monotonic() - t0
+
+    def store_uri(self, rid: str) -> str:
+        """The store URI a receiver reads: the origin, or its relays then the origin."""
+        if not self.relays:
+            return self.uri
+        return ",".join([self.relays[r].uri for r in RECEIVER_UPSTREAMS[rid]] + [self.uri])
+
+    def heal(self) -> list[str]:
+        """Start making the tree whole again: a relay still stopped is killed, a dead one is
+        restarted on the same port (a relay never reads an earlier incarnation's spool: each
+        start makes its own).  Returns what was done; :meth:`wait_healed` waits for it."""
+        done = []
+        for role, relay in self.relays.items():
+            if relay.stopped:
+                relay.kill()
+                done.append(f"{role}: stopped, killed")
+            if not relay.alive():
+                relay.start()
+                done.append(f"{role}: restarted")
+        return done
+
+    def wait_healed(self) -> None:
+        for relay in self.relays.values():
+            relay.wait_ready()
 
     def rows(self) -> list[dict]:
         try:
@@ -336,6 +480,8 @@ class Epoch:
         open(os.path.join(self.dir, "stop"), "w").close()
         for rx in self.receivers.values():
             rx.close()
+        for relay in self.relays.values():
+            relay.close()
         try:
             self.trainer.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -433,6 +579,92 @@ class StoreAttacker:
             self.thread.join(timeout=60)
 
 
+# ----------------------------------------------------------------------------- relay faults
+class RelayFaulter:
+    """The driver's hand on the relay tree (relay_kill, relay_stop, relay_restart_empty):
+    waits for the plan's moment of the version (``at``, then ``delay_s``), then signals the
+    relay process from outside.  relay_flip needs no hand: the relay's launcher reads the
+    plan itself."""
+
+    KINDS = ("relay_kill", "relay_stop", "relay_restart_empty")
+
+    def __init__(self, ep: Epoch, version: int, plan: dict):
+        self.ep, self.v = ep, version
+        self.fault = next((f for f in plan["faults"] if f["kind"] in self.KINDS), None)
+        self.thread: threading.Thread | None = None
+        self.done = ""
+
+    def start(self) -> None:
+        if self.fault is not None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _moment(self) -> bool:
+        from nemo_dcr.protocol.manifest import manifest_key
+
+        f, ep, v = self.fault, self.ep, self.v
+        deadline = time.monotonic() + 30
+        while f["at"] != "go":
+            try:
+                if f["at"] == "manifest" and ep.store.exists(manifest_key(v)):
+                    break
+                if f["at"] == "chunks" and ep.store.list(f"v/{v:08d}/chunks/"):
+                    break
+            except Exception:  # noqa: BLE001 - the origin is not faulted here; keep looking
+                pass
+            if time.monotonic() > deadline or ep.trainer.poll() is not None:
+                self.done = f"{f['at']} never came"
+                return False
+            time.sleep(0.01)
+        time.sleep(f["delay_s"])
+        return True
+
+    def _run(self) -> None:
+        f = self.fault
+        relay = self.ep.relays[f["target"]]
+        if not self._moment():
+            return
+        t0 = time.monotonic()
+        if f["kind"] == "relay_kill":
+            relay.kill()
+            self.done = f"killed {f['target']}"
+        elif f["kind"] == "relay_stop":
+            relay.signal(signal.SIGSTOP)
+            self.done = f"stopped {f['target']}"
+            if f["cont_after_s"] is not None:
+                time.sleep(f["cont_after_s"])
+                relay.signal(signal.SIGCONT)
+                self.done += f", continued after {time.monotonic() - t0:.2f}s"
+        else:  # relay_restart_empty
+            relay.kill()
+            time.sleep(f["down_s"])
+            relay.start(empty_spool=True)
+            self.done = f"killed {f['target']}, restarted on an empty spool after {time.monotonic() - t0:.2f}s"
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+
+# transport/failover.py's warnings: an upstream left after a failure or bad bytes, and every
+# change of the upstream a node reads from (leaving, and coming back once the parent rested)
+LEFT_LINE = " left for "
+SWITCH_LINE = ": now reading from "
+
+
+def _node_counts(ep: Epoch, needle: str) -> dict[str, int]:
+    """How often ``needle`` is in each node's logs (receivers and relays) so far."""
+    if not ep.relays:
+        return {}
+    nodes = {**ep.receivers, **ep.relays}
+    return {name: node.log_count(needle) for name, node in nodes.items()}
+
+
+def _flips(ep: Epoch) -> int:
+    """Chunk objects the relays have served flipped so far (relay_faults.py logs each)."""
+    return sum(r.log_count('"relay_flip"') for r in ep.relays.values())
+
+
 # ----------------------------------------------------------------------------- one trial
 def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
     """Returns (record, epoch_must_end)."""
@@ -444,16 +676,23 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     base = ep.committed
     ignored_before = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
     refused_before = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
+    left_before, switches_before = _node_counts(ep, LEFT_LINE), _node_counts(ep, SWITCH_LINE)
+    flips_before = _flips(ep)
     with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as f:
         json.dump(plan, f)
     rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
+           "topology": "relay" if ep.relays else "store",
            "epoch": ep.index, "version": v, "base_version": base, "violations": [], "hang": False,
            "unplanned_restarts": 0, "planned_restarts": 0}
+    if plan["cls"] in RELAY_CLASSES and not ep.relays:
+        raise ValueError(f"{plan['cls']} needs a relay epoch (--classes relay)")
     attacker = StoreAttacker(ep, v, plan)
     attacker.before_go()
+    relay_faulter = RelayFaulter(ep, v, plan)
     t_go = time.time()
     open(os.path.join(ep.dir, "go", str(v)), "w").close()
     attacker.start()
+    relay_faulter.start()
     stall = next((f for f in plan["faults"] if f["kind"] == "stall"), None)
     staller = None
     if stall:
@@ -476,7 +715,14 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     if staller:
         staller.join()
     attacker.join()
-    rec["attack"] = attacker.done
+    relay_faulter.join()
+    rec["attack"] = attacker.done or relay_faulter.done
+    if ep.relays:
+        # decided: the tree starts healing now, while the receivers settle (a relay stopped for
+        # good is killed and restarted, a killed one restarted); an unplanned relay death is counted
+        planned = {f["target"] for f in plan["faults"] if f["kind"] in RelayFaulter.KINDS}
+        rec["relay_crashes"] = [r for r, relay in ep.relays.items() if not relay.alive() and r not in planned]
+        rec["healed"] = ep.heal()
     rec["t_go"] = t_go
     end_epoch = False
     if row is None:
@@ -554,6 +800,17 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
                 if os.path.exists(os.path.join(ep.dir, "dense", f"v{k}.safetensors")) \
                         and not compare_state(served, ep.dense(k)):
                     info["bits_of"] = k
+    if ep.relays:
+        t_heal = time.monotonic()
+        ep.wait_healed()  # the next trial starts on the whole tree
+        rec["heal_wait_s"] = round(time.monotonic() - t_heal, 3)
+        # a node "re-parents" when it leaves a failed upstream for the next one (FailoverStore's
+        # warning); switching back to a healed parent is counted apart
+        left, switches = _node_counts(ep, LEFT_LINE), _node_counts(ep, SWITCH_LINE)
+        rec["reparents"] = {n: left[n] - left_before.get(n, 0) for n in left if left[n] > left_before.get(n, 0)}
+        rec["switches"] = {n: switches[n] - switches_before.get(n, 0) for n in switches
+                           if switches[n] > switches_before.get(n, 0)}
+        rec["flipped_chunks"] = _flips(ep) - flips_before
     ignored_after = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
     refused_after = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
     rec["receiver_ignored"] = ignored_after - ignored_before
@@ -565,7 +822,8 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
         pass
     rec["receiver_refused"] = refused_after - refused_before
     rec["detected"] = bool(not rec["committed"] or rec["receiver_ignored"] or rec["receiver_refused"]
-                           or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch)
+                           or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch
+                           or rec.get("reparents"))
     rec["duration_s"] = round(time.time() - t_go, 3)
     rec["silent"] = bool(rec["violations"]) and not rec["hang"]
     # after a violation the run's state is not trusted: the next trial starts a fresh run
@@ -573,47 +831,77 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
 
 
 # ----------------------------------------------------------------------------- report
+def _row(r: dict) -> str:
+    """The summary row of a record: its class; a store class run in a relay epoch (the
+    "none" control of a relay campaign) is a row of its own, ``<class>@relay``."""
+    if r.get("topology", "store") == "relay" and r["cls"] not in RELAY_CLASSES:
+        return f"{r['cls']}@relay"
+    return r["cls"]
+
+
+def _run_of(r: dict) -> tuple[str, int]:
+    """The run (trainer epoch) a record belongs to: a store campaign and a relay campaign
+    summarized together number their epochs and trials each from 0."""
+    return r.get("topology", "store"), r["epoch"]
+
+
 def summarize(records: list[dict]) -> dict:
-    records = sorted(records, key=lambda r: r["trial"])
+    records = sorted(records, key=lambda r: (r.get("topology", "store") == "relay", r["trial"]))
     # recovery: fault -> the next committed version of the same epoch (this one included)
     for i, r in enumerate(records):
         r["recovery_s"] = None
         for later in records[i:]:
-            if later["epoch"] != r["epoch"] or (later is not r and later.get("epoch_start")):
+            if _run_of(later) != _run_of(r) or (later is not r and later.get("epoch_start")):
                 break
             if later.get("committed") and not later["violations"]:
                 r["recovery_s"] = round(later["t_decided"] - r["t_go"], 3)
                 break
     by_class = {}
-    for cls in CLASSES:
-        rs = [r for r in records if r["cls"] == cls]
-        if not rs:
-            continue
-        rec_s = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
-        by_class[cls] = {
-            "trials": len(rs),
-            "committed": sum(1 for r in rs if r.get("committed")),
-            "aborted": sum(1 for r in rs if not r.get("committed")),
-            "detected": sum(1 for r in rs if r["detected"]),
-            "recovered": len(rec_s),
-            "silent": sum(1 for r in rs if r["silent"]),
-            "hangs": sum(1 for r in rs if r["hang"]),
-            "unplanned_receiver_restarts": sum(r["unplanned_restarts"] for r in rs),
-            "mean_recovery_s": round(float(np.mean(rec_s)), 3) if rec_s else None,
-            "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
-            "modes": _modes(rs),
-        }
+    rows = [c for c in CLASSES] + [f"{c}@relay" for c in STORE_CLASSES]
+    for row in rows:
+        rs = [r for r in records if _row(r) == row]
+        if rs:
+            by_class[row] = _class_summary(rs)
+    classes = {c: {"trials": b["trials"], "silent_corruptions": b["silent"]} for c, b in by_class.items()}
+    relay_rs = [r for r in records if r["cls"] in RELAY_CLASSES]
     return {
         "trials": len(records),
-        "classes": {c: {k: by_class[c][k] for k in ("trials", "aborted", "detected", "recovered", "silent", "hangs")}
-                    for c in by_class},
+        # class -> {"trials", "silent_corruptions"} (the rest per class is in by_class)
+        "classes": classes,
         "silent_corruptions": sum(1 for r in records if r["silent"]),
         "hangs": sum(1 for r in records if r["hang"]),
+        "relay_trials": len(relay_rs),
+        "relay_silent_corruptions": sum(1 for r in relay_rs if r["silent"]),
         "violations": [f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
-        "epochs": len({r["epoch"] for r in records}),
+        "epochs": len({_run_of(r) for r in records}),
         "wall_s": round(sum(r["duration_s"] for r in records), 1),
         "by_class": by_class,
     }
+
+
+def _class_summary(rs: list[dict]) -> dict:
+    rec_s = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
+    out = {
+        "trials": len(rs),
+        "committed": sum(1 for r in rs if r.get("committed")),
+        "aborted": sum(1 for r in rs if not r.get("committed")),
+        "detected": sum(1 for r in rs if r["detected"]),
+        "recovered": len(rec_s),
+        "silent": sum(1 for r in rs if r["silent"]),
+        "hangs": sum(1 for r in rs if r["hang"]),
+        "unplanned_receiver_restarts": sum(r["unplanned_restarts"] for r in rs),
+        "mean_recovery_s": round(float(np.mean(rec_s)), 3) if rec_s else None,
+        "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
+        "modes": _modes(rs),
+    }
+    if any(r.get("topology") == "relay" for r in rs):
+        # relay epochs: nodes that re-parented, relays that died unplanned, chunks served flipped
+        out["reparented"] = sum(1 for r in rs if r.get("reparents"))
+        out["receiver_reloads"] = sum(r["unplanned_restarts"] + r["planned_restarts"] for r in rs)
+        out["relay_crashes"] = sum(len(r.get("relay_crashes") or ()) for r in rs)
+        out["flipped_chunks"] = sum(r.get("flipped_chunks") or 0 for r in rs)
+        out["mean_duration_s"] = round(float(np.mean([r["duration_s"] for r in rs])), 3)
+    return out
 
 
 def _modes(rs: list[dict]) -> dict:
@@ -644,7 +932,7 @@ def plot(summary: dict, records: list[dict], path: str) -> None:
     a.set_xticks(x, classes, rotation=40, ha="right")
     a.set_title(f"fault campaign: {summary['trials']} trials, {summary['silent_corruptions']} silent corruptions")
     a.legend()
-    data = [[r["recovery_s"] for r in records if r["cls"] == c and r["recovery_s"] is not None] or [0.0]
+    data = [[r["recovery_s"] for r in records if _row(r) == c and r["recovery_s"] is not None] or [0.0]
             for c in classes]
     b.boxplot(data)
     b.set_xticks(np.arange(1, len(classes) + 1), classes, rotation=40, ha="right")
@@ -652,6 +940,13 @@ def plot(summary: dict, records: list[dict], path: str) -> None:
     b.set_title("recovery time per fault class")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _source(rs: list[dict]) -> dict:
+    """What one results file holds (the summary may merge several)."""
+    return {"trials": len(rs), "topology": sorted({r.get("topology", "store") for r in rs}),
+            "wall_s": round(sum(r["duration_s"] for r in rs), 1),
+            "silent_corruptions": sum(1 for r in rs if r["silent"]), "hangs": sum(1 for r in rs if r["hang"])}
 
 
 def load_records(path: str) -> list[dict]:
@@ -681,24 +976,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", choices=("random", "roundrobin", "list"), default="random",
                     help="random: classes drawn from (seed, trial) with WEIGHTS; roundrobin / list: "
                          "--classes in order (list: the order given, repeats allowed)")
-    ap.add_argument("--classes", default=",".join(CLASSES))
+    ap.add_argument("--classes", default="store",
+                    help="comma list of classes; 'store' = the store classes (default), 'relay' = none + the "
+                         "relay classes.  Any relay class makes every epoch a relay epoch (a relay tree between "
+                         "the origin store and the receivers)")
+    ap.add_argument("--merge", action="append", default=[],
+                    help="another campaign's results (JSON lines) summarized with this one's, read only "
+                         "(e.g. the store campaign's next to a relay campaign's); repeatable")
     ap.add_argument("--ack-timeout-s", type=float, default=3.0)
+    ap.add_argument("--hop-timeout-s", type=float, default=2.0,
+                    help="relay epochs: one attempt's timeout on every upstream but the origin (2 attempts)")
+    ap.add_argument("--retry-after-s", type=float, default=5.0,
+                    help="relay epochs: how long a node leaves a failed upstream before preferring it again")
     ap.add_argument("--max-wall-s", type=float, default=None, help="stop starting trials after this long")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
-    classes = tuple(c for c in args.classes.split(",") if c)
+    classes = tuple(x for c in args.classes.split(",") if c for x in CLASS_GROUPS.get(c, (c,)))
     if args.schedule == "random":
         classes = tuple(dict.fromkeys(classes))
     for c in classes:
         if c not in CLASSES:
             ap.error(f"unknown class {c!r}")
+    if any(c in RELAY_CLASSES for c in classes) and not set(classes) <= set(RELAY_CLASSES + RELAY_EPOCH_CLASSES):
+        ap.error(f"relay classes run in relay epochs, whose receivers read the upstream list without the store "
+                 f"injectors: with them only {', '.join(RELAY_EPOCH_CLASSES)} (got {args.classes})")
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     records = load_records(args.results)
     if not args.report_only:
         records = campaign(args, classes, records)
-    summary = summarize(records)
+    merged = {path: load_records(path) for path in args.merge}
+    summary = summarize(records + [r for rs in merged.values() for r in rs])
     summary.update({"seed": args.seed, "schedule": args.schedule, "ack_timeout_s": args.ack_timeout_s,
-                    "command": "scripts/fault_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])})
+                    "command": "scripts/fault_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "sources": {os.path.relpath(p, ROOT): _source(rs) for p, rs in
+                                [(args.results, records), *merged.items()]}})
+    if any(c in RELAY_CLASSES for c in classes):
+        summary.update(hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     plot(summary, records, args.plot or os.path.splitext(args.out)[0] + ".png")
@@ -740,7 +1053,9 @@ def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
                     break
                 new_epoch = ep is None
                 if ep is None:
-                    ep = Epoch(work, epoch_index, moto, key_file, args.ack_timeout_s, args.seed)
+                    ep = Epoch(work, epoch_index, moto, key_file, args.ack_timeout_s, args.seed,
+                               relays=any(c in RELAY_CLASSES for c in classes), hop_timeout_s=args.hop_timeout_s,
+                               retry_after_s=args.retry_after_s)
                     print(f"epoch {epoch_index}: trainer + receivers up in {ep.setup_s:.1f}s", file=sys.stderr)
                     epoch_index += 1
                 cls = choose_class(args.seed, t, args.schedule, classes)

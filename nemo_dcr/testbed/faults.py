@@ -308,19 +308,29 @@ def receiver_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-dir", required=True)
     ap.add_argument("--dir", required=True, help="this receiver's directory (req / status / dumps)")
     ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--hop-timeout-s", type=float, default=None,
+                    help="for an upstream list (reading through relays): one attempt's timeout on every "
+                         "upstream but the last (default: the product's HOP_POLICY)")
+    ap.add_argument("--retry-after-s", type=float, default=30.0,
+                    help="for an upstream list: how long a failed upstream rests before it is preferred again")
+    ap.add_argument("--no-store-faults", action="store_true",
+                    help="read the store as opened, without FaultyStore (relay epochs: the faults are the relays', "
+                         "and the receiver's chunk reads must reach the upstream list's verified fetch)")
     args = ap.parse_args(argv)
 
     from nemo_dcr.protocol.manifest import HEAD_KEY, Head
     from nemo_dcr.protocol.signing import load_key
     from nemo_dcr.receiver.bootstrap import build_receiver
     from nemo_dcr.receiver.engine import ReceiverConfig
-    from nemo_dcr.transport.store import open_store
+    from nemo_dcr.testbed.relay_faults import open_upstreams
 
     rid = args.receiver_id
     key = load_key(None)
     sealer = Sealer(key)
     plans = Plans(args.plan_dir, rid)
-    store = FaultyStore(open_store(args.store), plans, key)
+    store = open_upstreams(args.store, hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s)
+    if not args.no_store_faults:
+        store = FaultyStore(store, plans, key)
     served: FaultyServed | None = None
 
     def wrap(inner):

@@ -44,7 +44,7 @@ def test_plans_are_seeded():
 @pytest.mark.spawns
 def test_fast_campaign(tmp_path):
     fc = _campaign()
-    classes = [c for c in fc.CLASSES if c != "trainer_kill"]
+    classes = [c for c in fc.STORE_CLASSES if c != "trainer_kill"]  # relay classes: test_relay_faults.py
     # every class once, the one that ends the run last; "none" between faults gives recoveries
     order = [c for c in classes if c != "none"]
     schedule = [x for c in order for x in (c, "none")] + ["trainer_kill"]
@@ -58,7 +58,8 @@ def test_fast_campaign(tmp_path):
                   "--work", str(tmp_path / "work")])
     summary = json.loads(out.read_text())
     assert summary["trials"] == len(schedule)
-    assert set(summary["by_class"]) == set(fc.CLASSES)
+    assert set(summary["by_class"]) == set(fc.STORE_CLASSES)
+    assert summary["classes"] == {c: {"trials": schedule.count(c), "silent_corruptions": 0} for c in fc.STORE_CLASSES}
     assert summary["violations"] == [], summary["violations"]
     assert summary["silent_corruptions"] == 0 and summary["hangs"] == 0
     assert rc == 0

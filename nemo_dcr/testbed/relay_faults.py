@@ -1,0 +1,156 @@
+"""Relays of the fault campaign (``scripts/fault_campaign.py``, relay classes): test bed
+only, nothing in the product imports it.
+
+``python -m nemo_dcr.testbed.relay_faults --role ra --plan-dir P --upstream URI[,URI...]
+--listen HOST:PORT --spool DIR`` runs the product's relay server (``transport/relay.py``)
+unchanged, over an upstream store that is the product's upstream list
+(:func:`open_upstreams`) wrapped in :class:`FlippingStore`.  The wrapper does nothing
+unless the plan of a chunk's version (``<plan_dir>/v<version>.json``, written by the
+driver before the trainer takes that step) holds a ``relay_flip`` fault whose ``target``
+is this relay's role: then the bytes of that version's chunk objects come back from the
+upstream with one bit flipped, so the relay caches and serves them to its children as a
+relay with a bad disk or a hostile operator would.  The relay itself holds no key and
+checks nothing; its children must detect the bytes by the signed manifest's digests and
+fetch the chunk from their next upstream.
+
+The other relay faults (SIGKILL, SIGSTOP, a restart on the same port with an empty
+spool) are done by the driver to this process from outside.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from nemo_dcr.testbed.faults import Plans, key_kind
+from nemo_dcr.transport.store import ObjectInfo, StorePolicy, open_store
+
+ROLES = ("ra", "rb")
+"""The campaign's relays: ``ra`` reads from the origin, ``rb`` from ``ra`` (then the origin)."""
+
+
+def hop_policy(timeout_s: float) -> StorePolicy:
+    """The policy of every upstream of a list but the last: two attempts of ``timeout_s``
+    (the product's ``HOP_POLICY`` shape with a shorter attempt, so that a stalled relay is
+    left within a trial of the campaign, whose ack timeout is a few seconds)."""
+    return StorePolicy(timeout_s=timeout_s, retries=1, backoff_s=0.1, backoff_max_s=0.5)
+
+
+def open_upstreams(uri: str, *, hop_timeout_s: float | None, retry_after_s: float):
+    """``open_store(uri)`` for an ordered upstream list, with :func:`hop_policy` on every
+    member but the last when ``hop_timeout_s`` is given (the product's ``HOP_POLICY``
+    otherwise) and the given ``retry_after_s``.  The last member (the origin) keeps the
+    default policy."""
+    parts = [u.strip() for u in uri.split(",")]
+    if len(parts) == 1:
+        return open_store(uri)
+    from nemo_dcr.transport.failover import FailoverStore
+
+    if hop_timeout_s is None:
+        return open_store(uri, retry_after_s=retry_after_s)
+    hop = hop_policy(hop_timeout_s)
+    return FailoverStore([open_store(u, policy=hop if i < len(parts) - 1 else None) for i, u in enumerate(parts)],
+                         retry_after_s=retry_after_s)
+
+
+def flip(data: bytes, at: float, bit: int) -> bytes:
+    """``data`` with bit ``bit`` of the byte at fraction ``at`` of its length inverted."""
+    b = bytearray(data)
+    if b:
+        b[min(len(b) - 1, int(len(b) * at))] ^= 1 << bit
+    return bytes(b)
+
+
+class FlippingStore:
+    """An ``ObjectStore`` that flips one bit of chunk objects as the plan of their version
+    says (``relay_flip`` with this relay as target; ``mode`` ``every_chunk`` or
+    ``one_chunk``: only rank 0's first chunk); everything else passes through."""
+
+    def __init__(self, inner, plans: Plans):
+        self.inner = inner
+        self.uri = inner.uri
+        self.plans = plans
+        self.flipped = 0
+
+    def _fault(self, key: str) -> dict | None:
+        kind, version, _ = key_kind(key)
+        if kind != "chunk":
+            return None
+        plan = self.plans.get(version)
+        if plan is None or plan["kind"] != "relay_flip":
+            return None
+        if plan["mode"] == "one_chunk" and not key.endswith("/r000-00000.dcr"):
+            return None
+        return plan
+
+    def _maybe_flip(self, key: str, data: bytes) -> bytes:
+        plan = self._fault(key)
+        if plan is None:
+            return data
+        self.flipped += 1
+        print(json.dumps({"relay_flip": key, "role": self.plans.role}), flush=True)
+        return flip(data, plan["offset"], plan["bit"])
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self._maybe_flip(key, self.inner.get(key, max_bytes=max_bytes))
+
+    def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
+        data, info = self.inner.get_with_info(key, max_bytes=max_bytes)
+        return self._maybe_flip(key, data), info
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self.inner.stat(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def __getattr__(self, name):
+        # the upstream list's counters (upstream_stats, ...) for the relay's /v1/stats; never
+        # a verifying read, which would go around the flip
+        if name == "get_verified":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def relay_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.relay_faults")
+    ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--plan-dir", required=True)
+    ap.add_argument("--upstream", required=True, help="the relay's ordered upstream list, ending with the origin")
+    ap.add_argument("--listen", required=True, help="HOST:PORT")
+    ap.add_argument("--spool", required=True)
+    ap.add_argument("--hop-timeout-s", type=float, default=None)
+    ap.add_argument("--retry-after-s", type=float, default=30.0)
+    args = ap.parse_args(argv)
+
+    import asyncio
+
+    from nemo_dcr.transport.relay import Relay, RelayConfig, parse_listen
+
+    host, port = parse_listen(args.listen)
+    store = FlippingStore(open_upstreams(args.upstream, hop_timeout_s=args.hop_timeout_s,
+                                         retry_after_s=args.retry_after_s), Plans(args.plan_dir, args.role))
+    os.makedirs(args.spool, exist_ok=True)
+
+    async def serve() -> None:
+        relay = Relay(store, RelayConfig(spool_dir=args.spool, max_memory_bytes=256 << 20))
+        bound = await relay.start(host, port)
+        print(json.dumps({"relay": "listening", "role": args.role, "address": f"{bound[0]}:{bound[1]}"}), flush=True)
+        await asyncio.Event().wait()  # until the driver kills it
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(relay_main())
