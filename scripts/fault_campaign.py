@@ -386,6 +386,7 @@ class Epoch:
         import s3fs
 
         self.index = index
+        self.ack_timeout_s = ack_timeout_s
         self.hop_timeout_s = hop_timeout_s
         self.retry_after_s = retry_after_s
         self.relays: dict[str, RelayProc] = {}
@@ -681,7 +682,7 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as f:
         json.dump(plan, f)
     rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
-           "topology": "relay" if ep.relays else "store",
+           "topology": "relay" if ep.relays else "store", "ack_timeout_s": ep.ack_timeout_s,
            "epoch": ep.index, "version": v, "base_version": base, "violations": [], "hang": False,
            "unplanned_restarts": 0, "planned_restarts": 0}
     if plan["cls"] in RELAY_CLASSES and not ep.relays:
@@ -945,6 +946,7 @@ def plot(summary: dict, records: list[dict], path: str) -> None:
 def _source(rs: list[dict]) -> dict:
     """What one results file holds (the summary may merge several)."""
     return {"trials": len(rs), "topology": sorted({r.get("topology", "store") for r in rs}),
+            "ack_timeout_s": sorted({r["ack_timeout_s"] for r in rs if "ack_timeout_s" in r}),
             "wall_s": round(sum(r["duration_s"] for r in rs), 1),
             "silent_corruptions": sum(1 for r in rs if r["silent"]), "hangs": sum(1 for r in rs if r["hang"])}
 
