@@ -965,9 +965,15 @@ def main(argv: list[str] | None = None) -> int:
     except _BadInput as e:
         return _fail(str(e), 2)
     try:
-        return asyncio.run(_serve(store, cfg, host, port))
+        status = asyncio.run(_serve(store, cfg, host, port))
     except OSError as e:  # the address is taken, the spool cannot be made
         return _fail(f"{type(e).__name__}: {e}", 1)
+    # Shut down: the server is closed and the spool removed.  An upstream call still
+    # running in the pool (a stalled upstream) would hold the interpreter's exit for up to
+    # its policy's bound; nothing waits for its answer, so the process exits now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _fail(message: str, status: int) -> int:

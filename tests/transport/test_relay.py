@@ -578,6 +578,21 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
     assert not any((tmp_path / "spool0").iterdir())
 
 
+def test_sigterm_does_not_wait_for_a_stalled_upstream():
+    stalled = CannedServer(None)
+    try:
+        proc, uri = _start_relay(stalled.uri, "--timeout-s", "60", "--retries", "0")
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(client(uri).get, "RUN.json")
+            wait_for(lambda: stalled.requests == 1, "the relay to ask its stalled upstream")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0  # not the 60 s the upstream call may take
+            with pytest.raises(StoreError):
+                fut.result(15)
+    finally:
+        stalled.close()
+
+
 def test_relay_over_s3(s3_bucket):
     from nemo_dcr.transport.store import open_store
 
