@@ -99,6 +99,10 @@ class RelayConfig:
     """Cut-through fetches at once (counted within ``fetch_threads``)."""
     send_timeout_s: float = 120.0
     """A child that takes no bytes for this long is disconnected."""
+    admit_wait_s: float = 2.0
+    """How long a child's fetch waits for memory that fetches in flight or children being
+    served will free, before it is answered ``503`` (a prefetch never waits).  Keep it
+    well under the children's read timeout (``HOP_POLICY``: 5 s)."""
     piece_bytes: int = 1 << 20
     """Bytes handed to the socket per write when serving."""
 
@@ -108,7 +112,7 @@ class RelayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValidationError(f"relay {name} must be an integer >= 1, got {v!r}")
-        for name in ("coalesce_ms", "send_timeout_s"):
+        for name in ("coalesce_ms", "send_timeout_s", "admit_wait_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValidationError(f"relay {name} must be a number >= 0, got {v!r}")
@@ -187,6 +191,7 @@ class Relay:
         self._prefetch_sem: asyncio.Semaphore | None = None
         self._sweeper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._freed: asyncio.Event | None = None  # set (and replaced) whenever memory may have been freed
         self.address: tuple[str, int] | None = None
 
     # ================================================================== lifecycle
@@ -210,6 +215,7 @@ class Relay:
 
         self._loop = asyncio.get_running_loop()
         self._prefetch_sem = asyncio.Semaphore(self.cfg.prefetch)
+        self._freed = asyncio.Event()
         if self.cfg.spool_dir is not None:
             os.makedirs(self.cfg.spool_dir, exist_ok=True)
             self._spool_root = tempfile.mkdtemp(prefix="relay-spool-", dir=self.cfg.spool_dir)
@@ -327,14 +333,39 @@ class Relay:
         if e.data is not None:
             e.data = None
             self.mem -= e.size
+            self._pulse()
         self._unlink(e)
 
     def _unpin(self, e: _Entry) -> None:
         e.pins -= 1
         assert e.pins >= 0, e.key
         self._release(e)
+        if e.pins == 0:
+            self._pulse()  # freed, or evictable now
 
-    def _admit(self, e: _Entry) -> None:
+    def _pulse(self) -> None:
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = asyncio.Event()
+
+    async def _admit(self, n: int, *, prefetch: bool) -> bool:
+        """``_reserve``, waiting up to ``admit_wait_s`` (not for a prefetch) for memory that
+        fetches in flight or children being served free; never for more than the cap."""
+        if self._reserve(n, prefetch=prefetch):
+            return True
+        if prefetch or n > self.cfg.max_memory_bytes:
+            return False
+        deadline = self._loop.time() + self.cfg.admit_wait_s
+        while (left := deadline - self._loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            if self._reserve(n, prefetch=False):
+                return True
+        return False
+
+    def _insert(self, e: _Entry) -> None:
         """Put a fetched immutable object in the cache (under the version cap), and start
         writing it to the spool."""
         v = e.version
@@ -435,7 +466,7 @@ class Relay:
             info = await self._up(self.store.stat, key)
             if info is None:
                 return self._not_found(key)
-            if not self._reserve(info.size, prefetch=prefetch):
+            if not await self._admit(info.size, prefetch=prefetch):
                 self.c["rejected"] += 1
                 raise _Overloaded(f"{key!r} ({info.size} bytes) does not fit under the memory cap now "
                                   f"({self.mem + self.reserved} of {self.cfg.max_memory_bytes} bytes in use)")
@@ -450,6 +481,7 @@ class Relay:
                     raise StoreError(f"{key!r} changed while read: {e}", key=key, op="get") from None
             finally:
                 self.reserved -= info.size
+                self._pulse()
         e = _Entry(key, data, got.tag, key_version(key))
         self.mem += e.size
         self._peak()
@@ -457,7 +489,7 @@ class Relay:
         if _CHUNK.match(key):
             self.c["upstream_chunk_bytes"] += e.size
         if is_immutable(key):
-            self._admit(e)
+            self._insert(e)
         else:
             if key in self._fresh:
                 self._unfresh(key)
@@ -929,6 +961,8 @@ def parser() -> argparse.ArgumentParser:
                     help="cut-through fetches of listed chunks at once (default 4)")
     ap.add_argument("--send-timeout-s", type=float, default=d.send_timeout_s,
                     help="disconnect a child that takes no bytes for this long (default 120)")
+    ap.add_argument("--admit-wait-s", type=float, default=d.admit_wait_s,
+                    help="how long a child's fetch waits for memory to be freed before its 503 (default 2)")
 
     def one_line(message: str):
         raise _BadInput(f"{message} (see --help)")
@@ -945,7 +979,7 @@ def check_input(args) -> tuple[ObjectStore, RelayConfig, tuple[str, int]]:
         cfg = RelayConfig(max_memory_bytes=args.max_memory_bytes, spool_dir=args.spool,
                           max_spool_bytes=args.max_spool_bytes, keep_versions=args.keep_versions,
                           coalesce_ms=args.coalesce_ms, fetch_threads=args.fetch_threads, prefetch=args.prefetch,
-                          send_timeout_s=args.send_timeout_s)
+                          send_timeout_s=args.send_timeout_s, admit_wait_s=args.admit_wait_s)
         if args.spool is not None and os.path.exists(args.spool) and not os.path.isdir(args.spool):
             raise ValidationError(f"--spool {args.spool!r} is not a directory")
     except (DcrError, ValueError) as e:

@@ -260,6 +260,26 @@ def test_memory_cap_evicts_and_refuses(origin):
         assert r.stats()["rejected"] == 1 and r.stats()["memory_peak_bytes"] <= cap
 
 
+def test_a_fetch_waits_for_memory_in_flight_instead_of_503(origin):
+    """Memory reserved by a fetch in flight is freed (made evictable) when it ends; a fetch
+    that needs it waits for that (up to admit_wait_s) rather than answering 503."""
+    a, b = os.urandom(2 << 20), os.urandom(2 << 20)
+    origin.inner.put(CHUNK.format(0), a)
+    origin.inner.put(CHUNK.format(1), b)
+    origin.gate, origin.gated = threading.Event(), {CHUNK.format(0)}
+    with RelayThread(origin, RelayConfig(max_memory_bytes=3 << 20, admit_wait_s=30)) as r:
+        with ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(client(r.uri).get, CHUNK.format(0))
+            wait_for(lambda: r.stats()["memory_reserved_bytes"] == len(a), "a's fetch to reserve its size")
+            fb = pool.submit(client(r.uri).get, CHUNK.format(1))
+            wait_for(lambda: origin.calls["stat", CHUNK.format(1)] == 1, "b's fetch to wait for memory")
+            assert origin.calls["get", CHUNK.format(1)] == 0  # b is not read while a holds the memory
+            origin.gate.set()
+            assert fa.result(20) == a and fb.result(20) == b
+        s = r.stats()
+        assert s["rejected"] == 0 and s["memory_peak_bytes"] <= 3 << 20 and s["memory_evictions"] == 1
+
+
 def test_spool_cap_and_serving_from_spool(origin, tmp_path):
     mem_cap, spool_cap = 3 << 20, 5 << 20
     objs = {CHUNK.format(i): os.urandom(1 << 20) for i in range(8)}
@@ -319,7 +339,7 @@ def test_stalled_child_costs_a_socket_buffer_not_a_copy(origin):
     other = os.urandom(14 << 20)  # does not fit beside the pinned 24 MiB under 36 MiB
     origin.inner.put(CHUNK.format(1), other)
     cap = 36 << 20
-    with RelayThread(origin, RelayConfig(max_memory_bytes=cap, send_timeout_s=60)) as r:
+    with RelayThread(origin, RelayConfig(max_memory_bytes=cap, send_timeout_s=60, admit_wait_s=0.2)) as r:
         stalled = _stalled_get(r.relay.address, CHUNK.format(0))
         try:
             wait_for(lambda: r.stats()["sending"], "the stalled send to start")
