@@ -282,7 +282,9 @@ class Relay:
         self._peak()
         return True
 
-    def _reserve_spool(self, n: int) -> bool:
+    def _reserve_spool(self, n: int, *, prefetch: bool = False) -> bool:
+        """Room for ``n`` more bytes on the spool (least recently used out first; for a
+        prefetched object, only objects a child has read)."""
         cap = self.cfg.max_spool_bytes
         if self._spool_root is None or n > cap:
             return False
@@ -290,7 +292,7 @@ class Relay:
             for e in list(self._cache.values()):
                 if self.spool + n <= cap:
                     break
-                if e.path is None or e.pins:
+                if e.path is None or e.pins or (prefetch and not e.served):
                     continue
                 self.c["spool_evictions"] += 1
                 if e.data is not None:
@@ -365,7 +367,7 @@ class Relay:
                 return True
         return False
 
-    def _insert(self, e: _Entry) -> None:
+    def _insert(self, e: _Entry, *, prefetch: bool = False) -> None:
         """Put a fetched immutable object in the cache (under the version cap), and start
         writing it to the spool."""
         v = e.version
@@ -381,7 +383,7 @@ class Relay:
             self._versions[v].add(e.key)
         e.cached = True
         self._cache[e.key] = e
-        if self._spool_root is not None and self._reserve_spool(e.size):
+        if self._spool_root is not None and self._reserve_spool(e.size, prefetch=prefetch):
             e.pins += 1
             self._spawn(self._write_spool(e))
 
@@ -489,7 +491,7 @@ class Relay:
         if _CHUNK.match(key):
             self.c["upstream_chunk_bytes"] += e.size
         if is_immutable(key):
-            self._insert(e)
+            self._insert(e, prefetch=prefetch)
         else:
             if key in self._fresh:
                 self._unfresh(key)

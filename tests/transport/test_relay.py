@@ -116,6 +116,8 @@ def test_read_side_round_trip(origin):
         assert c.list("v/00000001/chunks") == [CHUNK.format(0)]
         assert c.list("") == ["RUN.json", CHUNK.format(0)]
         assert c.list("v/00000009/") == []
+        origin.inner.put("init/empty.json", b"")
+        assert c.get_with_info("init/empty.json")[0] == b"" and c.stat("init/empty.json").size == 0
         assert origin.calls["get", CHUNK.format(0)] == 1  # served three times, fetched once
         s = r.stats()
         assert s["served_bytes"] == 2 * len(payload) + 10
@@ -197,6 +199,24 @@ def test_prefetch_does_not_evict_what_no_child_has_read(origin):
             assert c.get(k) == v
         assert {origin.calls["get", k] for k in payloads} == {1}
         assert r.stats()["memory_peak_bytes"] <= cap
+
+
+def test_prefetch_does_not_evict_unread_objects_from_the_spool(origin, tmp_path):
+    payloads = {CHUNK.format(i): os.urandom(1 << 20) for i in range(6)}
+    for k, v in payloads.items():
+        origin.inner.put(k, v)
+    cfg = RelayConfig(max_memory_bytes=2 << 20, spool_dir=str(tmp_path / "spool"), max_spool_bytes=3 << 20,
+                      prefetch=1)
+    with RelayThread(origin, cfg) as r:
+        c = client(r.uri)
+        c.list("v/00000001/chunks/")
+        wait_for(lambda: r.stats()["prefetched"] + r.stats()["prefetch_failed"] == 6 and not r.relay._tasks,
+                 "the prefetches and their spool writes")
+        s = r.stats()
+        assert (s["prefetched"], s["prefetch_failed"], s["spool_writes"], s["spool_evictions"]) == (5, 1, 3, 0)
+        for k, v in payloads.items():
+            assert c.get(k) == v
+        assert {origin.calls["get", k] for k in payloads} == {1}
 
 
 def test_two_level_tree_serves_identical_bytes(origin):
