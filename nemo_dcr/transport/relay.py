@@ -17,7 +17,9 @@ What it keeps (the caching rules of ``docs/relay.md``):
   polling at once share one upstream request;
 * **single flight**: concurrent requests for one key wait on one upstream call;
 * **cut-through**: every chunk key (``v/<n>/chunks/*``) a ``list`` reveals is fetched at
-  once, ``prefetch`` at a time, before any child asks for it;
+  once, ``prefetch`` at a time, before any child asks for it (a child asking for one still
+  queued starts it at once); a prefetch neither waits for memory nor evicts an object no
+  child has read, so it stops at the caps instead of fetching twice;
 * **bounds**: memory (objects held plus fetches in flight, each reserved at the size the
   upstream's ``stat`` gave before its body is read), spool bytes, and versions
   (``keep_versions``: more versions than that and the oldest ``v/<n>/`` is dropped).  A
