@@ -126,6 +126,7 @@ def check_input(args):
 
 def _serve(args, store, sealer, cfg, options) -> int:
     from nemo_dcr.receiver.bootstrap import build_receiver
+    from nemo_dcr.transport.failover import origin_chunk_bytes
 
     if args.insecure_no_key:
         print(f"{PROG}: WARNING: --insecure-no-key: following {args.store} WITHOUT checking any "
@@ -142,6 +143,8 @@ def _serve(args, store, sealer, cfg, options) -> int:
         print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": session.run_id,
                           "held": session.committed}), flush=True)
         session.run(until_version=args.until_version, timeout_s=args.timeout_s)
+        print(json.dumps({"receiver": args.receiver_id, "done": True, "held": session.committed,
+                          "origin_chunk_bytes": origin_chunk_bytes(store)}), flush=True)  # the demo sums these
     return 0
 
 

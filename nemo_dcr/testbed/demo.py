@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from nemo_dcr.testbed.config import ConfigError, DemoConfig, load_demo_config
 
@@ -225,6 +226,163 @@ def _print_row(cells: dict[str, str]) -> None:
     print(" ".join(cells[name].rjust(w) for name, w in COLUMNS), flush=True)
 
 
+@dataclass(frozen=True)
+class RelayTree:
+    """The demo's relay tree (``refit.transport=relay``): ``parents[i]`` is relay ``i``'s
+    parent (``None`` for the root, relay 0); relays are numbered top-down, level by level, so
+    a parent comes before its children.  ``receiver_parents[j]`` is the relay above the
+    ``j``-th receiver."""
+
+    parents: tuple[int | None, ...]
+    receiver_parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.parents and self.parents[0] is None
+        assert all(p is not None and p < i for i, p in enumerate(self.parents) if i)
+        assert all(0 <= p < len(self.parents) for p in self.receiver_parents)
+
+    def ancestors(self, relay: int | None) -> list[int]:
+        """``relay``, its parent, ..., the root: the relays a child of ``relay`` falls back on."""
+        out = []
+        while relay is not None:
+            out.append(relay)
+            relay = self.parents[relay]
+        return out
+
+
+def relay_tree(receivers: int, fanout: int) -> RelayTree:
+    """The balanced tree for ``receivers`` leaves: bottom-up, each level puts the level below
+    (the receivers first) in consecutive groups of ``fanout`` under one relay each, until a
+    level has one relay, the root.  Every receiver is at the same depth; there are
+    ``ceil(R/f) + ceil(ceil(R/f)/f) + ... + 1`` relays (R <= f: 1; 4 receivers, fanout 2: 3;
+    8 receivers, fanout 2: 7)."""
+    if receivers < 1 or fanout < 1 or (fanout == 1 and receivers > 1):
+        raise ValueError(f"no relay tree for {receivers} receivers with fanout {fanout}")
+    sizes = []  # relays per level, bottom-up
+    n = receivers
+    while not sizes or sizes[-1] > 1:
+        n = -(-n // fanout)
+        sizes.append(n)
+    sizes.reverse()  # top-down: sizes[0] == 1, the root
+    first = [sum(sizes[:k]) for k in range(len(sizes))]  # index of each level's first relay
+    parents: list[int | None] = [None]
+    for k in range(1, len(sizes)):
+        parents += [first[k - 1] + j // fanout for j in range(sizes[k])]
+    return RelayTree(tuple(parents), tuple(first[-1] + j // fanout for j in range(receivers)))
+
+
+RELAY_START_TIMEOUT_S = 120.0
+"""How long the demo waits for a relay to print the address it listens on."""
+
+
+@dataclass
+class _Relay:
+    name: str
+    popen: subprocess.Popen
+    log: str
+    uri: str  # relay://127.0.0.1:PORT
+
+
+def _upstreams(tree: RelayTree, parent: int, relays: list[_Relay], origin: str) -> str:
+    """A child of relay ``parent``'s ordered upstream list: its parent, the grandparent, ...,
+    the root, then the origin store (so a child re-parents up the tree)."""
+    return ",".join([relays[i].uri for i in tree.ancestors(parent)] + [origin])
+
+
+def _events(log_path: str) -> list[dict]:
+    """The JSON objects a process printed a line each (its other lines skipped)."""
+    out = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if line.startswith("{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short: still being written
+                if isinstance(event, dict):
+                    out.append(event)
+    return out
+
+
+def _relay_address(log_path: str) -> str | None:
+    """``HOST:PORT`` from the line a relay prints on stdout once it listens
+    (``{"relay": "listening", "address": ...}``), once it has."""
+    return next((e["address"] for e in _events(log_path) if e.get("relay") == "listening"), None)
+
+
+def _relay_stats(relay: _Relay) -> dict:
+    """The relay's ``GET /v1/stats`` (docs/relay.md)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{relay.uri.removeprefix('relay://')}/v1/stats", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _origin_read_bytes(receiver_logs: list[str], relays: list[_Relay]) -> int | None:
+    """Chunk bytes the origin store served over the run, counted by every node that read it:
+    each relay's reads from its non-relay upstreams (``GET /v1/stats``; normally only the
+    root's) and each receiver's (its final event's ``origin_chunk_bytes``: all it read
+    without relays, what it read after falling back to the origin with them).  ``None``
+    (and a line on stderr) when a node did not say."""
+    total = 0
+    for r in relays:
+        try:
+            ups = _relay_stats(r)["upstreams"]
+        except (OSError, ValueError, KeyError) as e:
+            _err(f"origin_read_bytes unknown: relay {r.name}'s /v1/stats: {type(e).__name__}: {e}")
+            return None
+        total += sum(u["chunk_bytes_read"] for u in ups if not u["is_relay"])
+    for path in receiver_logs:
+        said = [e["origin_chunk_bytes"] for e in _events(path) if e.get("done") and "origin_chunk_bytes" in e]
+        if not said or not isinstance(said[-1], int):
+            _err(f"origin_read_bytes unknown: {path} reports no origin_chunk_bytes")
+            return None
+        total += said[-1]
+    return total
+
+
+def _start_relays(cfg: DemoConfig, tree: RelayTree, children: _Children, env: dict) -> list[_Relay]:
+    """``nemo-dcr relay`` per node of ``tree``, top-down: each waits for its parent's address
+    (its first upstream)."""
+    relays: list[_Relay] = []
+    for i, parent in enumerate(tree.parents):
+        name = f"relay{i}"
+        upstream = cfg.store.uri if parent is None else _upstreams(tree, parent, relays, cfg.store.uri)
+        log = open(os.path.join(cfg.run_dir, f"{name}.log"), "w")
+        cmd = [sys.executable, "-m", "nemo_dcr.cli", "relay", "--upstream", upstream,
+               "--listen", "127.0.0.1:0", "--spool", os.path.join(cfg.run_dir, f"{name}-spool")]
+        p = children.start(cmd, log, env)
+        deadline = time.monotonic() + RELAY_START_TIMEOUT_S
+        while (address := _relay_address(log.name)) is None:
+            if p.poll() is not None:
+                raise _failed(f"relay {name} (before listening)", p.returncode, log.name)
+            if time.monotonic() > deadline:
+                raise DemoError(f"relay {name} printed no address in {RELAY_START_TIMEOUT_S:g}s -- log: {log.name}")
+            children.refresh()
+            time.sleep(0.1)
+        relays.append(_Relay(name, p, log.name, f"relay://{address}"))
+        _err(f"relay {name} on {address}, upstream {upstream}")
+    return relays
+
+
+def _check_relays(relays: list[_Relay]) -> None:
+    for r in relays:
+        if r.popen.poll() is not None:
+            raise _failed(f"relay {r.name}", r.popen.returncode, r.log)
+
+
+def _stop_relays(relays: list[_Relay], grace_s: float = 10.0) -> None:
+    """SIGTERM every relay, leaves first; one that does not exit within ``grace_s`` is a
+    failed run (``run``'s cleanup then kills it)."""
+    for r in reversed(relays):
+        r.popen.terminate()
+    for r in reversed(relays):
+        try:
+            r.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            raise DemoError(f"relay {r.name} still running {grace_s:g}s after SIGTERM -- log: {r.log}") from None
+
+
 def run(cfg: DemoConfig) -> dict:
     """Run the demo; whatever happens, no process it started outlives this call."""
     children = _Children()
@@ -292,14 +450,21 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     init_dir = os.path.join(local_root, "init") if local_root else download_checkpoint(
         store, os.path.join(cfg.run_dir, "init"))
     _err(f"initial checkpoint written ({time.perf_counter() - t_start:.1f}s); starting "
-         f"{len(cfg.refit.receivers)} receiver(s)")
+         f"{len(cfg.refit.receivers)} receiver(s)" + (" under a relay tree" if cfg.refit.transport == "relay" else ""))
 
     from nemo_dcr.receiver.registry import supported_options
 
+    relays: list[_Relay] = []
+    reads_from = [cfg.store.uri] * len(cfg.refit.receivers)  # each receiver's --store
+    if cfg.refit.transport == "relay":
+        tree = relay_tree(len(cfg.refit.receivers), cfg.refit.relay_fanout)
+        relays = _start_relays(cfg, tree, children, env)
+        reads_from = [_upstreams(tree, p, relays, cfg.store.uri) for p in tree.receiver_parents]
+
     receivers = []
-    for rid in cfg.refit.receivers:
+    for rid, store_uri in zip(cfg.refit.receivers, reads_from):
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
-        cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", cfg.store.uri,
+        cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", store_uri,
                "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
                "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
         if cfg.refit.verify_dense:
@@ -336,6 +501,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
             seen = len(lines)
         if done:
             break
+        _check_relays(relays)
         for rid, p, log in receivers:
             if p.poll() not in (None, 0):
                 # the trainer's refusal is usually the cause (e.g. a store prefix another run
@@ -360,6 +526,9 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
                             f"finished -- log: {log.name}") from None
         if code != 0:
             raise _failed(f"receiver {rid}", code, log.name)
+    _check_relays(relays)
+    origin_read = _origin_read_bytes([log.name for _, _, log in receivers], relays)
+    _stop_relays(relays)
 
     bit_exact = sum(1 for c in cells if c["bit_exact"] == "yes")
     wire = sum(r["wire_bytes"] for r in rows)
@@ -371,6 +540,9 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         "bit_exact": bit_exact,
         "verified": cfg.refit.verify_dense,
         "wire_bytes": wire,
+        "transport": cfg.refit.transport,
+        "relays": len(relays),
+        "origin_read_bytes": origin_read,
         "dense_bytes": dense,
         "compression": round(dense / max(wire, 1), 2),
         "bytes_per_changed": round(wire / max(changed, 1), 3),

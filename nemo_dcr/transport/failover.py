@@ -210,4 +210,6 @@ def origin_chunk_bytes(store: ObjectStore) -> int | None:
     """Chunk bytes ``store`` read from the origin (non-relay upstreams), when it counts them."""
     if isinstance(store, FailoverStore):
         return store.origin_chunk_bytes()
-    return None
+    if is_relay(store):
+        return 0
+    return getattr(store, "chunk_bytes_read", None)  # a plain store: all it read came from the origin

@@ -289,6 +289,10 @@ class _BoundedStore:
 
     uri: str
     policy: StorePolicy
+    chunk_bytes_read: int = 0
+    """Bytes of chunk objects (keys with ``/chunks/``) this store's ``get`` calls returned
+    (``failover.origin_chunk_bytes``: the demo's ``origin_read_bytes``)."""
+    _reads_lock = threading.Lock()
 
     def _init_policy(self, policy: StorePolicy | None) -> None:
         if policy is not None and not isinstance(policy, StorePolicy):
@@ -306,7 +310,11 @@ class _BoundedStore:
         while True:
             attempt += 1
             try:
-                return self._run_attempt(op, fn, _Attempt(p, nbytes))
+                out = self._run_attempt(op, fn, _Attempt(p, nbytes))
+                if op == "get" and "/chunks/" in key:
+                    with self._reads_lock:
+                        self.chunk_bytes_read += len(out[0] if isinstance(out, tuple) else out)
+                return out
             except Exception as e:  # noqa: BLE001 - classified and reported below
                 elapsed = time.monotonic() - start
                 where = dict(uri=self.uri, op=op, key=key, attempts=attempt, elapsed_s=elapsed)

@@ -10,13 +10,18 @@
 """
 from __future__ import annotations
 
+import json
+import threading
+import time
 from dataclasses import fields
 
+import psutil
 import pytest
 
 from nemo_dcr.integrations.settings import RefitOptions
+from nemo_dcr.testbed import demo
 from nemo_dcr.testbed.config import RefitConfig, load_demo_config
-from nemo_dcr.testbed.demo import main
+from nemo_dcr.testbed.demo import main, relay_tree
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -50,3 +55,126 @@ def test_relay_settings_load_and_are_the_demos_own():
     assert (default.refit.transport, default.refit.relay_fanout) == ("store", 2)
     schema = {f.name for f in fields(RefitOptions)}
     assert {"transport", "relay_fanout"} <= {f.name for f in fields(RefitConfig)} - schema
+
+
+@pytest.mark.parametrize("receivers,fanout,relays,depth", [
+    (1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (3, 2, 3, 2), (4, 2, 3, 2), (5, 2, 6, 3), (8, 2, 7, 3),
+    (9, 3, 4, 2), (10, 3, 7, 3), (4, 4, 1, 1), (16, 4, 5, 2),
+])
+def test_the_relay_tree_is_balanced(receivers, fanout, relays, depth):
+    tree = relay_tree(receivers, fanout)
+    assert len(tree.parents) == relays and len(tree.receiver_parents) == receivers
+    chains = [tree.ancestors(p) for p in tree.receiver_parents]
+    assert all(len(c) == depth and c[-1] == 0 for c in chains)  # every receiver at the same depth, one root
+    children = [0] * relays
+    for p in [*tree.parents[1:], *tree.receiver_parents]:
+        children[p] += 1
+    assert 1 <= min(children) and max(children) <= fanout  # no idle relay, none over its fanout
+    assert len({c[0] for c in chains}) == -(-receivers // fanout)  # receivers packed under their relays
+
+
+def test_fanout_one_makes_no_tree_over_several_receivers():
+    with pytest.raises(ValueError, match="no relay tree for 2 receivers with fanout 1"):
+        relay_tree(2, 1)
+
+
+def test_a_plain_store_counts_the_chunk_bytes_it_read(tmp_path):
+    """What a receiver reading the origin directly reports in its final event
+    (``origin_chunk_bytes``): every chunk byte its ``get`` calls returned, nothing else."""
+    from nemo_dcr.transport.failover import origin_chunk_bytes
+    from nemo_dcr.transport.relay_client import RelayStore
+    from nemo_dcr.transport.store import open_store
+
+    store = open_store(str(tmp_path / "origin"))
+    store.put("v/1/chunks/r0-0", b"x" * 100)
+    store.put("v/1/MANIFEST.json", b"{}" * 5)
+    assert origin_chunk_bytes(store) == 0  # control: nothing read yet
+    store.get("v/1/chunks/r0-0")
+    store.get_with_info("v/1/chunks/r0-0", max_bytes=100)
+    store.get("v/1/MANIFEST.json")
+    store.stat("v/1/chunks/r0-0")
+    assert origin_chunk_bytes(store) == 200
+    assert origin_chunk_bytes(RelayStore("relay://127.0.0.1:9")) == 0  # a relay is not the origin
+
+
+SMALL = ["model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=4",
+         "model.num_query_groups=2", "model.ffn_hidden_size=256", "model.vocab_size=1003",
+         "model.seq_length=32", "steps=2", "train.lr=3e-6", "refit.verify_dense=true"]
+
+
+class _Watcher(threading.Thread):
+    """Samples this process's new descendants every 50 ms: pid, create time, command line."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.me = psutil.Process()
+        self.before = {p.pid for p in self.me.children(recursive=True)}
+        self.seen: dict[int, tuple[float, str]] = {}
+        self.halt = threading.Event()
+
+    def run(self):
+        while not self.halt.is_set():
+            for p in self.me.children(recursive=True):
+                if p.pid not in self.before and p.pid not in self.seen:
+                    try:
+                        self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline()))
+                    except psutil.Error:
+                        pass
+            time.sleep(0.05)
+
+    def alive(self, pid: int) -> bool:
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+def _demo(tmp_path, name, *overrides) -> tuple[dict, dict[int, str], list[int]]:
+    """One demo run: its summary, the relay processes seen while it ran (pid -> command
+    line) and the pids of every process it started that is still alive after it returned."""
+    watcher = _Watcher()
+    watcher.start()
+    try:
+        summary = demo.run(load_demo_config([f"run_dir={tmp_path}/{name}", f"store.uri={tmp_path}/{name}-store",
+                                             *SMALL, *overrides]))
+    finally:
+        watcher.halt.set()
+        watcher.join()
+        left = [pid for pid in watcher.seen if watcher.alive(pid)]
+        for pid in left:  # so that a failing test leaves nothing behind either
+            psutil.Process(pid).kill()
+    relays = {pid: cmd for pid, (_, cmd) in watcher.seen.items() if "nemo_dcr.cli relay" in cmd}
+    return summary, relays, left
+
+
+@pytest.mark.slow
+def test_the_demo_over_a_relay_tree_reads_the_origin_once(tmp_path):
+    summary, relays, left = _demo(tmp_path, "relay", "refit.receivers=[r0,r1,r2,r3]", "refit.transport=relay",
+                                  "refit.relay_fanout=2")
+    print(json.dumps({k: summary[k] for k in ("transport", "relays", "wire_bytes", "origin_read_bytes")}))
+    # every version committed by all 4 receivers, each bit-exact against the dense export
+    # (the receivers compare integer views; the table's bit_exact needs every ack's yes)
+    assert (summary["refits"], summary["committed"], summary["bit_exact"]) == (2, 2, 2)
+    assert summary["transport"] == "relay" and summary["relays"] == 3
+    assert 0 < summary["wire_bytes"] <= summary["origin_read_bytes"] <= 1.2 * summary["wire_bytes"]
+    # 3 relays ran (control: the orphan check below is not vacuous) and none outlived the demo
+    assert len(relays) == 3, relays
+    assert left == [], left
+    # the shape: relay0 reads the origin; relay1 and relay2 read relay0, then the origin
+    listening = [next(e for e in demo._events(str(tmp_path / "relay" / f"relay{i}.log"))
+                      if e.get("relay") == "listening") for i in range(3)]
+    root, origin = f"relay://{listening[0]['address']}", listening[0]["upstreams"][0]
+    assert origin.endswith("relay-store") and listening[0]["upstreams"] == [origin]
+    assert listening[1]["upstreams"] == listening[2]["upstreams"] == [root, origin]
+
+
+@pytest.mark.slow
+def test_without_relays_the_origin_serves_every_receiver(tmp_path):
+    """Negative control for the bound above: the same demo with receivers reading the store
+    directly makes the origin serve one copy of the chunks per receiver."""
+    summary, relays, left = _demo(tmp_path, "store", "refit.receivers=[r0,r1]")
+    print(json.dumps({k: summary[k] for k in ("transport", "relays", "wire_bytes", "origin_read_bytes")}))
+    assert (summary["refits"], summary["committed"], summary["bit_exact"]) == (2, 2, 2)
+    assert summary["transport"] == "store" and summary["relays"] == 0 and relays == {} and left == []
+    assert summary["origin_read_bytes"] >= 2 * summary["wire_bytes"] * 0.9 > 1.2 * summary["wire_bytes"]
