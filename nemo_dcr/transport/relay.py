@@ -211,8 +211,9 @@ class Relay:
         r.add_route("GET", f"{API}/health", self._h_health)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Listen on ``host:port`` (port 0: any free one); returns the bound address."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, ssl_context=None) -> tuple[str, int]:
+        """Listen on ``host:port`` (port 0: any free one); returns the bound address.
+        ``ssl_context``: serve HTTPS directly (the CLI leaves TLS to a terminating proxy)."""
         from aiohttp import web
 
         self._loop = asyncio.get_running_loop()
@@ -223,7 +224,7 @@ class Relay:
             self._spool_root = tempfile.mkdtemp(prefix="relay-spool-", dir=self.cfg.spool_dir)
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         self.address = tuple(self._runner.addresses[0][:2])
         self._sweeper = asyncio.ensure_future(self._sweep())
@@ -878,16 +879,17 @@ class RelayThread:
     tools): ``with RelayThread(store, cfg) as r: r.uri``."""
 
     def __init__(self, store: ObjectStore, config: RelayConfig | None = None, *, host: str = "127.0.0.1",
-                 port: int = 0, log: Callable[[dict], None] | None = None):
+                 port: int = 0, log: Callable[[dict], None] | None = None, ssl_context=None):
         self.relay = Relay(store, config, log=log or (lambda e: None))
-        self._host, self._port = host, port
+        self._host, self._port, self._ssl = host, port, ssl_context
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nemo-dcr-relay", daemon=True)
 
     def start(self) -> "RelayThread":
         self._thread.start()
-        host, port = asyncio.run_coroutine_threadsafe(self.relay.start(self._host, self._port), self._loop).result(30)
-        self.uri = f"relay://{host}:{port}"
+        host, port = asyncio.run_coroutine_threadsafe(self.relay.start(self._host, self._port, ssl_context=self._ssl),
+                                                      self._loop).result(30)
+        self.uri = f"{'https' if self._ssl else 'relay'}://{host}:{port}"
         return self
 
     def call(self, fn: Callable[[], Any]) -> Any:

@@ -693,3 +693,39 @@ def test_protocol_end_to_end_through_a_relay_tree(tmp_path):
     assert s1["upstream_chunk_bytes"] == chunk_bytes  # r0 -> r1: once
     assert s0["acks_forwarded"] == 6 and s1["acks_forwarded"] == 3
     assert s0["upstreams"][0]["failures"] == 0 and s1["current_upstream"] == r0.uri
+
+
+def test_https_relay_uri(origin, tmp_path, monkeypatch):
+    """``https://`` children verify the server's certificate (here a self-signed one made
+    trusted through SSL_CERT_FILE; the control: without it the call is refused)."""
+    import datetime
+    import ssl
+
+    pytest.importorskip("cryptography")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    k = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(k.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(k, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+    payload = os.urandom(1 << 20)
+    origin.inner.put(CHUNK.format(0), payload)
+    with RelayThread(origin, ssl_context=ctx, host="localhost") as r:
+        uri = f"https://localhost:{r.relay.address[1]}"
+        with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED|SSL"):
+            client(uri).get(CHUNK.format(0))  # control: an untrusted certificate is refused
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+        assert client(uri).get(CHUNK.format(0)) == payload
