@@ -25,6 +25,22 @@ own canonical state of each version (``dense/v<k>.safetensors``):
 * after a trainer rank is killed: a receiver holds the last committed version, or the
   version it was told (tentative, no decision written), and serves exactly its bits.
 
+Relay epochs (``--classes relay``: the "none" control and the relay classes): between the
+origin store and the receivers runs a chain of two real relays (``nemo-dcr relay``'s
+``Relay``, launched by ``nemo_dcr.testbed.relay_faults``): ``ra`` reads the origin, ``rb``
+reads ``ra`` then the origin, receiver ``r0`` reads ``rb, ra, origin`` and ``r1`` reads
+``ra, origin`` (every list ends with the origin).  The driver SIGKILLs a relay
+(``relay_kill``), SIGSTOPs it and SIGCONTs it within the trial or never (``relay_stop``),
+kills it and restarts it on the same port with an empty spool (``relay_restart_empty``),
+each right after the go, once the version's first chunk is on the origin or once its
+manifest is; or the relay's launcher serves the version's chunks with a bit flipped
+(``relay_flip``).  After the decision the tree is healed (a relay stopped for good is
+killed, a dead one restarted) while the receivers settle.  The same bit-for-bit checks
+follow; a receiver restart would be a reload (counted), and re-parenting is counted from
+the failover warnings in every node's log.  Receivers of a relay epoch read the upstream
+list as it is (no store injectors), so only ``none``, ``apply_exception`` and
+``one_refuses`` of the store classes run there.
+
 A violation is a silent corruption (must stay 0).  A hang (a receiver that never settles,
 a trainer that never decides) is recorded as such and the epoch is restarted.
 
@@ -314,25 +330,37 @@ class RelayProc:
         os.makedirs(self.dir, exist_ok=True)
         self.port = free_port()
         self.uri = f"relay://127.0.0.1:{self.port}"
-        self.incarnation = 0
-        self.spools = 0
+        self.launches = 0
         self.stopped = False
         self.proc: subprocess.Popen | None = None
+        # a warm spare (imports done, upstreams opened, waiting to bind): a restart under load
+        # then takes a bind, not a Python start (tens of seconds on the loaded 2-core machine)
+        self.spare: tuple[subprocess.Popen, str] | None = None
 
-    def start(self, *, empty_spool: bool = False) -> None:
-        """(Re)start on the epoch's port; ``empty_spool``: on a new, empty spool directory."""
-        self.incarnation += 1
-        if empty_spool or not self.spools:
-            self.spools += 1
+    def _launch(self, standby: str | None) -> subprocess.Popen:
+        self.launches += 1  # every launch has its own log and its own, empty spool directory
         upstream = ",".join([self.epoch.relays[r].uri for r in RELAY_UPSTREAMS[self.role]] + [self.epoch.uri])
         cmd = [sys.executable, "-m", "nemo_dcr.testbed.relay_faults", "--role", self.role,
                "--plan-dir", self.epoch.plan_dir, "--upstream", upstream, "--listen", f"127.0.0.1:{self.port}",
-               "--spool", os.path.join(self.dir, f"spool-{self.spools}"),
+               "--spool", os.path.join(self.dir, f"spool-{self.launches}"),
                "--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s)]
-        log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
+        if standby:
+            cmd += ["--standby", standby]
+        log = open(os.path.join(self.dir, f"log-{self.launches}.txt"), "w")
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.epoch.env, cwd=ROOT,
+                                start_new_session=True)
+
+    def start(self) -> None:
+        """(Re)start on the epoch's port, on a new, empty spool: the warm spare when there is
+        one (then a new spare is launched)."""
         self.stopped = False
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.epoch.env, cwd=ROOT,
-                                     start_new_session=True)
+        if self.spare is not None and self.spare[0].poll() is None:
+            self.proc, go = self.spare
+            open(go, "w").close()
+        else:
+            self.proc = self._launch(None)
+        go = os.path.join(self.dir, f"go-{self.launches + 1}")
+        self.spare = (self._launch(go), go)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         import urllib.request
@@ -346,8 +374,7 @@ class RelayProc:
             except OSError:
                 pass
             if not self.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"relay {self.role} did not start:\n"
-                                   f"{_tail(os.path.join(self.dir, f'log-{self.incarnation}.txt'))}")
+                raise RuntimeError(f"relay {self.role} did not start (pid {self.proc.pid})")
             time.sleep(0.05)
 
     def alive(self) -> bool:
@@ -375,6 +402,8 @@ class RelayProc:
 
     def close(self) -> None:
         self.kill()
+        if self.spare is not None:
+            _kill(self.spare[0])
 
 
 class Epoch:
@@ -382,7 +411,7 @@ class Epoch:
     relay tree they read through)."""
 
     def __init__(self, work: str, index: int, moto: Moto, key_file: str, ack_timeout_s: float, seed: int,
-                 relays: bool = False, hop_timeout_s: float = 2.0, retry_after_s: float = 5.0):
+                 relays: bool = False, hop_timeout_s: float = 2.0, retry_after_s: float = 2.0):
         import s3fs
 
         self.index = index
@@ -390,6 +419,7 @@ class Epoch:
         self.hop_timeout_s = hop_timeout_s
         self.retry_after_s = retry_after_s
         self.relays: dict[str, RelayProc] = {}
+        self.quiet_at = 0.0  # relay epochs: no trial starts before (monotonic)
         self.dir = os.path.join(work, f"epoch-{index}")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.plan_dir = os.path.join(self.dir, "plan")
@@ -639,7 +669,7 @@ class RelayFaulter:
         else:  # relay_restart_empty
             relay.kill()
             time.sleep(f["down_s"])
-            relay.start(empty_spool=True)
+            relay.start()  # every start is on a new, empty spool
             self.done = f"killed {f['target']}, restarted on an empty spool after {time.monotonic() - t0:.2f}s"
 
     def join(self) -> None:
@@ -672,6 +702,7 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     from nemo_dcr.protocol.manifest import Decision, decision_key
     from nemo_dcr.protocol.signing import Sealer, load_key
 
+    time.sleep(max(0.0, ep.quiet_at - time.monotonic()))
     v = ep.version + 1
     ep.version = v
     base = ep.committed
@@ -812,6 +843,10 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
         rec["switches"] = {n: switches[n] - switches_before.get(n, 0) for n in switches
                            if switches[n] > switches_before.get(n, 0)}
         rec["flipped_chunks"] = _flips(ep) - flips_before
+        if rec["reparents"] or rec["healed"]:
+            # the next trial starts once every node prefers its first upstream again (a left
+            # upstream rests retry_after_s), so that its fault meets the tree's real shape
+            ep.quiet_at = time.monotonic() + ep.retry_after_s
     ignored_after = sum(rx.log_count('"ignored"') for rx in ep.receivers.values())
     refused_after = sum(rx.log_count('"ok": false') for rx in ep.receivers.values())
     rec["receiver_ignored"] = ignored_after - ignored_before
@@ -988,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ack-timeout-s", type=float, default=3.0)
     ap.add_argument("--hop-timeout-s", type=float, default=2.0,
                     help="relay epochs: one attempt's timeout on every upstream but the origin (2 attempts)")
-    ap.add_argument("--retry-after-s", type=float, default=5.0,
+    ap.add_argument("--retry-after-s", type=float, default=2.0,
                     help="relay epochs: how long a node leaves a failed upstream before preferring it again")
     ap.add_argument("--max-wall-s", type=float, default=None, help="stop starting trials after this long")
     ap.add_argument("--report-only", action="store_true")

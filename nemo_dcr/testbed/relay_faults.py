@@ -131,15 +131,25 @@ def relay_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spool", required=True)
     ap.add_argument("--hop-timeout-s", type=float, default=None)
     ap.add_argument("--retry-after-s", type=float, default=30.0)
+    ap.add_argument("--standby", default=None,
+                    help="a warm spare: import and open everything, then wait for this file to exist before "
+                         "binding (so that the driver's restart of a relay takes a bind, not a process start)")
     args = ap.parse_args(argv)
 
     import asyncio
+    import time
+
+    import aiohttp.web  # noqa: F401 - imported before the standby wait, not after
 
     from nemo_dcr.transport.relay import Relay, RelayConfig, parse_listen
 
     host, port = parse_listen(args.listen)
     store = FlippingStore(open_upstreams(args.upstream, hop_timeout_s=args.hop_timeout_s,
                                          retry_after_s=args.retry_after_s), Plans(args.plan_dir, args.role))
+    if args.standby:
+        print(json.dumps({"relay": "standby", "role": args.role}), flush=True)
+        while not os.path.exists(args.standby):
+            time.sleep(0.02)
     os.makedirs(args.spool, exist_ok=True)
 
     async def serve() -> None:
