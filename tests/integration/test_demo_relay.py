@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import fields
@@ -178,3 +179,37 @@ def test_without_relays_the_origin_serves_every_receiver(tmp_path):
     assert (summary["refits"], summary["committed"], summary["bit_exact"]) == (2, 2, 2)
     assert summary["transport"] == "store" and summary["relays"] == 0 and relays == {} and left == []
     assert summary["origin_read_bytes"] >= 2 * summary["wire_bytes"] * 0.9 > 1.2 * summary["wire_bytes"]
+
+
+FAIL_R1 = ("import sys, time; time.sleep(1); "
+           "print('RuntimeError: injected receiver failure', flush=True); sys.exit(3)")
+
+
+@pytest.mark.slow
+def test_a_failing_receiver_under_relays_leaves_no_relay_running(tmp_path, monkeypatch, capsys):
+    """The relays are stopped on failure too: receiver r1 fails one second after it starts,
+    the demo fails, and no process it started (relays included) is left."""
+    real_start = demo._Children.start
+
+    def start(self, cmd, log, env):
+        if "--receiver-id" in cmd and cmd[cmd.index("--receiver-id") + 1] == "r1":
+            cmd = [sys.executable, "-c", FAIL_R1]
+        return real_start(self, cmd, log, env)
+
+    monkeypatch.setattr(demo._Children, "start", start)
+    watcher = _Watcher()
+    watcher.start()
+    try:
+        code = main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", *SMALL,
+                     "refit.receivers=[r0,r1,r2,r3]", "refit.transport=relay"])
+    finally:
+        watcher.halt.set()
+        watcher.join()
+        left = [pid for pid in watcher.seen if watcher.alive(pid)]
+        for pid in left:
+            psutil.Process(pid).kill()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "receiver r1 failed (exit 3): RuntimeError: injected receiver failure" in err[-1], err
+    relays = [cmd for _, cmd in watcher.seen.values() if "nemo_dcr.cli relay" in cmd]
+    assert len(relays) == 3, relays  # control: the relays were running when r1 failed
+    assert left == [], [watcher.seen[pid][1] for pid in left]
