@@ -15,7 +15,8 @@ answer announced); urllib3's own retries are off, the policy retries.  How answe
 * ``413``: :class:`ObjectTooLarge` (the relay sends no body);
 * ``5xx``, ``429``, refused/reset connections, timeouts, a body cut short: transient
   (retried);
-* any other ``4xx``: permanent (``StoreError`` at once).
+* any other ``4xx``, and a TLS certificate that does not verify: permanent (``StoreError``
+  at once).
 
 A relay holds no key: whatever it serves is checked by the reader against the signed
 manifest, exactly as bytes from the origin store are.
@@ -82,6 +83,8 @@ class RelayStore(_BoundedStore):
             resp = self._http.request(method, url, body=body, preload_content=False, redirect=False,
                                       headers={"Content-Type": "application/octet-stream"} if body is not None
                                       else None)
+        except urllib3.exceptions.SSLError as e:  # an untrusted certificate: another attempt will not help
+            raise RelayRefused(f"{method} {url}: {type(e).__name__}: {e}") from None
         except urllib3.exceptions.HTTPError as e:
             raise RelayUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
         if resp.status in ok:

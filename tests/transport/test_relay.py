@@ -725,7 +725,8 @@ def test_https_relay_uri(origin, tmp_path, monkeypatch):
     origin.inner.put(CHUNK.format(0), payload)
     with RelayThread(origin, ssl_context=ctx, host="localhost") as r:
         uri = f"https://localhost:{r.relay.address[1]}"
-        with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED|SSL"):
-            client(uri).get(CHUNK.format(0))  # control: an untrusted certificate is refused
+        with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED|SSL") as e:
+            client(uri, retries=2).get(CHUNK.format(0))  # control: an untrusted certificate is refused
+        assert e.value.attempts == 1  # for good: not retried
         monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
         assert client(uri).get(CHUNK.format(0)) == payload
