@@ -25,6 +25,10 @@ One ``step``:
 5. Anything else (``b < c``, a base digest that is not ``D(c)``, a chain that skips ``c``)
    does not extend what this receiver committed: it writes a refusal that names both
    versions and keeps serving ``c``.  A store document never makes a receiver exit.
+6. Idle (nothing awaiting a decision, no tentative version, ``HEAD.json`` naming nothing
+   new): streaming receive (``receiver/stream.py``): the receiver fetches and decodes a
+   bounded batch of the chunks that appeared for the next versions, on top of ``c``, before
+   their manifest; step 4 uses them only where the signed manifest lists the same bytes.
 
 Every document is read through ``protocol/reader.py`` (bounded, cached by object
 identity) and must open with the run's key and name the run this receiver follows;
@@ -110,6 +114,11 @@ class Follower:
         self.compose_after = compose_after
         self.state = FollowerState(run_id=run_id, committed=committed, committed_digest=committed_digest,
                                    handled=committed, decided=committed)
+        self.stride = 1
+        """Gap between the last two versions this receiver answered (versions are step
+        numbers; a trainer refitting every k steps publishes every k-th): streaming receive
+        looks this far ahead."""
+        self._prefetch_error = ""
         self._log = log or (lambda event: print(json.dumps(event), flush=True))
         self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
 
@@ -293,8 +302,23 @@ class Follower:
                    "tentative": st.tentative, "error": error})
         return True
 
+    def _prefetch(self) -> bool:
+        """Step 6 (streaming receive); True when chunks were fetched and decoded."""
+        st = self.state
+        if st.tentative is not None:
+            return False
+        try:
+            return self.rx.prefetch(st.run_id, handled=st.handled, stride=self.stride) > 0
+        except TransportError as e:  # the normal path fetches after the manifest; log a new error once
+            if str(e) != self._prefetch_error:
+                self._prefetch_error = str(e)
+                self._log({"receiver": self.receiver_id, "event": "prefetch failed", "store_error": str(e)})
+            return False
+
     def _answer(self, manifest: Manifest, digest: str) -> bool:
         st = self.state
+        if manifest.version > st.handled:
+            self.stride = manifest.version - st.handled
         try:
             ack = self.rx.apply_tentative(manifest, digest, run_id=st.run_id)
         except TransportError as e:  # the store failed while fetching: a refusal, not a crash
@@ -318,7 +342,7 @@ class Follower:
             return self._settle()
         head = self.docs.read(HEAD_KEY, Head)
         if head is None or head.doc.version <= st.handled:
-            return False
+            return self._prefetch()
         got = self._manifest(head.doc.version)
         if got is None:
             return False

@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--poll-s", type=float, default=0.05, help="interval between checks for the next manifest")
     ap.add_argument("--fetch-threads", type=int, default=0,
                     help="chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)")
+    ap.add_argument("--no-stream", dest="stream", action="store_false",
+                    help="fetch a version's chunks only once its signed manifest is there (default: fetch and "
+                         "decode them as they land, use them only if the manifest lists the same bytes)")
     ap.add_argument("--verify-dense", action="store_true",
                     help="after each apply compare every tensor with the version's dense export (doubles memory)")
     ap.add_argument("--init-dir", default=None,
@@ -105,7 +108,7 @@ def check_input(args):
         raise _BadInput(f"--store: {type(e).__name__}: {e}") from None
     try:
         cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense,
-                             poll_s=args.poll_s, fetch_threads=args.fetch_threads)
+                             poll_s=args.poll_s, fetch_threads=args.fetch_threads, stream=args.stream)
         options = RuntimeOptions(reference=args.verify_dense, persistent=args.persistent_weights,
                                  tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                                  sample_tokens=args.sample_tokens)

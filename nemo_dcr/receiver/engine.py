@@ -16,6 +16,12 @@ applied through the runtime's loader and the version is held tentatively.  A fai
 steps 1-5 is a refusal with the weights untouched; a failure during the writes is
 repaired from the journal (overwrite with the old bits) before the refusal.
 
+With streaming receive on (``ReceiverConfig.stream``, the default), steps 3-4 may have run
+for some chunks before the manifest existed (``receiver/stream.py``, driven by the
+follower's idle steps through :meth:`Receiver.prefetch`); such a chunk is used only if the
+manifest lists it with the same size and digest and its header agrees, and its records are
+charged to the version's budget like any other; everything else is fetched as above.
+
 How a receiver is assembled (runtime, version 0, restart) is ``receiver/bootstrap.py``;
 the command line is ``receiver/cli.py``.
 """
@@ -31,7 +37,7 @@ from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.errors import FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
-from nemo_dcr.receiver.fetch import RefitRefused, fetch_chunks
+from nemo_dcr.receiver.fetch import RefitRefused, admission_cap, fetch_chunks
 from nemo_dcr.receiver.held import HeldBits
 from nemo_dcr.receiver.journal import ApplyJournal, write_committed
 from nemo_dcr.transport.store import ObjectStore
@@ -52,6 +58,11 @@ class ReceiverConfig:
     fetch_threads: int = 0
     """Chunks downloaded, verified and decoded at once (the coder releases the GIL);
     0: one per CPU core, at most 8."""
+    stream: bool = True
+    """Streaming receive (``receiver/stream.py``): while idle, fetch and decode the chunks
+    of the next version as they land, before its manifest; they are used only if the
+    signed manifest lists them with the same size and digest.  False: fetch a version's
+    chunks only once its manifest is there."""
 
     def __post_init__(self) -> None:
         check_receiver_id(self.receiver_id)
@@ -115,6 +126,29 @@ class Receiver:
         self.committed_file = committed_file
         self.before_fetch = before_fetch
         self.on_applied = on_applied
+        self._writes = 0
+        """Write generation: bumped before every write to the runtime (apply, undo), so a
+        prefetch decoded against older bits is never used."""
+        self._stream = None
+        """``stream.StreamState`` of the held version, while idle (see :meth:`prefetch`)."""
+
+    # --------------------------------------------------------------- streaming receive
+    def prefetch(self, run_id: str, *, handled: int, stride: int = 1) -> int:
+        """Streaming receive, called by the follower while it is idle (held = committed, no
+        tentative version, nothing newer published): fetch and decode a bounded batch of
+        the chunks that appeared for the versions after ``handled`` (``stream.candidates``),
+        on top of the version held now.  Returns how many were decoded; store errors while
+        listing propagate (``TransportError``); never writes.  Off with ``cfg.stream``."""
+        from nemo_dcr.receiver.stream import StreamState, candidates
+
+        if not self.cfg.stream:
+            return 0
+        st = self._stream
+        if st is None or not st.matches(run_id=run_id, base_version=self.held_version, generation=self._writes):
+            st = self._stream = StreamState(self.served, run_id=run_id, model_id=self.cfg.model_id,
+                                            base_version=self.held_version, generation=self._writes,
+                                            threads=self.cfg.threads)
+        return st.poll(self.store, candidates(handled, stride, st.top))
 
     # --------------------------------------------------------------- one version
     def fetch(self, manifest: Manifest, *, base: Mapping | None = None, base_version: int | None = None
@@ -132,13 +166,15 @@ class Receiver:
         if manifest.base_version != expect:
             raise RefitRefused(f"manifest v{manifest.version} has base version {manifest.base_version}, "
                                f"this receiver holds version {expect}")
+        # a prefetch (streaming receive) is used by this manifest or not at all
+        stream, self._stream = self._stream, None
         specs = self.served.tensor_specs()
         # untrusted sizes are bounded before anything is downloaded or decoded: the version's
         # wire bytes by twice the dense size of what it may change, duplicates refused, and
         # every record checked against the runtime's specs and a per-version budget from its
         # header alone (codec/admit.py)
-        dense = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in specs.values())
-        if manifest.wire_bytes > 2 * dense + (1 << 20):
+        if manifest.wire_bytes > admission_cap(specs):
+            dense = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in specs.values())
             raise RefitRefused(f"manifest v{manifest.version} lists {manifest.wire_bytes} chunk bytes, more than "
                                f"twice the {dense} bytes of the tensors this receiver holds")
         digests = [ref.digest for ref in manifest.chunks]
@@ -148,13 +184,24 @@ class Receiver:
         held = HeldBits(self.served) if base is None else base
         want = {"run_id": manifest.run_id, "model_id": manifest.model_id, "version": str(manifest.version),
                 "base_version": str(manifest.base_version)}
+        prefetched, stream_stats = {}, {}
+        if base is None and stream is not None and stream.matches(run_id=manifest.run_id, base_version=expect,
+                                                                  generation=self._writes):
+            prefetched, stream_stats = stream.take(manifest, want)
+            held = stream.held  # the same bits (nothing was written since), already read
         t0 = time.perf_counter()
         got = fetch_chunks(self.store, manifest.chunks, held=held, specs=specs, budget=budget, want=want,
-                           threads=self.cfg.threads)
+                           threads=self.cfg.threads, prefetched=prefetched)
         deltas = [d for chunk in got.chunks for d in chunk.deltas]
-        stats = {"download_s": got.downloaded_at - t0, "decode_s": got.done_at - got.downloaded_at,
+        # download_s: the receiver's download stage, i.e. the time during which at least one
+        # chunk of the version was downloading, before the manifest (streaming) or after it;
+        # fetch_s: from the manifest to the last chunk's arrival; decode_s: the decode tail after it
+        stats = {"download_s": got.download_busy_s, "fetch_s": max(0.0, got.downloaded_at - t0),
+                 "decode_s": got.done_at - max(got.downloaded_at, t0),
                  "decode_cpu_s": got.decode_cpu_s, "decode_gbps": got.decode_gbps, "fetch_threads": self.cfg.threads,
-                 "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas)}
+                 "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas),
+                 "stream": self.cfg.stream, "prefetch_used_chunks": got.prefetched_chunks,
+                 "prefetch_used_bytes": got.prefetched_bytes, **stream_stats}
         return FetchedVersion(deltas, held, stats)
 
     def apply_version(self, manifest: Manifest) -> dict:
@@ -176,6 +223,8 @@ class Receiver:
         except ValueError as e:  # DeltaValidationError and friends: nothing written
             raise RefitRefused(str(e)) from None
         self.journal.begin(version, base_version, deltas, held)
+        self._writes += 1
+        self._stream = None
         try:
             self.served.apply(deltas)
         except Exception as e:  # noqa: BLE001 - any failure mid-write is repaired, then reported
@@ -191,6 +240,8 @@ class Receiver:
     def _undo(self) -> None:
         records = self.journal.undo_records()
         base = self.journal.base_version
+        self._writes += 1
+        self._stream = None
         self.served.apply(records)
         self.journal.clear()
         self.held_version = base

@@ -1,0 +1,232 @@
+"""Streaming receive: fetch and decode the chunks of the next version as they land in the
+store, before its signed manifest exists, so the receiver's download runs alongside the
+trainer's upload instead of after it.
+
+While the follower is idle (nothing awaiting a decision, no tentative version, ``HEAD.json``
+naming nothing new), each of its steps calls ``Receiver.prefetch``, which polls one
+``StreamState``: it lists ``v/<n>/chunks/`` for the candidate versions ``n`` and, on up to
+``threads`` threads, downloads every chunk key it has not seen, checks its header (run id,
+model id, the version its key names, ``base_version`` = the version the receiver holds)
+and decodes it against the held bits.  Nothing here is trusted or applied:
+
+* the raw bytes prefetched for one held version are capped at ``fetch.admission_cap``
+  (the bound a manifest's chunk bytes must meet: 2 x the dense size of the receiver's
+  tensors + 1 MiB), each object's size is read (``stat``) and reserved against the cap
+  before it is downloaded, and the records decoded are charged to a
+  ``DecodeBudget.for_tensors`` of their own; over either bound prefetching stops for this
+  held version (the normal path fetches what is missing once the manifest is there);
+* when the manifest arrives, ``take`` hands over only the prefetched chunks whose key is
+  listed with the same size and sha256 digest and whose header agrees with the manifest;
+  ``fetch_chunks`` charges their records to the version's own budget and fetches every
+  other chunk normally; prefetched chunks the manifest does not list are dropped, and the
+  whole state goes with every ``take`` (one manifest consumes it) and whenever the held
+  bits may have changed (apply, rollback, catch-up, repair: ``Receiver`` compares its
+  write generation and held version).
+
+Why synchronous, from the follower's step, rather than a background thread: decoding a
+context-mode record reads the held bits, which apply and rollback overwrite in place.
+Polled from the one thread that also applies and rolls back, a prefetch can never overlap
+a write, so it needs no lock around the runtime and no cancellation; the cost is that a
+manifest is noticed only after the current batch (at most ``BATCH_PER_THREAD x threads``
+chunks) has been fetched.
+
+Downloads here are plain ``get`` s, not ``fetch_verified``: before the manifest there is no
+digest to check, and demoting an upstream on unsigned evidence (a header or an object a
+key-less store writer planted at the origin, which every faithful relay would pass on)
+would let that writer push receivers off their relays.  The bytes are checked against the
+signed digest at ``take``; a mismatch is fetched again through ``fetch_verified``, which
+demotes an upstream that serves bad bytes then.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from nemo_dcr.codec import DecodeBudget, DecodedChunk, chunk_digest, decode_chunk, read_chunk_index
+from nemo_dcr.errors import DcrError, FormatError, TransportError, ValidationError
+from nemo_dcr.protocol.manifest import Manifest, version_prefix
+from nemo_dcr.receiver.fetch import ChunkTimes, admission_cap
+from nemo_dcr.receiver.held import HeldBits
+
+MAX_STRIDE = 8
+"""Candidate versions listed past the last handled one, at most (see ``candidates``)."""
+MAX_KEYS = 16384
+"""Chunk keys one state looks at, at most: a key-less writer planting empty objects under
+``chunks/`` costs the receiver this many requests per held version, then prefetching stops."""
+BATCH_PER_THREAD = 4
+"""New keys fetched per poll, per thread: bounds how long one follower step takes."""
+_CHUNK_NAME = re.compile(r"^r[0-9]{3,6}-[0-9]{5,9}\.dcr$")
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """One chunk fetched and decoded before its manifest; unverified until ``take``."""
+
+    key: str
+    version: int
+    """The version its key names (and its header, checked)."""
+    nbytes: int
+    digest: str
+    """``chunk_digest`` of the bytes that were decoded."""
+    chunk: DecodedChunk
+    times: ChunkTimes
+
+
+def candidates(handled: int, stride: int, top: int) -> list[int]:
+    """Versions whose ``chunks/`` a receiver lists while idle: ``handled+1 .. handled+stride``
+    (versions are optimizer step numbers; ``stride`` is the last gap between the versions it
+    answered, 1 until it saw one), and as many past ``top``, the highest version it already
+    saw chunks of (a version whose manifest never came is followed by the next one).  A
+    stride over ``MAX_STRIDE`` lists the first ``MAX_STRIDE`` and ``handled+stride``; each
+    candidate is one ``list`` call per idle poll."""
+    stride = max(1, stride)
+    near = min(stride, MAX_STRIDE)
+    out = list(range(handled + 1, handled + near + 1))
+    if stride > near:
+        out.append(handled + stride)
+    out += [v for v in range(top + 1, top + near + 1) if v > handled + near and v not in out]
+    return out
+
+
+class StreamState:
+    """What one receiver prefetched on top of one held version (see the module docstring).
+    Not thread-safe as a whole: ``poll`` and ``take`` are called from the follower's thread
+    (``poll`` uses worker threads internally and joins them before returning)."""
+
+    def __init__(self, served, *, run_id: str, model_id: str, base_version: int, generation: int, threads: int):
+        self.specs = served.tensor_specs()
+        self.held = HeldBits(served)
+        """The bits prefetched records were decoded against; valid until the next write."""
+        self.budget = DecodeBudget.for_tensors(self.specs)
+        self.cap = admission_cap(self.specs)
+        self.run_id, self.model_id = run_id, model_id
+        self.base_version, self.generation = base_version, generation
+        self.threads = max(1, threads)
+        self.reserved = 0
+        """Raw bytes downloaded (or being downloaded) by this state, kept or not."""
+        self.seen: set[str] = set()
+        self.ready: dict[str, Prefetched] = {}
+        self.top = base_version
+        self.stopped: str | None = None
+        """Why prefetching stopped for this held version (None: it goes on)."""
+        self.rejected = 0
+        """Chunks dropped at prefetch: malformed, another run, model, version or base."""
+        self.failed = 0
+        """Chunks the store did not serve (vanished, grew, a store error): left to the normal path."""
+        self._lock = threading.Lock()
+
+    def matches(self, *, run_id: str, base_version: int, generation: int) -> bool:
+        return (self.run_id, self.base_version, self.generation) == (run_id, base_version, generation)
+
+    # ------------------------------------------------------------------ poll
+    def poll(self, store, versions: Sequence[int]) -> int:
+        """List ``versions``' chunk keys and fetch and decode the new ones (a bounded batch);
+        returns how many chunks it decoded.  Store errors while listing propagate
+        (``TransportError``); everything about one chunk is counted, never raised."""
+        if self.stopped:
+            return 0
+        batch = BATCH_PER_THREAD * self.threads
+        new: list[tuple[int, str]] = []
+        for v in versions:
+            prefix = f"{version_prefix(v)}/chunks/"
+            for key in store.list(prefix):
+                if key in self.seen or not key.startswith(prefix) or not _CHUNK_NAME.match(key[len(prefix):]):
+                    continue
+                if len(self.seen) >= MAX_KEYS:
+                    self.stopped = f"more than {MAX_KEYS} chunk keys on top of v{self.base_version}"
+                    break
+                self.seen.add(key)
+                self.top = max(self.top, v)
+                new.append((v, key))
+                if len(new) >= batch:
+                    break
+            if len(new) >= batch or self.stopped:
+                break
+        if not new:
+            return 0
+        if len(new) == 1 or self.threads == 1:
+            results = [self._one(store, v, k) for v, k in new]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.threads, len(new)), thread_name_prefix="dcr-prefetch") as pool:
+                results = list(pool.map(lambda vk: self._one(store, *vk), new))
+        return sum(results)
+
+    def _one(self, store, version: int, key: str) -> bool:
+        started = time.perf_counter()
+        try:
+            info = store.stat(key)
+            if info is None:
+                raise KeyError(key)
+            with self._lock:  # reserve before downloading: the cap holds whatever is in flight
+                if self.stopped:
+                    return False
+                if self.reserved + info.size > self.cap:
+                    self.stopped = (f"prefetched chunk bytes would exceed {self.cap} (twice the dense size "
+                                    f"of the tensors held, + 1 MiB)")
+                    return False
+                self.reserved += info.size
+            blob = store.get(key, max_bytes=info.size)
+        except (KeyError, TransportError, FormatError):  # vanished, grew since stat, store failed
+            with self._lock:
+                self.failed += 1
+            return False
+        arrived = time.perf_counter()
+        try:
+            index = read_chunk_index(blob, expect=self.specs)
+            want = {"run_id": self.run_id, "model_id": self.model_id, "version": str(version),
+                    "base_version": str(self.base_version)}
+            if {k: index.meta.get(k) for k in want} != want:
+                raise ValidationError("header names another run, model, version or base")
+        except DcrError:
+            with self._lock:
+                self.rejected += 1
+            return False
+        try:
+            self.budget.charge(index.records)
+        except ValidationError:
+            with self._lock:
+                self.stopped = "prefetched records would exceed the decode budget of the tensors held"
+            return False
+        t = time.perf_counter()
+        try:
+            chunk = decode_chunk(blob, base=self.held, expect=self.specs)
+        except DcrError:
+            with self._lock:
+                self.rejected += 1
+            return False
+        spent = time.perf_counter() - t
+        got = Prefetched(key=key, version=version, nbytes=len(blob), digest=chunk_digest(blob), chunk=chunk,
+                         times=ChunkTimes(started, arrived, spent))
+        with self._lock:
+            self.ready[key] = got
+        return True
+
+    # ------------------------------------------------------------------ take
+    def take(self, manifest: Manifest, want: Mapping[str, str]) -> tuple[dict[str, Prefetched], dict]:
+        """The prefetched chunks ``manifest`` may use (key -> ``Prefetched``): listed, with the
+        entry's size and digest, and a header equal to ``want``.  Returns them and the
+        stats for the ack; the caller drops this state afterwards."""
+        listed = {ref.key: ref for ref in manifest.chunks}
+        mine = [p for p in self.ready.values() if p.version == manifest.version]
+        use: dict[str, Prefetched] = {}
+        unlisted = mismatched = 0
+        for p in mine:
+            ref = listed.get(p.key)
+            if ref is None:
+                unlisted += 1
+            elif (ref.nbytes, ref.digest) == (p.nbytes, p.digest) and \
+                    {k: p.chunk.meta.get(k) for k in want} == dict(want):
+                use[p.key] = p
+            else:
+                mismatched += 1
+        stats = {"prefetched_chunks": len(mine), "prefetched_bytes": sum(p.nbytes for p in mine),
+                 "prefetch_unlisted": unlisted, "prefetch_mismatched": mismatched,
+                 "prefetch_rejected": self.rejected, "prefetch_failed": self.failed}
+        if self.stopped:
+            stats["prefetch_stopped"] = self.stopped
+        self.ready.clear()
+        return use, stats
