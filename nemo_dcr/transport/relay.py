@@ -967,6 +967,8 @@ def parser() -> argparse.ArgumentParser:
                     help="cut-through fetches of listed chunks at once (default 4)")
     ap.add_argument("--send-timeout-s", type=float, default=d.send_timeout_s,
                     help="disconnect a child that takes no bytes for this long (default 120)")
+    ap.add_argument("--progress-s", type=float, default=30.0,
+                    help="a progress line on stderr this often while anything moved (0: none; default 30)")
     ap.add_argument("--admit-wait-s", type=float, default=d.admit_wait_s,
                     help="how long a child's fetch waits for memory to be freed before its 503 (default 2)")
 
@@ -986,6 +988,8 @@ def check_input(args) -> tuple[ObjectStore, RelayConfig, tuple[str, int]]:
                           max_spool_bytes=args.max_spool_bytes, keep_versions=args.keep_versions,
                           coalesce_ms=args.coalesce_ms, fetch_threads=args.fetch_threads, prefetch=args.prefetch,
                           send_timeout_s=args.send_timeout_s, admit_wait_s=args.admit_wait_s)
+        if args.progress_s < 0:
+            raise ValidationError(f"--progress-s must be >= 0, got {args.progress_s}")
         if args.spool is not None and os.path.exists(args.spool) and not os.path.isdir(args.spool):
             raise ValidationError(f"--spool {args.spool!r} is not a directory")
     except (DcrError, ValueError) as e:
@@ -995,17 +999,17 @@ def check_input(args) -> tuple[ObjectStore, RelayConfig, tuple[str, int]]:
         store = open_store(args.upstream, **given)
     except (DcrError, ValueError, TypeError, ImportError) as e:
         raise _BadInput(f"--upstream: {type(e).__name__}: {e}") from None
-    return store, cfg, listen
+    return store, cfg, listen, args.progress_s
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
-        store, cfg, (host, port) = check_input(args)
+        store, cfg, (host, port), progress_s = check_input(args)
     except _BadInput as e:
         return _fail(str(e), 2)
     try:
-        status = asyncio.run(_serve(store, cfg, host, port))
+        status = asyncio.run(_serve(store, cfg, host, port, progress_s))
     except OSError as e:  # the address is taken, the spool cannot be made
         return _fail(f"{type(e).__name__}: {e}", 1)
     # Shut down: the server is closed and the spool removed.  An upstream call still
@@ -1021,7 +1025,23 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-async def _serve(store: ObjectStore, cfg: RelayConfig, host: str, port: int) -> int:
+_PROGRESS = ("served_bytes", "served_objects", "upstream_fetches", "upstream_fetch_bytes", "coalesced", "cache_hits",
+             "prefetched", "rejected", "upstream_failures", "memory_bytes", "spool_bytes", "versions",
+             "current_upstream")
+
+
+async def _progress(relay: Relay, every_s: float) -> None:
+    last = None
+    while True:
+        await asyncio.sleep(every_s)
+        s = relay.stats()
+        now = {k: s[k] for k in _PROGRESS}
+        if now != last:
+            _stderr_log({"relay": "progress", **now})
+            last = now
+
+
+async def _serve(store: ObjectStore, cfg: RelayConfig, host: str, port: int, progress_s: float = 0.0) -> int:
     relay = Relay(store, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -1031,9 +1051,12 @@ async def _serve(store: ObjectStore, cfg: RelayConfig, host: str, port: int) -> 
     shown = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
     print(json.dumps({"relay": "listening", "address": shown, "upstreams": [u["uri"] for u in relay.upstreams()],
                       "config": {k: v for k, v in asdict(cfg).items()}}), flush=True)
+    ticker = asyncio.ensure_future(_progress(relay, progress_s)) if progress_s > 0 else None
     try:
         await stop.wait()
     finally:
+        if ticker is not None:
+            ticker.cancel()
         s = relay.stats()
         await relay.close()
         _stderr_log({"relay": "stopped", **{k: s[k] for k in ("served_bytes", "served_objects", "upstream_fetches",

@@ -559,6 +559,7 @@ def test_client_uri_forms():
     ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--max-memory-bytes", "lots"],
     ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--keep-versions", "0"],
     ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--prefetch", "64"],
+    ["--upstream", "/tmp/x", "--listen", "127.0.0.1:0", "--progress-s", "-1"],
     ["--upstream", "relay://host-without-port", "--listen", "127.0.0.1:0"],
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
@@ -595,7 +596,7 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
     a, b = os.urandom(3 << 20), os.urandom(3 << 20)
     origin.put(CHUNK.format(0), a)
     origin.put(CHUNK.format(1), b)
-    p0, uri0 = _start_relay(origin.uri, "--spool", str(tmp_path / "spool0"))
+    p0, uri0 = _start_relay(origin.uri, "--spool", str(tmp_path / "spool0"), "--progress-s", "0.2")
     try:
         p1, uri1 = _start_relay(uri0, "--max-memory-bytes", "16M")
         try:
@@ -617,6 +618,11 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
         p0.send_signal(signal.SIGTERM)
         assert p0.wait(20) == 0
     assert not any((tmp_path / "spool0").iterdir())
+    events = [json.loads(line) for line in p0.stderr.read().splitlines() if line.startswith("{")]
+    progress = [e for e in events if e["relay"] == "progress"]
+    assert progress and set(relay_mod._PROGRESS) <= set(progress[-1])
+    assert 0 < progress[-1]["served_bytes"] <= len(a) + len(b)
+    assert events[-1]["relay"] == "stopped"
 
 
 def test_sigterm_does_not_wait_for_a_stalled_upstream():
