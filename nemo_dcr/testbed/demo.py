@@ -371,7 +371,7 @@ def _check_relays(relays: list[_Relay]) -> None:
             raise _failed(f"relay {r.name}", r.popen.returncode, r.log)
 
 
-def _stop_relays(relays: list[_Relay], grace_s: float = 10.0) -> None:
+def _stop_relays(relays: list[_Relay], grace_s: float = 30.0) -> None:
     """SIGTERM every relay, leaves first; one that does not exit within ``grace_s`` is a
     failed run (``run``'s cleanup then kills it)."""
     for r in reversed(relays):
