@@ -2,12 +2,14 @@
 
 Launches the trainer ranks with torchrun (Megatron-Core, gloo on CPU) and the receiver
 processes (a transformers model or a vLLM engine each, ``receiver.runtime``), prints one table row per refit as it lands, and
-ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.
+ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.  With
+``refit.transport=relay`` the receivers read the store through a tree of ``nemo-dcr relay``
+processes (``relay_tree``; docs/relay.md), started before them and stopped after them.
 
 Failing safely: a ``run_dir`` that holds files and a store that holds a previous run are
 refused before anything is written (``force=true`` / ``store.reset=true`` to reuse them);
-every process the demo starts (the torchrun trainer and its ranks, the receivers and
-their engine processes) runs in its own session and is tracked with its descendants, so
+every process the demo starts (the torchrun trainer and its ranks, the relays, the receivers
+and their engine processes) runs in its own session and is tracked with its descendants, so
 any failure, Ctrl-C or SIGTERM stops them all; errors are one line on stderr (exit 2 for
 bad input, 1 for a failed run).
 """
