@@ -2,7 +2,8 @@
 through the same S3 store, the same shaped link and the same receiver process.
 
     sudo .venv/bin/python scripts/bench_refit_link.py [--rates 50,200] [--lrs 4.5e-7,2.4e-6,4.5e-6]
-        [--steps 1] [--warmup 1] [--out-dir benchmarks/results] [hydra overrides for nemo_dcr/configs/demo.yaml ...]
+        [--steps 1] [--warmup 1] [--no-stream] [--out-dir benchmarks/results]
+        [hydra overrides for nemo_dcr/configs/demo.yaml ...]
 
 Needs root (network namespaces, ``tc``); refuses to run otherwise.
 
@@ -25,6 +26,10 @@ optimizer steps, each followed by both refits (``nemo_dcr/testbed/link_refit.py`
 first, then the dense one; every dense refit is also the bit-exact check of the delta
 refit).  The link is reshaped between steps only, while nothing is in flight.  Version 0
 and the ``--warmup`` steps run with the link at ``--setup-mbit`` and are not cases.
+
+The receiver streams (``receiver/stream.py``: it fetches and decodes each chunk as it lands,
+while the trainer is still uploading the rest, and uses it once the signed manifest lists
+its digest); ``--no-stream`` runs it the way it ran before, fetching only after the manifest.
 
 Writes ``<out-dir>/refit_link.{json,png}``; prints a table on stdout, progress on stderr.
 Timings are wall clock on whatever else the machine is doing.  On the project's 2-core VM
@@ -214,9 +219,10 @@ def refit_record(row: dict) -> dict:
     st, dense = row["stats"], row["dense"]
     acks = st.get("acks") or []
     rx = lambda k: max((a["stats"].get(k, 0.0) for a in acks), default=0.0)  # noqa: E731
-    # the receiver decodes chunks on its fetch pool while later ones download: download_s runs to
-    # the last chunk's arrival, decode_cpu_s is the decoding summed over threads (decode_s, the
-    # tail after the last arrival, where a receiver without the pool reports all of it)
+    # the receiver decodes chunks on its fetch pool while later ones download: download_s is the
+    # time during which at least one of the version's chunks was downloading, before the manifest
+    # (streaming receive) or after it; decode_cpu_s is the decoding summed over threads (decode_s,
+    # the tail after the last arrival, where a receiver without the pool reports all of it)
     decode = rx("decode_cpu_s") if any("decode_cpu_s" in a["stats"] for a in acks) else rx("decode_s")
     stages = {"diff_s": st["diff_s"], "project_s": st["project_s"], "encode_s": st["encode_s"],
               "upload_s": st["upload_s"], "rx_download_s": rx("download_s"), "rx_decode_s": decode,
@@ -231,6 +237,9 @@ def refit_record(row: dict) -> dict:
         "overlap": row["dcr"]["wall_s"] / max(stages[slowest], 1e-9),
         "publish_s": st["publish_s"], "commit_wait_s": st["commit_wait_s"],
         "rx_decode_tail_s": rx("decode_s"), "rx_fetch_threads": rx("fetch_threads"),
+        "rx_fetch_s": rx("fetch_s"), "rx_stream": all(a["stats"].get("stream", False) for a in acks),
+        "rx_prefetch_used_chunks": min((a["stats"].get("prefetch_used_chunks", 0) for a in acks), default=0),
+        "rx_prefetch_used_bytes": min((a["stats"].get("prefetch_used_bytes", 0) for a in acks), default=0),
     }
     if dense is not None:
         da = dense["acks"]
@@ -282,6 +291,8 @@ def case_entry(mbit: float, lr: float, refits: list[dict]) -> dict:
         "dcr_link_bound": wire_link_s > max(stages[k] for k in DCR_CPU),
         "stages": stages, "dense_stages": dstages, "slowest_stage": slowest,
         "overlap": dcr_s / stages[slowest],
+        "rx_fetch_s": _med([r["rx_fetch_s"] for r in refits]),
+        "prefetched_share": _med([r["rx_prefetch_used_bytes"] / max(r["wire_bytes"], 1) for r in refits]),
         "bit_exact": f"{sum(r['bit_exact'] for r in dense)}/{len(dense)}",
         "committed": f"{sum(r['committed'] for r in refits)}/{len(refits)}",
         "refits": refits,
@@ -291,13 +302,14 @@ def case_entry(mbit: float, lr: float, refits: list[dict]) -> dict:
 def print_table(cases: list[dict]) -> None:
     cols = [("link Mbit/s", 11), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
             ("nemo_dcr s", 10), ("dense s", 8), ("speedup", 8), ("spd/ratio", 9), ("link-bound", 10),
-            ("overlap", 7), ("slowest stage", 13), ("bit-exact", 9)]
+            ("overlap", 7), ("slowest stage", 13), ("prefetched", 10), ("bit-exact", 9)]
     print(" ".join(n.rjust(w) for n, w in cols), flush=True)
     for c in cases:
         cells = [f"{c['link_mbit']:g}", f"{c['lr']:g}", f"{c['changed_pct']:.2f}", f"{c['wire_bytes']:.0f}",
                  f"{c['dense_bytes']:.0f}", f"{c['wire_ratio']:.1f}x", f"{c['dcr_s']:.2f}", f"{c['dense_s']:.1f}",
                  f"{c['speedup']:.1f}x", f"{c['speedup_over_ratio']:.2f}", "yes" if c["link_bound"] else "no",
-                 f"{c['overlap']:.2f}", c["slowest_stage"].removesuffix("_s"), c["bit_exact"]]
+                 f"{c['overlap']:.2f}", c["slowest_stage"].removesuffix("_s"), f"{100 * c['prefetched_share']:.0f}%",
+                 c["bit_exact"]]
         print(" ".join(v.rjust(w) for v, (_, w) in zip(cells, cols)), flush=True)
 
 
@@ -455,7 +467,8 @@ class Run:
             self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr.testbed.link_refit", "receiver",
                                             "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.refit.model_id,
                                             "--dir", rdirs[rid], "--timeout-s", str(args.step_timeout_s),
-                                            "--driver-pid", str(os.getpid())], env)
+                                            "--driver-pid", str(os.getpid()),
+                                            *([] if args.stream else ["--no-stream"])], env)
         _progress(f"trainer ({cfg.parallel.world_size} ranks, TP={cfg.parallel.tensor_model_parallel_size}) and "
                   f"{len(rdirs)} receiver(s) starting; logs in {self.run_dir}")
         deadline = time.monotonic() + args.step_timeout_s
@@ -529,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="link rate while version 0 and the warm-up steps cross it")
     ap.add_argument("--probe-mib", type=int, default=16, help="size of the link probe at each rate (MiB)")
     ap.add_argument("--step-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--no-stream", dest="stream", action="store_false",
+                    help="the receiver fetches a version's chunks only after its manifest (streaming receive off)")
     ap.add_argument("--out-dir", default=RESULTS, help="where refit_link.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml (after the defaults: "
@@ -637,6 +652,7 @@ def _main(args) -> int:
             "receivers": cfg.refit.receivers,
             "context": cfg.refit.context,
             "chunk_bytes": cfg.refit.chunk_bytes,
+            "stream": args.stream,
             "rates_mbit": args.rates, "lrs": args.lrs, "steps_per_case": args.steps, "warmup_steps": args.warmup,
             "setup_mbit": args.setup_mbit, "overrides": args.overrides,
             "wall_s": round(out["wall_s"], 1), "run_dir": run_dir,
@@ -652,10 +668,14 @@ def _main(args) -> int:
                            "receiver's ack that it loaded the dense checkpoint (gather, safetensors serialise, "
                            "put; receiver get, deserialise, load_state_dict into a second transformers model)",
                 "stages": "nemo_dcr: slowest trainer rank's diff/project/encode/upload (encode and upload summed "
-                          "over chunks, which run on the upload threads); the receiver's download (to the last "
-                          "chunk's arrival), decode (CPU seconds summed over its fetch threads, which decode while "
+                          "over chunks, which run on the upload threads); the receiver's download (seconds during "
+                          "which at least one chunk of the version was downloading, before the manifest when "
+                          "streaming, or after it), decode (CPU seconds summed over its fetch threads, which decode while "
                           "later chunks download) and apply",
                 "overlap": "dcr_s / slowest nemo_dcr stage",
+                "rx_fetch_s": "the receiver's manifest -> last chunk arrival (what streaming leaves after the manifest)",
+                "prefetched_share": "chunk bytes the receiver used as fetched and decoded before the manifest / "
+                                    "wire bytes",
                 "link_bound": "dense_bytes at the link rate (one crossing) takes longer than every CPU stage of "
                               "both refits (nemo_dcr diff/project/encode/decode/apply, dense "
                               "gather/serialize/deserialize/load)",

@@ -6,6 +6,10 @@ process, one after the other:
 * **nemo_dcr**: the product's ``MegatronRefitHook`` after the optimizer step (diff, project,
   encode, upload; manifest; the receiver's download, decode, in-place apply, ack; the
   trainer's commit decision).  Wall = end of the optimizer step -> joint commit recorded.
+  The receiver process polls the store the whole time (``Follower.step`` every poll
+  interval while idle), so with streaming receive (the default; ``--no-stream`` turns it
+  off) it downloads and decodes each chunk as it lands, during the trainer's upload, and
+  after the manifest only checks digests and fetches what it has not got.
 * **dense**: what a user does without nemo_dcr.  The trainer gathers the canonical
   (Hugging Face) state (``hook.dense_state()``, the same gather that writes version 0),
   serialises it as one safetensors file and puts it on the store (``v/<v>/dense.safetensors``,
@@ -205,6 +209,8 @@ def receiver_main(argv: list[str]) -> int:
     ap.add_argument("--dir", required=True, help="this receiver's directory (init/ download, ready, stop)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--driver-pid", type=int, default=0, help="stop when this process is gone")
+    ap.add_argument("--no-stream", dest="stream", action="store_false",
+                    help="fetch a version's chunks only after its manifest (ReceiverConfig.stream=False)")
     args = ap.parse_args(argv)
 
     from safetensors.torch import load as load_safetensors
@@ -221,7 +227,8 @@ def receiver_main(argv: list[str]) -> int:
     store = open_store(args.store)
     sealer = Sealer(load_key(None, log=lambda m: print(m, file=sys.stderr, flush=True)))
     # version 0 downloaded into args.dir and checked; the served model refits by deltas in place
-    session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id),
+    session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id,
+                                                           stream=args.stream),
                              state_dir=args.dir, runtime="hf", timeout_s=args.timeout_s)
     rx, follower = session.receiver, session.follower
     adapter = rx.served.applier.adapter  # the hf runtime's in-process model (InProcessModel)
