@@ -827,6 +827,8 @@ class Run:
             for n in tree.relays))
 
     def start_receivers(self, store_uris: dict[str, str], env: dict) -> None:
+        """One receiver after the other, each once the previous one is ready: loading the
+        model peaks at several times its size, and four at once can exhaust the memory."""
         cfg = self.cfg
         for rid in cfg.refit.receivers:
             cmd = [*self.link.exec_prefix(), sys.executable, "-m", "nemo_dcr.cli", "receive",
@@ -834,10 +836,9 @@ class Run:
                    "--runtime", "hf", "--persistent-weights", "--state-dir", self.state_dirs[rid],
                    "--init-dir", self.init_dir, "--timeout-s", str(self.args.step_timeout_s)]
             self._start(f"receiver-{rid}", cmd, env)
-        deadline = time.monotonic() + self.args.step_timeout_s
-        for rid in cfg.refit.receivers:  # ready = its stdout's "ready" line (the log is stdout + stderr)
             _, log = self.procs[f"receiver-{rid}"]
-            while True:
+            deadline = time.monotonic() + self.args.step_timeout_s
+            while True:  # ready = its stdout's "ready" line (the log is stdout + stderr)
                 with open(log) as f:
                     if any('"ready": true' in line for line in f):
                         break
