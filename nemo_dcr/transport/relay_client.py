@@ -8,7 +8,9 @@
 Every call is bounded by the store's :class:`StorePolicy` like any other store: each
 attempt has connect and read timeouts of ``timeout_s`` (urllib3, per socket wait) and runs
 under the policy's watchdog (``timeout_s`` plus ``min_bytes_per_s`` for the bytes the
-answer announced); urllib3's own retries are off, the policy retries.  How answers map:
+answer announced).  A ``get`` with ``max_bytes`` waits up to ``timeout_s + max_bytes /
+min_bytes_per_s`` for each read, the first byte included: a relay answers once it holds
+the whole object, which takes longer the bigger it is; urllib3's own retries are off, the policy retries.  How answers map:
 
 * ``404``: not found (``get`` raises ``ObjectNotFound``; ``stat``/``exists`` give
   ``None``/``False``);
@@ -71,7 +73,7 @@ class RelayStore(_BoundedStore):
 
     # ------------------------------------------------------------------ one request
     def _request(self, method: str, path: str, *, fields: dict | None = None, body: bytes | None = None,
-                 ok: tuple[int, ...] = (200,)) -> Any:
+                 ok: tuple[int, ...] = (200,), read_s: float | None = None) -> Any:
         """The response (body not read yet) of one request whose status is in ``ok``; the
         status classes of the module docstring otherwise."""
         import urllib3
@@ -80,7 +82,9 @@ class RelayStore(_BoundedStore):
         if fields:
             url += "?" + "&".join(f"{k}={quote(str(v), safe='')}" for k, v in fields.items())
         try:
+            timeout = None if read_s is None else urllib3.Timeout(connect=self.policy.timeout_s, read=read_s)
             resp = self._http.request(method, url, body=body, preload_content=False, redirect=False,
+                                      **({} if timeout is None else {"timeout": timeout}),
                                       headers={"Content-Type": "application/octet-stream"} if body is not None
                                       else None)
         except urllib3.exceptions.SSLError as e:  # an untrusted certificate: another attempt will not help
@@ -101,16 +105,17 @@ class RelayStore(_BoundedStore):
         raise RelayRefused(f"HTTP {resp.status}: {text}")
 
     @staticmethod
-    def _read(resp, att: _Attempt, limit: int | None) -> bytes:
-        """The body, at most ``limit + 1`` bytes (so a body longer than announced is seen)."""
+    def _read(resp, att: _Attempt, limit: int | None, *, counted: int = 0) -> bytes:
+        """The body, at most ``limit + 1`` bytes (so a body longer than announced is seen);
+        ``counted``: bytes the watchdog already allows for."""
         import urllib3
 
         pieces: list[bytes] = []
         got = 0
         try:
             length = _int_header(resp, "Content-Length")
-            if length is not None:
-                att.add_bytes(length)
+            if length is not None and length > counted:
+                att.add_bytes(length - counted)
             while True:
                 want = _PIECE if limit is None else min(_PIECE, limit + 1 - got)
                 if want <= 0:
@@ -138,15 +143,23 @@ class RelayStore(_BoundedStore):
         if max_bytes is not None and max_bytes < 0:
             raise ValidationError(f"max_bytes must be >= 0, got {max_bytes}")
 
+        # a relay answers once it holds the whole object (cut-through per object), so the
+        # wait for the first byte grows with the object: with a known bound, the read
+        # timeout and the watchdog allow timeout_s + max_bytes / min_bytes_per_s, the
+        # policy's rule for an attempt that moves that many bytes
+        allowance = 0 if max_bytes is None else max_bytes
+        read_s = self.policy.budget_s(allowance)
+
         def attempt(att: _Attempt) -> tuple[bytes, ObjectInfo]:
-            resp = self._request("GET", f"object/{key}",
+            att.add_bytes(allowance)
+            resp = self._request("GET", f"object/{key}", read_s=read_s,
                                  fields=None if max_bytes is None else {"max_bytes": max_bytes})
             if resp.status == 413:
                 size = _int_header(resp, "X-Dcr-Size")
                 resp.drain_conn()
                 raise ObjectTooLarge(self.uri, key, size if size is not None else -1,
                                      max_bytes if max_bytes is not None else -1)
-            data = self._read(resp, att, max_bytes)
+            data = self._read(resp, att, max_bytes, counted=allowance)
             if max_bytes is not None and len(data) > max_bytes:
                 raise ObjectTooLarge(self.uri, key, len(data), max_bytes, grew=True)
             length = _int_header(resp, "Content-Length")

@@ -474,8 +474,8 @@ class CannedServer:
     """A loopback server that answers every request with the same raw bytes (then closes),
     or with nothing at all (``answer=None``: a stalled relay)."""
 
-    def __init__(self, answer: bytes | None):
-        self.answer, self.requests = answer, 0
+    def __init__(self, answer: bytes | None, *, delay_s: float = 0.0):
+        self.answer, self.requests, self.delay_s = answer, 0, delay_s
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -499,6 +499,7 @@ class CannedServer:
             if self.answer is None:
                 self._held.append(conn)
                 continue
+            time.sleep(self.delay_s)
             conn.sendall(self.answer)
             conn.close()
 
@@ -522,6 +523,20 @@ def test_client_classifies_failures(answer, error, attempts):
         with pytest.raises(StoreError, match=error) as e:
             c.get("RUN.json")
         assert e.value.attempts == attempts and srv.requests == attempts
+    finally:
+        srv.close()
+
+
+def test_client_waits_longer_for_a_bigger_object():
+    """A relay answers once it holds the whole object: a get with max_bytes waits
+    timeout_s + max_bytes / min_bytes_per_s for the first byte (here 0.3 + 1.0 s for a
+    0.8 s wait); without a bound it waits timeout_s (the control: it times out)."""
+    srv = CannedServer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789", delay_s=0.8)
+    try:
+        c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=0.3, retries=0, min_bytes_per_s=1000))
+        assert c.get(CHUNK.format(0), max_bytes=1000) == b"0123456789"
+        with pytest.raises(StoreError, match="timed out|Timeout"):
+            c.get(CHUNK.format(0))
     finally:
         srv.close()
 
