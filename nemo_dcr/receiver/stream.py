@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nemo_dcr.codec import DecodeBudget, DecodedChunk, chunk_digest, decode_chunk, read_chunk_index
-from nemo_dcr.errors import DcrError, FormatError, TransportError, ValidationError
+from nemo_dcr.errors import DcrError, ValidationError
 from nemo_dcr.protocol.manifest import Manifest, version_prefix
 from nemo_dcr.receiver.fetch import ChunkTimes, admission_cap
 from nemo_dcr.receiver.held import HeldBits
@@ -170,7 +170,7 @@ class StreamState:
                     return False
                 self.reserved += info.size
             blob = store.get(key, max_bytes=info.size)
-        except (KeyError, TransportError, FormatError):  # vanished, grew since stat, store failed
+        except (KeyError, DcrError):  # vanished, grew since stat, store failed, refused by a failover list
             with self._lock:
                 self.failed += 1
             return False
