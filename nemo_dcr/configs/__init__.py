@@ -9,7 +9,8 @@ starts with it), then builds the dataclasses:
 * an override naming a key the schema does not have (``refit.colour=red``, ``+x=1``,
   ``++x=1``, ``~x``) is refused before Hydra composes, with the closest key named;
 * a key in the yaml file the schema does not have is refused the same way;
-* a value of the wrong type is refused by OmegaConf's typed nodes, a missing required one
+* ``refit.receivers=N`` (a count) names ``N`` receivers ``r0 .. r<N-1>``
+  (:func:`expand_counts`); every other value of the wrong type is refused by OmegaConf's typed nodes, a missing required one
   (``???``) by the composition; each dataclass's ``__post_init__`` checks the rest.
 
 Every refusal is a :class:`ConfigError` (or the caller's subclass) with one line of text.
@@ -175,6 +176,29 @@ def _writable(node) -> None:
                 _writable(child)
 
 
+COUNTED_LISTS = {"refit.receivers": "r"}
+"""Lists of ids an override may give as a count: ``refit.receivers=4`` is
+``refit.receivers=[r0,r1,r2,r3]`` (the ids the demo and the receivers' default names use)."""
+MAX_COUNT = 1024
+_COUNT = re.compile(r"^(\+{0,2})([A-Za-z_.]+)=([0-9]{1,6})$")
+
+
+def expand_counts(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with every count for a key of :data:`COUNTED_LISTS` written as its list
+    of ids; a count over :data:`MAX_COUNT` is refused."""
+    out = []
+    for line in overrides:
+        m = _COUNT.match(line.strip())
+        if m and m.group(2) in COUNTED_LISTS:
+            n = int(m.group(3))
+            if n > MAX_COUNT:
+                raise ConfigError(f"override {line!r}: at most {MAX_COUNT} receivers")
+            prefix = COUNTED_LISTS[m.group(2)]
+            line = f"{m.group(1)}{m.group(2)}=[{','.join(f'{prefix}{i}' for i in range(n))}]"
+        out.append(line)
+    return out
+
+
 def load_config(schema: type[T], config_name: str, overrides: Sequence[str], *,
                 config_dir: str | None = None, error: type[Exception] = ConfigError) -> T:
     """The validated ``schema`` instance from ``<config_dir>/<config_name>.yaml`` (by default
@@ -186,9 +210,9 @@ def load_config(schema: type[T], config_name: str, overrides: Sequence[str], *,
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = list(overrides)
     where = f"{config_name}.yaml"
     try:
+        overrides = expand_counts(overrides)
         check_override_keys(overrides, schema)
         ConfigStore.instance().store(name=schema_name(config_name), node=_schema_node(schema))
         with ExitStack() as stack:

@@ -24,8 +24,11 @@ from nemo_dcr.testbed.demo import main
     ("steps=abc", "Error merging override steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     ("steps=[1", "override 'steps=[1' does not parse: no viable alternative at input '[1'"),
     # the refit section is the refit schema: the keys, types and checks of a callback's refit.*
-    ("refit.receivers=2", "Error merging override refit.receivers=2: Invalid value assigned: int is not a ListConfig"),
+    ("refit.receivers=2.5", "Error merging override refit.receivers=2.5: Invalid value assigned: float is not a "
+                            "ListConfig"),
     ("refit.receivers=[]", "refit.receivers is empty"),
+    ("refit.receivers=0", "refit.receivers is empty"),
+    ("refit.receivers=5000", "at most 1024 receivers"),
     ("refit.on_refusal=sometimes", "refit.on_refusal must be one of ('retry', 'fail')"),
     ("refit.ack_poll_s=0", "refit.ack_poll_s must be positive"),
     ("refit.store_uri=x", "unknown config key 'refit.store_uri' (RefitConfig has no field 'store_uri'"),
@@ -37,6 +40,14 @@ def test_bad_config_is_one_line(override, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()
+
+
+def test_a_receiver_count_names_the_receivers(tmp_path):
+    """``refit.receivers=N`` is N receivers r0..r<N-1> (the issue's demo commands); a list
+    stays a list (control: its own ids are kept)."""
+    cfg = load_demo_config(["refit.receivers=4", f"run_dir={tmp_path}/run"])
+    assert cfg.refit.receivers == ("r0", "r1", "r2", "r3")
+    assert load_demo_config(["refit.receivers=[a,b]", f"run_dir={tmp_path}/run"]).refit.receivers == ("a", "b")
 
 
 def test_good_overrides_load(tmp_path):
