@@ -265,3 +265,9 @@ def test_data_parallel_replicas_emit_once_and_two_receivers_commit_jointly(tmp_p
             assert ack.ok and ack.stats["bit_exact"] is True
     rows = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert [sorted(a["receiver"] for a in r["acks"]) for r in rows] == [["r0", "r1"]] * 2
+    # read directly from the store (refit.transport=store, the default), each receiver made the
+    # origin serve its own copy of the chunks: the negative control of
+    # tests/integration/test_demo_relay.py's origin_read_bytes ~ wire_bytes under relays
+    print(json.dumps({k: summary[k] for k in ("transport", "relays", "wire_bytes", "origin_read_bytes")}))
+    assert summary["transport"] == "store" and summary["relays"] == 0
+    assert summary["origin_read_bytes"] >= 2 * summary["wire_bytes"] * 0.9 > 1.2 * summary["wire_bytes"]
