@@ -22,8 +22,8 @@ Stage times (each the time for the whole refit at that stage's aggregate rate):
   d2h           N x (8 + elem_bytes) / (G x r_d2h)   the diff's positions + values to host
   encode        D / (C_t x r_enc)                    C_t trainer cores
   (diff on CPU: one stage "diff + encode" = D / C_t x (1/r_diff_cpu + 1/r_enc); no d2h)
-  s3:    upload    W / B_up                          B_up: trainer uplink, aggregate
-         download  W / min(n_r x B_down, B_s3 / R)   per replica, all replicas at once
+  s3:    upload    W / (e x B_up)                    B_up: trainer uplink, aggregate
+         download  W / (e x min(n_r x B_down, B_s3 / R))  per replica, all replicas at once
   relay: upload    W / (e x min(B_up, n_r x B_down)) trainer -> root replica
          hop i     W f / min(e x n_r x B_down,       a replica's uplink (n_r x B_down, full
                          n_r x r_relay)              duplex) or its n_r relays' forwarding
@@ -59,7 +59,8 @@ Rates and where they come from (each printed with its source; any can be overrid
                    receiver), else an ASSUMPTION
   e, r_relay, d_hop  benchmarks/results/relay_link.json "hops" (the hop probe of
                    scripts/bench_relay_link.py): e = the shaped link's measured goodput /
-                   its nominal rate (median over the rates), r_relay = one relay hop's
+                   its nominal rate (median over the rates; it scales every link stage,
+                   the store's too: it was measured through the S3 client), r_relay = one relay hop's
                    goodput for a chunk-sized object on the unshaped far-side network (one
                    stream, one relay process on the VM), d_hop = the delay one relay hop
                    adds to a small object.  Without the file: e = 1, no relay cap, no delay
@@ -367,17 +368,17 @@ def project(dep: Deployment, r: Rates, transport: str) -> Projection:
         stages.append(Stage("diff + encode (CPU)", sum(parts.values()), "D / C_t (1/r_diff_cpu + 1/r_enc)", parts))
     levels = None
     latency = 0.0
+    e = r.link_efficiency.value  # measured through the store's client: it applies to every link stage
     if transport == "s3":
-        stages.append(Stage("upload", W / (dep.trainer_uplink_gbps * gb), "W / B_up"))
+        stages.append(Stage("upload", W / (e * dep.trainer_uplink_gbps * gb), "W / (e B_up)"))
         down = node_bw
-        eq = "W / (n_r B_down)"
+        eq = "W / (e n_r B_down)"
         if dep.s3_egress_gbps:
             down = min(down, dep.s3_egress_gbps * gb / dep.receivers)
-            eq = "W / min(n_r B_down, B_s3 / R)"
-        stages.append(Stage("download", W / down, eq))
+            eq = "W / (e min(n_r B_down, B_s3 / R))"
+        stages.append(Stage("download", W / (e * down), eq))
     elif transport == "relay":
         levels = tree_levels(dep.receivers, dep.fanout)
-        e = r.link_efficiency.value
         stages.append(Stage("upload to root", W / (e * min(dep.trainer_uplink_gbps * gb, node_bw)),
                             "W / (e min(B_up, n_r B_down))"))
         out_bw, eq = e * node_bw, "W f / (e n_r B_down)"

@@ -146,7 +146,9 @@ def test_relay_rows_use_the_measured_hop_rates(p1t, tmp_path):
     assert relay["latency_s"] == pytest.approx(relay["tree_levels"] * 0.25)
     t = [s["seconds"] for s in relay["stages"]]
     assert relay["wall_s"] == pytest.approx(max(t) + (sum(t) - max(t)) / relay["waves"] + relay["latency_s"])
-    assert s3 == plain["projections"]["s3"]  # the store's rows do not use the relay's rates
+    s3_up = next(s for s in s3["stages"] if s["name"] == "upload")
+    assert s3_up["seconds"] == pytest.approx(W / (0.5 * 1e9))  # the measured link share applies to the store too
+    assert all(a == b for a, b in zip(s3["stages"][:3], plain["projections"]["s3"]["stages"][:3]))  # trainer stages
 
     _relay_link(tmp_path / "res", efficiency=0.9, hop_gbps=1000.0, fixed_s=0.0)  # a fast relay: the links cap
     hop = next(s for s in run(p1t, tmp_path)["projections"]["relay"]["stages"] if s["name"] == "relay hop 1")
