@@ -1042,7 +1042,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         records = campaign(args, classes, records)
     merged = {path: load_records(path) for path in args.merge}
-    summary = summarize(records + [r for rs in merged.values() for r in rs])
+    everything = records + [r for rs in merged.values() for r in rs]
+    summary = summarize(everything)
     summary.update({"seed": args.seed, "schedule": args.schedule, "ack_timeout_s": args.ack_timeout_s,
                     "command": "scripts/fault_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "sources": {os.path.relpath(p, ROOT): _source(rs) for p, rs in
@@ -1051,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.update(hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    plot(summary, records, args.plot or os.path.splitext(args.out)[0] + ".png")
+    plot(summary, everything, args.plot or os.path.splitext(args.out)[0] + ".png")
     print(json.dumps({k: summary[k] for k in ("trials", "silent_corruptions", "hangs", "epochs", "wall_s")}))
     for cls, c in summary["by_class"].items():
         print(f"  {cls:16s} trials {c['trials']:4d}  aborted {c['aborted']:4d}  detected {c['detected']:4d}  "
