@@ -1057,7 +1057,9 @@ def main(argv: list[str] | None = None) -> int:
     for cls, c in summary["by_class"].items():
         print(f"  {cls:16s} trials {c['trials']:4d}  aborted {c['aborted']:4d}  detected {c['detected']:4d}  "
               f"recovered {c['recovered']:4d}  silent {c['silent']}  hangs {c['hangs']}  "
-              f"mean/max recovery {c['mean_recovery_s']}/{c['max_recovery_s']} s")
+              f"mean/max recovery {c['mean_recovery_s']}/{c['max_recovery_s']} s"
+              + (f"  re-parented {c['reparented']}  receiver reloads {c['receiver_reloads']}  "
+                 f"relay crashes {c['relay_crashes']}" if "reparented" in c else ""))
     for v in summary["violations"][:20]:
         print("  VIOLATION", v)
     return 0 if summary["silent_corruptions"] == 0 and summary["hangs"] == 0 else 1

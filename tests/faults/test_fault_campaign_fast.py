@@ -1,5 +1,5 @@
 """Fast subset of the fault campaign (``scripts/fault_campaign.py``): one trial of every
-fault class against the real pipeline (megatron-core trainer ranks under torchrun/gloo,
+store fault class (the relay classes: ``test_relay_faults.py``) against the real pipeline (megatron-core trainer ranks under torchrun/gloo,
 two receiver processes, a moto S3 server), each checked bit for bit against the trainer's
 dense state.  The trainer kill comes last, so only one trainer is started."""
 import importlib.util
