@@ -6,7 +6,9 @@ lets the trainer take that step.  Every process of the run (trainer ranks, recei
 wraps its store in :class:`FaultyStore` and, on a receiver, its served model in
 :class:`FaultyServed`; both look up the plan of the version a key (or an apply) belongs
 to and act only when the plan names this process (``target``: ``r0``, ``r1``,
-``rank0``, ``rank1``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
+``rank0``, ``rank1``); in a relay epoch the receivers read their upstream list without
+:class:`FaultyStore` (``--no-store-faults``: the faults are the relays', see
+``nemo_dcr/testbed/relay_faults.py``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
 (at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``.
 
 :func:`receiver_main` (``python -m nemo_dcr.testbed.faults``) is ``nemo-dcr receive`` for

@@ -9,8 +9,9 @@ import os
 import pytest
 
 from nemo_dcr.testbed.faults import Plans
-from nemo_dcr.testbed.relay_faults import FlippingStore, flip
-from nemo_dcr.transport.store import LocalDirStore
+from nemo_dcr.testbed.relay_faults import FlippingStore, flip, open_upstreams
+from nemo_dcr.transport.failover import FailoverStore
+from nemo_dcr.transport.store import HOP_POLICY, LocalDirStore, StorePolicy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,6 +59,17 @@ def test_flipping_store_acts_only_on_its_plan(tmp_path):
     assert flipper.get("v/00000004/chunks/r000-00000.dcr") != good
     assert flipper.get("v/00000004/chunks/r001-00000.dcr") == good
     assert not hasattr(flipper, "get_verified")  # a verifying read would go around the flip
+
+
+def test_open_upstreams_policies(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    tight = open_upstreams(f"{a},{b}", hop_timeout_s=1.5, retry_after_s=2.0)
+    assert isinstance(tight, FailoverStore) and tight.retry_after_s == 2.0
+    assert (tight.stores[0].policy.timeout_s, tight.stores[0].policy.retries) == (1.5, 1)
+    assert tight.stores[1].policy == StorePolicy()  # the origin keeps the default
+    product = open_upstreams(f"{a},{b}", hop_timeout_s=None, retry_after_s=7.0)  # control: the product's shape
+    assert product.stores[0].policy == HOP_POLICY and product.retry_after_s == 7.0
+    assert isinstance(open_upstreams(a, hop_timeout_s=1.5, retry_after_s=2.0), LocalDirStore)
 
 
 def test_relay_plans_and_class_groups():
