@@ -89,10 +89,42 @@ class DocReader:
                 self._log({**self._who, "store_error": key, "error": msg})
             return None
         try:
-            doc = cls.from_json(data, self.sealer)
-            if doc.run_id != self.run_id:
-                raise FormatError(f"{cls.KIND} of run {doc.run_id}, not {self.run_id}")
+            doc = self._open(data, cls)
         except DcrError as e:
             self._log({**self._who, "ignored": key, "error": str(e)})
-            return self._remember(key, info.tag, None)
+            second = self._second_opinion(key, cls, info.tag)
+            return second if second is not None else self._remember(key, info.tag, None)
         return self._remember(key, info.tag, Opened(doc, doc_digest(data)))
+
+    def _open(self, data: bytes, cls):
+        doc = cls.from_json(data, self.sealer)
+        if doc.run_id != self.run_id:
+            raise FormatError(f"{cls.KIND} of run {doc.run_id}, not {self.run_id}")
+        return doc
+
+    def _second_opinion(self, key: str, cls, tag: str) -> Opened | None:
+        """Through an upstream list (relays, ``transport/failover.py``): the document the other
+        upstreams serve at ``key`` when the current one served one that does not open.  A
+        relay that forges or alters a document is demoted like one that serves bad chunk
+        bytes, and this receiver reads on from the next upstream.  (A document forged at the
+        origin, which every faithful relay passes on, fails everywhere: the upstreams rest
+        ``retry_after_s`` and the order comes back; the forgery is ignored as before.)"""
+        get_verified = getattr(self.store, "get_verified", None)
+        if get_verified is None or len(getattr(self.store, "stores", ())) < 2:
+            return None
+
+        def check(blob: bytes) -> str | None:
+            try:
+                self._open(blob, cls)
+            except DcrError as e:
+                return str(e)
+            return None
+
+        try:
+            data = get_verified(key, max_bytes=DOC_LIMITS[cls.KIND], check=check)
+        except TransportError:  # VerificationFailed included: no upstream has a genuine one
+            return None
+        self._log({**self._who, "event": "document read from the next upstream", "key": key})
+        # remembered under the rejected copy's tag: a relay echoes its upstream's tags, so a
+        # liar may present the genuine one's; either way the tag now means these bytes
+        return self._remember(key, tag, Opened(self._open(data, cls), doc_digest(data)))
