@@ -308,9 +308,9 @@ class Sampler:
 
 # ------------------------------------------------------------------------- bit-exactness
 def _int_view(t):
-    import torch
+    from nemo_dcr.dtypes import int_view
 
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return int_view(t.contiguous())
 
 
 def bit_differences(received: dict, reference: dict) -> list[str]:

@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
-from nemo_dcr.errors import DcrError, FormatError, ValidationError
+from nemo_dcr.errors import DcrError, FormatError, ProtocolError, TransportError, ValidationError
 from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError, check_key
 
 PROG = "nemo-dcr relay"
@@ -145,11 +145,11 @@ class _Entry:
         self.served = False  # asked for by a child at least once (a prefetch evicts only those)
 
 
-class _NotFound(Exception):
+class _NotFound(TransportError):
     pass
 
 
-class _Overloaded(Exception):
+class _Overloaded(TransportError):
     """The request cannot be admitted under the memory cap right now (``503``)."""
 
 
@@ -790,7 +790,9 @@ class Relay:
 
 
 # ====================================================================== helpers
-class _Answer(Exception):
+class _Answer(ProtocolError):
+    """An HTTP answer other than the object (a status and its one-line text)."""
+
     def __init__(self, status: int, text: str):
         super().__init__(text)
         self.status = status
@@ -926,14 +928,14 @@ def byte_count(text: str) -> int:
     """``1073741824``, ``1G``, ``512MiB``, ``64k``: binary multiples."""
     m = _SIZE.match(text.strip())
     if m is None:
-        raise ValueError(f"not a byte count: {text!r} (e.g. 1073741824, 512M, 1GiB)")
+        raise ValidationError(f"not a byte count: {text!r} (e.g. 1073741824, 512M, 1GiB)")
     return int(m[1]) << (10 * " kmgt".index(m[2].lower() or " "))
 
 
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--listen must be HOST:PORT (port 0: any free port), got {text!r}")
+        raise ValidationError(f"--listen must be HOST:PORT (port 0: any free port), got {text!r}")
     return host.strip("[]"), int(port)
 
 

@@ -29,7 +29,7 @@ import json
 from typing import Any, Callable
 from urllib.parse import quote, urlsplit
 
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.errors import TransportError, ValidationError
 from nemo_dcr.transport.store import (
     ObjectInfo, ObjectTooLarge, StorePolicy, _Attempt, _BoundedStore, check_key,
 )
@@ -40,11 +40,12 @@ MAX_LIST_BYTES = 256 << 20
 """Largest ``list`` answer read (a version's chunk keys are ~40 bytes each)."""
 
 
-class RelayUnavailable(ConnectionError):
-    """The relay answered 5xx/429 or the connection failed mid-answer: worth another attempt."""
+class RelayUnavailable(TransportError, ConnectionError):
+    """The relay answered 5xx/429 or the connection failed mid-answer: worth another attempt
+    (a ``ConnectionError``, which ``store.is_transient`` retries)."""
 
 
-class RelayRefused(Exception):
+class RelayRefused(TransportError):
     """The relay refused the request for good (a 4xx other than 404 and 413)."""
 
 

@@ -128,7 +128,7 @@ def test_settings_from_hydra_overrides():
     (["refit.receivers=[]"], "refit.receivers is empty"),
     (["refit.chunk_bytes=abc"], "refit.chunk_bytes=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["refit.context=maybe"], "refit.context=maybe: Value 'maybe' is not a valid bool"),
-    (["refit.receivers=2"], "refit.receivers=2: Invalid value assigned: int is not a ListConfig"),
+    (["refit.receivers=2.5"], "refit.receivers=2.5: Invalid value assigned: float is not a ListConfig"),
     (["refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),
     (["+refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),
     (["refit.ack_pol_s=1"], "unknown config key 'refit.ack_pol_s' (RefitSettings has no field 'ack_pol_s'; did you mean 'refit.ack_poll_s'?)"),

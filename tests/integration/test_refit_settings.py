@@ -127,7 +127,7 @@ def test_same_key_same_type_on_both_paths():
     errors = []
     for load, error in ((load_demo_config, ConfigError), (load_refit_settings, RefitSetupError)):
         with pytest.raises(error) as e:
-            load(["refit.receivers=2"])
+            load(["refit.receivers=2.5"])
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "refit.receivers" in errors[0] and "\n" not in errors[0]
     # and the schema's checks are the same: the demo refuses what a callback refuses
