@@ -68,6 +68,14 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from nemo_dcr.testbed.linkbench import BenchError, progress
+from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
+from nemo_dcr.testbed.linkbench import read_rows as _read_rows
+from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
+from nemo_dcr.testbed.linkbench import sh as _sh
+from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MODELS = {
@@ -87,37 +95,7 @@ PROBE_PREFIX = "bench/probe"
 SAMPLE_S = 0.02
 
 
-class BenchError(Exception):
-    """A one-line failure; ``exit_code`` 2 = bad input or environment, 1 = the run failed."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench_relay_link] {msg}", file=sys.stderr, flush=True)
-
-
-def _sh(*cmd: str, check: bool = True) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if check and p.returncode != 0:
-        err = " ".join((p.stderr or p.stdout).split()) or f"exit {p.returncode}"
-        raise BenchError(f"`{shlex.join(cmd)}` failed: {err}")
-    return p.stdout
-
-
 # ------------------------------------------------------------------------- arguments
-def _parse_floats(text: str, what: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BenchError(f"--{what} must be comma-separated numbers, got {text!r}", 2) from None
-    if not vals or any(not v > 0 for v in vals):
-        raise BenchError(f"--{what} must list positive numbers, got {text!r}", 2)
-    return vals
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The driver's arguments, checked (``BenchError`` with exit code 2 on bad input)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -360,34 +338,14 @@ def verify(received: dict, reference: dict, *, negative_control: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------- the link
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _progress(msg: str) -> None:
+    progress("bench_relay_link", msg)
 
 
 def remove_stale_links() -> list[str]:
-    """Delete namespaces this script left behind when it was killed (``dcrrelay-<pid>``
-    whose pid is gone), with whatever still runs in them; returns their names."""
-    removed = []
-    for line in _sh("ip", "netns", "list").splitlines():
-        m = re.match(rf"^{re.escape(NS_PREFIX)}(\d+)\b", line.strip())
-        if not m or _pid_alive(int(m.group(1))):
-            continue
-        name = f"{NS_PREFIX}{m.group(1)}"
-        for pid in _sh("ip", "netns", "pids", name, check=False).split():
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        _sh("ip", "netns", "del", name, check=False)
-        _sh("ip", "link", "del", f"dr{m.group(1)}a", check=False)
-        removed.append(name)
-    return removed
+    """Delete namespaces this script left behind when it was killed (``{NS_PREFIX}<pid>`` whose
+    pid is gone) and whatever still runs in them; returns their names."""
+    return _remove_stale_links(NS_PREFIX, "dr")
 
 
 class Link:
@@ -737,21 +695,6 @@ def probe_main(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------- the run
-def _write_json_atomic(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-def _read_rows(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-
-
 class Run:
     def __init__(self, args, cfg, run_dir: str):
         from nemo_dcr.testbed.demo import _Children

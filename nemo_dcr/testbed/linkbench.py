@@ -1,0 +1,88 @@
+"""Plumbing shared by the shaped-link benchmarks (``scripts/bench_refit_link.py``,
+``scripts/bench_relay_link.py``): one-line failures, shell calls, stale network namespaces
+of a killed run, argument parsing and the JSON files they write.  Test bed, not product."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+
+class BenchError(Exception):
+    """A one-line failure; ``exit_code`` 2 = bad input or environment, 1 = the run failed."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def progress(tag: str, msg: str) -> None:
+    print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        err = " ".join((p.stderr or p.stdout).split()) or f"exit {p.returncode}"
+        raise BenchError(f"`{shlex.join(cmd)}` failed: {err}")
+    return p.stdout
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_links(ns_prefix: str, veth_prefix: str) -> list[str]:
+    """Delete the namespaces ``<ns_prefix><pid>`` a killed run left behind (its pid is gone),
+    killing whatever still runs in them, and their root-side veth ``<veth_prefix><pid>a``;
+    returns their names."""
+    removed = []
+    for line in sh("ip", "netns", "list").splitlines():
+        m = re.match(rf"^{re.escape(ns_prefix)}(\d+)\b", line.strip())
+        if not m or pid_alive(int(m.group(1))):
+            continue
+        name = f"{ns_prefix}{m.group(1)}"
+        for pid in sh("ip", "netns", "pids", name, check=False).split():
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        sh("ip", "netns", "del", name, check=False)
+        sh("ip", "link", "del", f"{veth_prefix}{m.group(1)}a", check=False)
+        removed.append(name)
+    return removed
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--{what} must be comma-separated numbers, got {text!r}", 2) from None
+    if not vals or any(not v > 0 for v in vals):
+        raise BenchError(f"--{what} must list positive numbers, got {text!r}", 2)
+    return vals
+
+
+def write_json_atomic(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_rows(path: str) -> list[dict]:
+    """The complete JSON lines of ``path`` (a line still being written is left out)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
