@@ -44,6 +44,14 @@ class _Watcher(threading.Thread):
                     pass
             time.sleep(0.05)
 
+    def alive(self, pid: int) -> bool:
+        """``pid`` is still the process seen (not a reused pid) and not a zombie."""
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def survivors(self) -> list[str]:
         out = []
         for pid, (created, cmd) in self.seen.items():

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 from dataclasses import fields
 
 import psutil
@@ -24,6 +22,8 @@ from nemo_dcr.integrations.settings import RefitOptions
 from nemo_dcr.testbed import demo
 from nemo_dcr.testbed.config import RefitConfig, load_demo_config
 from nemo_dcr.testbed.demo import main, relay_tree
+
+from .test_demo_cleanup import FAIL_R1, _Watcher
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -104,34 +104,6 @@ SMALL = ["model.num_layers=2", "model.hidden_size=128", "model.num_attention_hea
          "model.seq_length=32", "steps=2", "train.lr=3e-6", "refit.verify_dense=true"]
 
 
-class _Watcher(threading.Thread):
-    """Samples this process's new descendants every 50 ms: pid, create time, command line."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.me = psutil.Process()
-        self.before = {p.pid for p in self.me.children(recursive=True)}
-        self.seen: dict[int, tuple[float, str]] = {}
-        self.halt = threading.Event()
-
-    def run(self):
-        while not self.halt.is_set():
-            for p in self.me.children(recursive=True):
-                if p.pid not in self.before and p.pid not in self.seen:
-                    try:
-                        self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline()))
-                    except psutil.Error:
-                        pass
-            time.sleep(0.05)
-
-    def alive(self, pid: int) -> bool:
-        try:
-            p = psutil.Process(pid)
-            return p.create_time() == self.seen[pid][0] and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-
 def _demo(tmp_path, name, *overrides) -> tuple[dict, dict[int, str], list[int]]:
     """One demo run: its summary, the relay processes seen while it ran (pid -> command
     line) and the pids of every process it started that is still alive after it returned."""
@@ -169,10 +141,6 @@ def test_the_demo_over_a_relay_tree_reads_the_origin_once(tmp_path):
     root, origin = f"relay://{listening[0]['address']}", listening[0]["upstreams"][0]
     assert origin.endswith("relay-store") and listening[0]["upstreams"] == [origin]
     assert listening[1]["upstreams"] == listening[2]["upstreams"] == [root, origin]
-
-
-FAIL_R1 = ("import sys, time; time.sleep(1); "
-           "print('RuntimeError: injected receiver failure', flush=True); sys.exit(3)")
 
 
 @pytest.mark.slow
