@@ -35,8 +35,6 @@ from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, St
 
 _log = logging.getLogger(__name__)
 
-CHUNK_MARK = "/chunks/"
-
 
 class VerificationFailed(StoreError):
     """Every upstream served bytes that failed the caller's check; the message names the key
@@ -48,7 +46,6 @@ class UpstreamStats:
     uri: str
     is_relay: bool
     bytes_read: int = 0
-    chunk_bytes_read: int = 0
     failures: int = 0
     bad_bytes: int = 0
     """Objects whose bytes failed the caller's check."""
@@ -90,12 +87,10 @@ class FailoverStore:
                           key=lambda i: self._stats[i].down_until)
         return up + down
 
-    def _served(self, i: int, key: str, nbytes: int) -> None:
+    def _served(self, i: int, nbytes: int) -> None:
         with self._lock:
             st = self._stats[i]
             st.bytes_read += nbytes
-            if CHUNK_MARK in key:
-                st.chunk_bytes_read += nbytes
             if self._last is not None and self._last != i:
                 self.switches += 1
                 _log.warning("%s: now reading from %s (was %s)", self.uri, st.uri, self._stats[self._last].uri)
@@ -114,16 +109,18 @@ class FailoverStore:
         return self.stores[self._order()[0]]
 
     def upstream_stats(self) -> list[dict]:
+        """Per upstream; ``chunk_bytes_read`` is the member store's own count (the store that
+        did the get counts chunk bytes, ``_BoundedStore.chunk_bytes_read``)."""
         cur = self._order()[0]
         with self._lock:
             return [{"uri": s.uri, "is_relay": s.is_relay, "current": i == cur, "bytes_read": s.bytes_read,
-                     "chunk_bytes_read": s.chunk_bytes_read, "failures": s.failures, "bad_bytes": s.bad_bytes}
-                    for i, s in enumerate(self._stats)]
+                     "chunk_bytes_read": getattr(store, "chunk_bytes_read", 0), "failures": s.failures,
+                     "bad_bytes": s.bad_bytes}
+                    for i, (s, store) in enumerate(zip(self._stats, self.stores))]
 
     def origin_chunk_bytes(self) -> int:
         """Chunk bytes read from upstreams that are not relays (the origin store)."""
-        with self._lock:
-            return sum(s.chunk_bytes_read for s in self._stats if not s.is_relay)
+        return sum(getattr(s, "chunk_bytes_read", 0) for s in self.stores if not is_relay(s))
 
     # ------------------------------------------------------------------ the calls
     def _each(self, op: str, key: str, fn: Callable[[ObjectStore], object], size: Callable[[object], int]):
@@ -137,7 +134,7 @@ class FailoverStore:
                 self._demote(i, str(e))
                 last = e
                 continue
-            self._served(i, key, size(out))
+            self._served(i, size(out))
             return out
         raise StoreError(f"{self.uri}: {op} {key!r} failed on every upstream; last: {last}",
                          uri=self.uri, op=op, key=key) from last
@@ -182,7 +179,7 @@ class FailoverStore:
                 self._demote(i, str(e))
                 reason, last = str(e), e
                 continue
-            self._served(i, key, len(blob))
+            self._served(i, len(blob))
             why = check(blob)
             if why is None:
                 return blob

@@ -71,6 +71,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from nemo_dcr.errors import FormatError, TransportError, ValidationError
 
+CHUNK_MARK = "/chunks/"
+"""What a chunk object's key contains (``v/<v>/chunks/r<rank>-<seq>.dcr``)."""
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 _log = logging.getLogger(__name__)
 
@@ -290,13 +292,14 @@ class _BoundedStore:
     uri: str
     policy: StorePolicy
     chunk_bytes_read: int = 0
-    """Bytes of chunk objects (keys with ``/chunks/``) this store's ``get`` calls returned
-    (``failover.origin_chunk_bytes``: the demo's ``origin_read_bytes``)."""
-    _reads_lock = threading.Lock()
+    """Bytes of chunk objects (keys with ``CHUNK_MARK``) this store's ``get`` calls returned:
+    the one count of them (``FailoverStore.upstream_stats`` reads its members',
+    ``failover.origin_chunk_bytes`` the demo's ``origin_read_bytes``)."""
 
     def _init_policy(self, policy: StorePolicy | None) -> None:
         if policy is not None and not isinstance(policy, StorePolicy):
             raise TypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
+        self._reads_lock = threading.Lock()
         self.policy = policy or StorePolicy()
         self._rng = random.Random()
 
@@ -311,7 +314,7 @@ class _BoundedStore:
             attempt += 1
             try:
                 out = self._run_attempt(op, fn, _Attempt(p, nbytes))
-                if op == "get" and "/chunks/" in key:
+                if op == "get" and CHUNK_MARK in key:
                     with self._reads_lock:
                         self.chunk_bytes_read += len(out[0] if isinstance(out, tuple) else out)
                 return out
