@@ -246,6 +246,16 @@ class Moto:
         self.proc.wait(timeout=10)
 
 
+def _log_count(directory: str, needle: str) -> int:
+    """Occurrences of ``needle`` in the ``log-*`` files of a node's directory (one per start)."""
+    n = 0
+    for name in os.listdir(directory):
+        if name.startswith("log-"):
+            with open(os.path.join(directory, name), errors="replace") as f:
+                n += f.read().count(needle)
+    return n
+
+
 def _kill(proc: subprocess.Popen | None) -> None:
     if proc is not None and proc.poll() is None:
         try:
@@ -306,12 +316,7 @@ class ReceiverProc:
         return None, restarts
 
     def log_count(self, needle: str) -> int:
-        n = 0
-        for name in os.listdir(self.dir):
-            if name.startswith("log-"):
-                with open(os.path.join(self.dir, name), errors="replace") as f:
-                    n += f.read().count(needle)
-        return n
+        return _log_count(self.dir, needle)
 
     def close(self) -> None:
         open(os.path.join(self.dir, "stop"), "w").close()
@@ -393,12 +398,7 @@ class RelayProc:
         self.stopped = False
 
     def log_count(self, needle: str) -> int:
-        n = 0
-        for name in os.listdir(self.dir):
-            if name.startswith("log-"):
-                with open(os.path.join(self.dir, name), errors="replace") as f:
-                    n += f.read().count(needle)
-        return n
+        return _log_count(self.dir, needle)
 
     def close(self) -> None:
         self.kill()

@@ -2,21 +2,15 @@
 store fault class (the relay classes: ``test_relay_faults.py``) against the real pipeline (megatron-core trainer ranks under torchrun/gloo,
 two receiver processes, a moto S3 server), each checked bit for bit against the trainer's
 dense state.  The trainer kill comes last, so only one trainer is started."""
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from campaign_helpers import load_campaign
 
 
 def _campaign():
-    spec = importlib.util.spec_from_file_location("fault_campaign", os.path.join(ROOT, "scripts", "fault_campaign.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_campaign()
 
 
 def test_compare_state_negative_control():

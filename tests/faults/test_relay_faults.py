@@ -2,7 +2,6 @@
 the test-bed relay's byte flipper, the plans, and one relay epoch (the real trainer under
 torchrun/gloo, the real relay server twice in a chain, two receivers reading through it,
 moto S3 as the origin) with every relay class once, checked bit for bit."""
-import importlib.util
 import json
 import os
 
@@ -12,15 +11,11 @@ from nemo_dcr.testbed.faults import Plans
 from nemo_dcr.testbed.relay_faults import FlippingStore, flip, open_upstreams
 from nemo_dcr.transport.failover import FailoverStore
 from nemo_dcr.transport.store import HOP_POLICY, LocalDirStore, StorePolicy
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from campaign_helpers import load_campaign
 
 
 def _campaign():
-    spec = importlib.util.spec_from_file_location("fault_campaign", os.path.join(ROOT, "scripts", "fault_campaign.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_campaign()
 
 
 def test_flip_one_bit():
