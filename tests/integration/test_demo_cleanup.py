@@ -24,7 +24,9 @@ FAIL_R1 = ("import sys, time; time.sleep(1); "
 
 
 class _Watcher(threading.Thread):
-    """Samples this process's descendants (that were not there before) every 50 ms."""
+    """Samples this process's descendants (that were not there before) every 50 ms, each
+    with its command line as of its exec (a child caught between fork and exec still shows
+    this process's command line; under load that window is wide enough to be sampled)."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -34,11 +36,12 @@ class _Watcher(threading.Thread):
         self.halt = threading.Event()
 
     def run(self):
+        forked = " ".join(self.me.cmdline())  # what a child shows between fork and exec
         while not self.halt.is_set():
             for p in self.me.children(recursive=True):
-                if p.pid in self.before or p.pid in self.seen:
+                if p.pid in self.before or (p.pid in self.seen and self.seen[p.pid][1] != forked):
                     continue
-                try:
+                try:  # a child first seen before its exec is read again until it shows its own command
                     self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline()))
                 except psutil.Error:
                     pass
