@@ -46,23 +46,60 @@ def _reachable_store(uri: str) -> ObjectStore:
 
 @dataclass(frozen=True)
 class RefitMetrics:
-    """What one published version cost, the same on every rank except ``pause_s``.  A front
-    end logs these where its users look (the Bridge callback: TensorBoard / W&B)."""
+    """What one decided version cost, the same on every rank except ``pause_s``.  A front end
+    logs :meth:`scalars` where its users look (the NeMo callback: Lightning's ``log_dict``;
+    the Bridge callback: TensorBoard / W&B).  With ``refit.pipeline`` a version is decided in
+    the background and its metrics come from the next hook call (or ``finish()``)."""
 
     version: int
-    """The version published (= the optimizer steps taken: the framework's step count)."""
+    """The version decided (= the optimizer steps taken when it was published)."""
     committed: bool
-    """Every receiver acknowledged it (False: aborted; the next version diffs against the
+    """Every member acknowledged it (False: aborted; the next version diffs against the
     committed one)."""
     committed_version: int
-    """The run's committed version after this refit's decision."""
+    """The run's committed version after this decision."""
     wire_bytes: int
     """Bytes of the version's chunks on the store, over all ranks."""
+    dense_bytes: int
+    """What a dense refit would send: every canonical tensor's bytes."""
+    changed: int
+    """Canonical elements whose stored bits changed, over all ranks."""
+    numel: int
+    """Elements diffed, over the ranks' local parameters (replicas included)."""
+    receivers: int
+    """Receivers the decision covered (the members, under elastic membership)."""
+    joined: int
+    """Receivers admitted at this version (elastic membership)."""
+    evicted: int
+    """Receivers evicted at this version (elastic membership)."""
     refit_s: float
-    """Rank 0's wall time from the start of the diff to the joint commit's decision."""
+    """Rank 0's wall time from the start of the diff to the decision."""
     pause_s: float
-    """How long ``after_step`` held this rank's training loop (today the refit is
-    synchronous, so this is ``refit_s`` plus agreeing on these numbers)."""
+    """How long the ``after_step`` / ``finish`` call that returned these metrics held this
+    rank's training loop (pipelined: the diff and projection of the step it published, plus
+    any wait for the previous decision; synchronous: the whole refit)."""
+
+    @property
+    def compression(self) -> float:
+        """Dense bytes over wire bytes (0 when nothing was sent)."""
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else 0.0
+
+    @property
+    def changed_pct(self) -> float:
+        """Changed canonical elements, in percent of the canonical elements."""
+        return 100.0 * self.changed / self.canonical_numel if self.canonical_numel else 0.0
+
+    canonical_numel: int = 0
+    """Elements of every canonical tensor (the denominator of ``changed_pct``)."""
+
+    def scalars(self) -> dict[str, float]:
+        """The metrics under ``refit/...`` names, as plain floats, for any logger."""
+        return {"refit/version": float(self.version), "refit/committed": float(self.committed),
+                "refit/committed_version": float(self.committed_version),
+                "refit/wire_bytes": float(self.wire_bytes), "refit/compression": self.compression,
+                "refit/changed_pct": self.changed_pct, "refit/receivers": float(self.receivers),
+                "refit/joined": float(self.joined), "refit/evicted": float(self.evicted),
+                "refit/refit_seconds": self.refit_s, "refit/trainer_pause_seconds": self.pause_s}
 
 
 class RefitAttachment:

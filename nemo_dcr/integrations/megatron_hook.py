@@ -115,6 +115,7 @@ class MegatronRefitHook:
             raise UnsupportedModelError(f"sharded_state_dict() over all ranks: {e}") from None
         self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg)
         self.last_stats: PublishStats | None = None
+        self._reference_s: dict[int, float] = {}  # verify_dense: gather time per version in flight
         self._published = self.sender.baseline.version
         self._param_gathers: list = []
 
@@ -187,10 +188,15 @@ class MegatronRefitHook:
         """The refit's run state, for the trainer's checkpoint (``RunState.to_dict()``)."""
         return self.sender.run_state()
 
-    def __call__(self, trainer=None, step: int | None = None) -> None:
+    def __call__(self, trainer=None, step: int | None = None) -> PublishStats | None:
         """Publish a version (collective): ``step`` (the optimizer step just taken) if
         given, else one past the last version published.  A version number is never
-        reused, also after a refused one.  (``trainer`` is the test bed's hook argument.)"""
+        reused, also after a refused one.  (``trainer`` is the test bed's hook argument.)
+
+        Returns the stats of the version decided in this call, also kept as ``last_stats``:
+        with ``pipeline`` (the default) the previous version's, settled before this one is
+        diffed (None for the first), else this version's.  Call :meth:`finish` after the
+        last step."""
         self.sync_params()
         before = None
         dense_s = 0.0
@@ -203,6 +209,22 @@ class MegatronRefitHook:
                     self.store.put(dense_key(manifest.version), save_safetensors(state))
         version = self._published + 1 if step is None else int(step)
         self._published = version
-        stats = self.sender.refit(version, before_manifest=before)
-        stats.reference_s = dense_s
-        self.last_stats = stats
+        if self.sender.cfg.pipeline:
+            settled = self.sender.submit(version, before_manifest=before)
+        else:
+            settled = self.sender.refit(version, before_manifest=before)
+        if settled is not None:
+            self.last_stats = settled
+        self._reference_s[version] = dense_s
+        if settled is not None:
+            settled.reference_s = self._reference_s.pop(settled.version, 0.0)
+        return settled
+
+    def finish(self) -> PublishStats | None:
+        """Collective: drain the pipelined refit at the end of training: the version in flight
+        (if any) is decided and its stats returned (also as ``last_stats``)."""
+        settled = self.sender.finish()
+        if settled is not None:
+            settled.reference_s = self._reference_s.pop(settled.version, 0.0)
+            self.last_stats = settled
+        return settled

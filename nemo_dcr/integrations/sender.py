@@ -15,9 +15,11 @@ acknowledged the version.
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -72,6 +74,14 @@ class PublishStats:
     reason: str = ""
     """Why the version was aborted ('' when committed)."""
     acks: list[dict] = field(default_factory=list)
+    members: tuple[str, ...] = ()
+    """The receivers the decision covered (rank 0)."""
+    joined: tuple[str, ...] = ()
+    """Receivers admitted at this version (elastic membership; rank 0)."""
+    evicted: tuple[str, ...] = ()
+    """Receivers evicted at this version (elastic membership; rank 0)."""
+    pause_s: float = 0.0
+    """How long the hook call that published this version held this rank's training loop."""
 
 
 def _split(delta: TensorDelta, chunk_bytes: int):
@@ -110,6 +120,50 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _all_gather(obj) -> list:
+    """Collective (the default group): every rank's ``obj``, in rank order."""
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _gather_to0(obj, group) -> list | None:
+    """Collective over ``group`` (every rank): rank 0 gets every rank's ``obj``."""
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
+def _from0(obj, group):
+    """Collective over ``group``: rank 0's ``obj`` on every rank."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A version between its hook call and the settling of its decision on this rank."""
+
+    version: int
+    stats: PublishStats
+    t_start: float
+    thread: threading.Thread | None = None
+    commit: bool = False
+    reason: str = ""
+    stop: bool = False
+    digest: str = ""
+    failure: str = ""
+    """The background work itself failed on this rank (not an abort: a lost collective, a bug)."""
+    applied: bool = False
+
+
 class RefitSender:
     """One per trainer rank; all ranks call ``refit(version)`` together (it is collective)."""
 
@@ -134,6 +188,14 @@ class RefitSender:
         self.committed_digest = ""  # the committed version's decision digest (INIT.json's for v0)
         self._floor = 0  # highest version published so far (by this or an earlier incarnation)
         self._failures = FailureBudget(cfg.on_refusal, cfg.max_consecutive_failures)
+        self._inflight: _InFlight | None = None
+        # the background refit's collectives (chunk refs to rank 0, the decision back) run on a
+        # group of their own, never interleaved with the training loop's on the default group;
+        # its timeout covers a whole ack wait
+        self._group = None
+        if _world() > 1:
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=max(1800.0, 2 * cfg.ack_timeout_s + 600.0)))
         # canonical inventory (union over ranks): what a dense refit would send
         mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
                 for c in projector.canonical_specs(v.spec)}
@@ -191,7 +253,9 @@ class RefitSender:
         self._floor = floor
         if _rank() == 0:
             self.coordinator = CommitCoordinator(self.store, self.sealer, run_id, self.cfg.receivers,
-                                                 ack_timeout_s=self.cfg.ack_timeout_s, poll_s=self.cfg.ack_poll_s)
+                                                 ack_timeout_s=self.cfg.ack_timeout_s, poll_s=self.cfg.ack_poll_s,
+                                                 membership=self.cfg.membership, min_receivers=self.cfg.min_receivers,
+                                                 evict_after=self.cfg.evict_after)
         return run_id
 
     def set_root(self, init_digest: str) -> None:
@@ -203,6 +267,8 @@ class RefitSender:
         """What the trainer's checkpoint must carry to resume this run (see ``claim``)."""
         if self.run_id is None:
             raise ProtocolError("run_state before claim(): the sender has no run id")
+        if self._inflight is not None:  # a checkpoint holds this version's bits: learn its decision first
+            self._join(self._inflight)
         return RunState(run_id=self.run_id, committed_version=self.baseline.version,
                         committed_digest=self.committed_digest, published_version=max(self._floor,
                                                                                       self.baseline.version))
@@ -264,9 +330,10 @@ class RefitSender:
                        tensors=len(deltas), changed=sum(d.nnz for d in deltas))
         return ref, t1 - t0, t2 - t1
 
-    def publish(self, version: int) -> tuple[list[ChunkRef], PublishStats]:
-        """Diff every local parameter against the committed baseline and upload the chunks
-        of ``version`` (not yet the manifest).  Returns this rank's chunk refs."""
+    def _start(self, version: int, pool: ThreadPoolExecutor) -> tuple[list[Future], PublishStats]:
+        """Diff every local parameter against the committed baseline (this thread) and submit
+        its chunks to ``pool`` for encoding and upload.  Records submitted but not yet encoded
+        are capped at ``pipeline_max_staged_bytes``: past it this waits for the encoder."""
         base = self.baseline.version
         if version <= max(base, self._floor):
             raise ProtocolError(f"version {version} must be newer than the committed {base} and the last "
@@ -279,49 +346,69 @@ class RefitSender:
         self._floor = version  # used from here on, whatever happens to this version
         meta = {"run_id": self.run_id, "model_id": self.cfg.model_id, "version": str(version),
                 "base_version": str(base), "rank": str(_rank())}
-        t_start = time.perf_counter()
         futures: list[Future] = []
+        sizes: dict[Future, int] = {}  # staged raw bytes of each chunk not yet known encoded
         pending: list[tuple[TensorDelta, str]] = []  # (record, parameter it came from)
         pending_bytes = 0
         seq = 0
-        with ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload") as pool:
-            def flush():
-                nonlocal pending, pending_bytes, seq
-                if pending:
-                    futures.append(pool.submit(self._encode_upload, chunk_key(version, _rank(), seq), pending, meta))
-                    seq += 1
-                pending, pending_bytes = [], 0
 
-            for name, p in self.params.items():
-                t0 = time.perf_counter()
-                d = self.baseline.diff(name, p)
-                stats.diff_s += time.perf_counter() - t0
-                stats.numel += d.numel
-                if d.positions.size == 0:
-                    continue
-                for delta in self._deltas_for_param(name, d.positions, d.xor_values, stats):
-                    stats.changed += delta.nnz
-                    for piece in _split(delta, self.cfg.chunk_bytes):
-                        size = piece.nnz * (8 + piece.values.itemsize)
-                        if pending and pending_bytes + size > self.cfg.chunk_bytes:
-                            flush()
-                        pending.append((piece, name))
-                        pending_bytes += size
-            flush()
-            refs = []
-            for f in futures:
-                ref, enc_s, up_s = f.result()
-                refs.append(ref)
-                stats.encode_s += enc_s
-                stats.upload_s += up_s
+        def flush():
+            nonlocal pending, pending_bytes, seq
+            if pending:
+                while sizes and sum(sizes.values()) + pending_bytes > self.cfg.pipeline_max_staged_bytes:
+                    wait(list(sizes), return_when=FIRST_COMPLETED)
+                    for f in [f for f in sizes if f.done()]:
+                        del sizes[f]
+                f = pool.submit(self._encode_upload, chunk_key(version, _rank(), seq), pending, meta)
+                futures.append(f)
+                sizes[f] = pending_bytes
+                seq += 1
+            pending, pending_bytes = [], 0
+
+        for name, p in self.params.items():
+            t0 = time.perf_counter()
+            d = self.baseline.diff(name, p)
+            stats.diff_s += time.perf_counter() - t0
+            stats.numel += d.numel
+            if d.positions.size == 0:
+                continue
+            for delta in self._deltas_for_param(name, d.positions, d.xor_values, stats):
+                stats.changed += delta.nnz
+                for piece in _split(delta, self.cfg.chunk_bytes):
+                    size = piece.nnz * (8 + piece.values.itemsize)
+                    if pending and pending_bytes + size > self.cfg.chunk_bytes:
+                        flush()
+                    pending.append((piece, name))
+                    pending_bytes += size
+        flush()
+        return futures, stats
+
+    @staticmethod
+    def _finish_uploads(futures: list[Future], stats: PublishStats) -> list[ChunkRef]:
+        refs = []
+        for f in futures:
+            ref, enc_s, up_s = f.result()
+            refs.append(ref)
+            stats.encode_s += enc_s
+            stats.upload_s += up_s
         stats.chunks = len(refs)
         stats.wire_bytes = sum(r.nbytes for r in refs)
+        return refs
+
+    def publish(self, version: int) -> tuple[list[ChunkRef], PublishStats]:
+        """Diff every local parameter against the committed baseline and upload the chunks
+        of ``version`` (not yet the manifest).  Returns this rank's chunk refs."""
+        t_start = time.perf_counter()
+        with ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload") as pool:
+            futures, stats = self._start(version, pool)
+            refs = self._finish_uploads(futures, stats)
         stats.publish_s = time.perf_counter() - t_start
         return refs, stats
 
     # ------------------------------------------------------------------ commit
     def refit(self, version: int, *, before_manifest=None) -> PublishStats:
-        """Collective: publish ``version`` and run the joint commit (``protocol/commit.py``).
+        """Collective: publish ``version`` and run the joint commit (``protocol/commit.py``);
+        returns once it is decided (the synchronous refit).
 
         ``before_manifest(manifest)`` runs on rank 0 just before the manifest is written,
         i.e. before any receiver can see the version (the demo writes its dense reference
@@ -332,33 +419,118 @@ class RefitSender:
         while uploading, a crash in encoding) aborts the version on every rank instead of
         leaving peers in a collective.  The returned stats are totals on rank 0.
         """
+        self.submit(version, before_manifest=before_manifest)
+        stats = self.settle()
+        assert stats is not None
+        return stats
+
+    def submit(self, version: int, *, before_manifest=None) -> PublishStats | None:
+        """Collective, the pipelined refit: settle the version in flight (waiting only if its
+        decision is not there yet), diff ``version`` against the committed baseline, hand its
+        chunks to the encoder and return; encode, upload, manifest, acks and the decision run
+        in the background.  Returns the stats of the version settled here (None if there was
+        none); it raises what :meth:`refit` raises, one call later."""
+        t_enter = time.perf_counter()
+        settled = self.settle()
+        t_start = time.perf_counter()
+        pool = ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload")
         try:
-            refs, stats = self.publish(version)
+            futures, stats = self._start(version, pool)
             error = None
         except Exception as e:  # noqa: BLE001 - reported to rank 0, decided for all ranks
-            refs, error = [], f"rank {_rank()}: {type(e).__name__}: {e}"
+            futures, error = [], f"rank {_rank()}: {type(e).__name__}: {e}"
             stats = PublishStats(version=version, base_version=self.baseline.version)
-        gathered = [(refs, stats, error)]
-        if _world() > 1:
-            gathered = [None] * _world() if _rank() == 0 else None
-            dist.gather_object((refs, stats, error), gathered, dst=0)
-        decision = None
-        if _rank() == 0:
-            decision = self._decide(version, stats, gathered, before_manifest)
-        commit, reason, stop, digest = from_rank0(decision)
-        if commit:
-            self.baseline.commit(version)
-            self.committed_digest = digest
+        stats.pause_s = time.perf_counter() - t_enter
+        flight = _InFlight(version=version, stats=stats, t_start=t_start)
+        flight.thread = threading.Thread(target=self._background, args=(flight, pool, futures, error, before_manifest),
+                                         name=f"dcr-refit-v{version}", daemon=True)
+        self._inflight = flight
+        flight.thread.start()
+        return settled
+
+    def settle(self) -> PublishStats | None:
+        """Collective: wait for the version in flight (if any), apply its decision on this
+        rank and check that every rank applied the same one; returns its stats (None if no
+        version was in flight).  A failure of the background work on any rank, or a
+        decision the refusal policy stops on, raises the same error on every rank."""
+        flight = self._inflight
+        if flight is None:
+            return None
+        self._join(flight)
+        self._inflight = None
+        outcomes = _all_gather((flight.version, flight.commit, flight.digest, flight.failure))
+        failed = [(r, o[3]) for r, o in enumerate(outcomes) if o[3]]
+        if failed:
+            r, why = failed[0]
+            raise ProtocolError(f"version {flight.version}: the background refit failed on rank {r}: {why}")
+        if len({o[:3] for o in outcomes}) != 1:
+            raise ProtocolError(f"version {flight.version}: ranks applied different decisions {sorted(set(outcomes))}")
+        stats = flight.stats
+        stats.committed, stats.reason = flight.commit, flight.reason
+        if flight.stop:
+            raise ReceiverRefused(f"version {flight.version} not committed ({self._failures.consecutive} in a row, "
+                                  f"on_refusal={self.cfg.on_refusal}): {flight.reason}")
+        if not flight.commit and _rank() == 0:
+            _log(f"nemo_dcr: version {flight.version} aborted, training continues and the next version is diffed "
+                 f"against version {self.baseline.version}: {flight.reason}")
+        return stats
+
+    def finish(self) -> PublishStats | None:
+        """Collective: drain the pipeline at the end of training (the last version is decided
+        and reported); the callbacks call it at train end.  Same as :meth:`settle`."""
+        return self.settle()
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version whose decision this rank has not applied yet (None: nothing pending)."""
+        flight = self._inflight
+        return None if flight is None or flight.applied else flight.version
+
+    def _join(self, flight: _InFlight) -> None:
+        """This rank alone (no collective): wait for the background work of ``flight`` and
+        apply its decision to the baseline, once."""
+        flight.thread.join()
+        if flight.applied:
+            return
+        flight.applied = True
+        if flight.commit:
+            self.baseline.commit(flight.version)
+            self.committed_digest = flight.digest
         else:
             self.baseline.discard()
-        stats.committed, stats.reason = commit, reason
-        if stop:
-            raise ReceiverRefused(f"version {version} not committed ({self._failures.consecutive} in a row, "
-                                  f"on_refusal={self.cfg.on_refusal}): {reason}")
-        if not commit and _rank() == 0:
-            _log(f"nemo_dcr: version {version} aborted, training continues and the next version is diffed "
-                 f"against version {self.baseline.version}: {reason}")
-        return stats
+
+    def _background(self, flight: _InFlight, pool: ThreadPoolExecutor, futures: list[Future], error: str | None,
+                    before_manifest) -> None:
+        """One version after the hook returned, on every rank: finish the uploads, send the
+        chunk refs to rank 0, which writes the manifest and runs the joint commit, and learn
+        the decision.  Its collectives use the refit's own process group (``self._group``), so
+        they never interleave with the training loop's.  Never raises: a failure is kept in
+        ``flight.failure`` and surfaces at the next :meth:`settle`, on every rank."""
+        stats = flight.stats
+        try:
+            refs: list[ChunkRef] = []
+            try:
+                if error is None:
+                    refs = self._finish_uploads(futures, stats)
+            except Exception as e:  # noqa: BLE001 - reported to rank 0, decided for all ranks
+                refs, error = [], f"rank {_rank()}: {type(e).__name__}: {e}"
+            finally:
+                pool.shutdown(wait=True)
+            stats.publish_s = time.perf_counter() - flight.t_start
+            gathered = _gather_to0((refs, stats, error), self._group)
+            decision: tuple | str | None = None
+            if _rank() == 0:
+                try:
+                    decision = self._decide(flight.version, stats, gathered, before_manifest)
+                except BaseException as e:  # noqa: BLE001 - every rank waits for rank 0's word: send it
+                    decision = f"rank 0: {type(e).__name__}: {e}"
+            decision = _from0(decision, self._group)
+            if isinstance(decision, str):
+                raise ProtocolError(decision)
+            flight.commit, flight.reason, flight.stop, flight.digest = decision
+        except BaseException as e:  # noqa: BLE001 - kept for settle(), which raises it on every rank
+            flight.failure = f"{type(e).__name__}: {e}"
+            flight.commit, flight.stop = False, False
 
     def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool, str]:
         """Rank 0: totals, manifest, acks, decision record.  Never raises: any failure is
@@ -369,7 +541,7 @@ class RefitSender:
         for _, st, _ in gathered[1:]:
             stats.changed += st.changed
             stats.numel += st.numel
-            for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s"):
+            for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s", "pause_s"):
                 setattr(stats, t, max(getattr(stats, t), getattr(st, t)))
         stats.chunks = len(all_refs)
         stats.wire_bytes = sum(r.nbytes for r in all_refs)
@@ -390,6 +562,8 @@ class RefitSender:
                 t0 = time.perf_counter()
                 outcome = self.coordinator.collect_acks(version, digest)
                 stats.acks = outcome.acks
+                stats.members = outcome.members or tuple(self.coordinator.receivers)
+                stats.joined, stats.evicted = outcome.joined, outcome.evicted
                 for line in outcome.ignored:
                     _log(f"nemo_dcr: version {version}: ignored ack {line}")
                 commit, reason = outcome.ok, outcome.reason

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from nemo_dcr.integrations.sender import SenderConfig
 
 
+MEMBERSHIPS = ("static", "elastic")
+
+
 class RefitSetupError(ValidationError):
     """The refit cannot start (bad settings, unreachable store, unmappable model)."""
 
@@ -62,6 +65,22 @@ class RefitOptions:
     (the next version is diffed against the same base), ``fail`` stops training."""
     max_consecutive_failures: int = 3
     """With ``on_refusal=retry``: stop training after this many aborted versions in a row."""
+    pipeline: bool = True
+    """Pipelined refit: the hook returns once this rank has diffed and projected the step
+    (the changes staged); encode, upload, manifest, acks and the decision run in the
+    background and the decision is applied at the next hook call (which waits only if it is
+    not there yet), or at ``finish()``.  ``false``: the hook returns after the decision."""
+    pipeline_max_staged_bytes: int = 1 << 30
+    """Pipelined refit: records diffed but not yet encoded are capped at this many raw bytes
+    per rank; past it the hook waits for the encoder (the pause grows, memory does not)."""
+    membership: str = "static"
+    """``static``: the receivers are ``receivers``, fixed for the run.  ``elastic``: they start
+    as ``receivers``; others join with a signed join request and are admitted at the next
+    version; a member missing ``evict_after`` acks in a row is evicted (docs/protocol.md)."""
+    min_receivers: int = 1
+    """Elastic membership: a version commits only with at least this many members acking it."""
+    evict_after: int = 3
+    """Elastic membership: evict a member after this many consecutive versions without its ack."""
 
     def __post_init__(self) -> None:
         from nemo_dcr.protocol.commit import FailureBudget
@@ -72,7 +91,13 @@ class RefitOptions:
             raise RefitSetupError(str(e)) from None
         if not self.receivers:
             raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
-        for name in ("chunk_bytes", "upload_workers", "ack_timeout_s", "ack_poll_s"):
+        if self.membership not in MEMBERSHIPS:
+            raise RefitSetupError(f"refit.membership must be one of {MEMBERSHIPS}, got {self.membership!r}")
+        if self.min_receivers > len(self.receivers) and self.membership == "static":
+            raise RefitSetupError(f"refit.min_receivers={self.min_receivers} exceeds the {len(self.receivers)} static "
+                                  "receivers")
+        for name in ("chunk_bytes", "upload_workers", "ack_timeout_s", "ack_poll_s", "pipeline_max_staged_bytes",
+                     "min_receivers", "evict_after"):
             if getattr(self, name) <= 0:
                 raise RefitSetupError(f"refit.{name} must be positive, got {getattr(self, name)}")
         try:

@@ -51,17 +51,28 @@ class AckOutcome:
     acks: list[dict] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     """One line per ack object that was read and not accepted (forged, foreign, ...)."""
+    members: tuple[str, ...] = ()
+    """The receivers this version's decision covers (elastic membership: after joins and
+    evictions; static: ``receivers``)."""
+    joined: tuple[str, ...] = ()
+    """Receivers admitted at this version (elastic membership)."""
+    evicted: tuple[str, ...] = ()
+    """Receivers evicted at this version (elastic membership)."""
 
 
 class CommitCoordinator:
     def __init__(self, store: ObjectStore, sealer: Sealer, run_id: str, receivers: tuple[str, ...], *,
-                 ack_timeout_s: float, poll_s: float = 0.05):
+                 ack_timeout_s: float, poll_s: float = 0.05, membership: str = "static", min_receivers: int = 1,
+                 evict_after: int = 3):
         self.store = store
         self.sealer = sealer
         self.run_id = run_id
         self.receivers = receivers
         self.ack_timeout_s = ack_timeout_s
         self.poll_s = poll_s
+        self.membership = membership
+        self.min_receivers = min_receivers
+        self.evict_after = evict_after
 
     def publish(self, manifest: Manifest) -> str:
         """Write the sealed manifest, then point ``HEAD.json`` at it; returns its digest."""
