@@ -30,6 +30,13 @@ One ``step``:
    bounded batch of the chunks that appeared for the next versions, on top of ``c``, before
    their manifest; step 4 uses them only where the signed manifest lists the same bytes.
 
+Elastic membership (``join``): a receiver that is not a member -- new, or evicted, as the
+signed decisions it reads say -- writes a sealed join request naming the committed
+version it holds and that version's decision digest, once per committed version while
+it is current (``HEAD.json`` names nothing newer, or a manifest based on that version).
+Member or not, it applies and acknowledges every version on its chain the same way; the
+trainer counts its ack once it is admitted.
+
 Every document is read through ``protocol/reader.py`` (bounded, cached by object
 identity) and must open with the run's key and name the run this receiver follows;
 anything else is logged once and ignored, so a store writer without the key can delay a
@@ -47,9 +54,11 @@ from nemo_dcr.protocol.manifest import (
     Ack,
     Decision,
     Head,
+    JoinRequest,
     Manifest,
     ack_key,
     decision_key,
+    join_key,
     manifest_key,
 )
 from nemo_dcr.protocol.reader import DocReader
@@ -102,11 +111,13 @@ class Follower:
     rolled-back or replayed version, and per ignored object identity."""
 
     def __init__(self, receiver, store: ObjectStore, sealer: Sealer, run_id: str, *, receiver_id: str,
-                 committed: int = 0, committed_digest: str, compose_after: int = 4, log=None):
+                 committed: int = 0, committed_digest: str, compose_after: int = 4, log=None, join: bool = False):
         """``committed_digest``: the chain's link for ``committed`` (``init/INIT.json``'s
         digest for version 0: ``protocol.run.verify_init_dir`` returns it).
         ``compose_after``: catching up through more committed versions than this applies
-        them as one composed delta (``receiver/catchup.py``) instead of one by one."""
+        them as one composed delta (``receiver/catchup.py``) instead of one by one.
+        ``join``: ask to become a member (elastic membership) whenever the signed decisions
+        do not name this receiver as one (also settable later as ``follower.join``)."""
         self.rx = receiver
         self.store = store
         self.sealer = sealer
@@ -115,10 +126,15 @@ class Follower:
         self.state = FollowerState(run_id=run_id, committed=committed, committed_digest=committed_digest,
                                    handled=committed, decided=committed)
         self.stride = 1
+        self._chain_head: Decision | None = None
         """Gap between the last two versions this receiver answered (versions are step
         numbers; a trainer refitting every k steps publishes every k-th): streaming receive
         looks this far ahead."""
         self._prefetch_error = ""
+        self.join = join
+        self.member: bool | None = None
+        """Whether the last signed decision this receiver read names it a member (None: none read yet)."""
+        self._requested: tuple[int, str] | None = None  # (version, digest) of the last join request written
         self._log = log or (lambda event: print(json.dumps(event), flush=True))
         self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
 
@@ -142,6 +158,38 @@ class Follower:
             return None
         return got.doc, got.digest
 
+    # ------------------------------------------------------------------ membership
+    def _membership(self, d: Decision) -> None:
+        """What a signed decision says about this receiver's membership (events on change)."""
+        me = self.receiver_id
+        if me in d.joined and me in d.receivers:
+            self._log({"receiver": me, "event": "joined", "version": d.version, "commit": d.commit})
+        if me in d.evicted:
+            self._log({"receiver": me, "event": "evicted", "version": d.version, "commit": d.commit,
+                       "members": list(d.receivers)})
+        self.member = me in d.receivers
+
+    def _request_join(self) -> None:
+        """Write a join request for the committed version held (once per version) when
+        joining is on and the decisions read so far do not name this receiver a member.
+        Called only where the held version is the trainer's latest commit as far as this
+        receiver can tell (nothing newer published, or a manifest based on it)."""
+        st = self.state
+        if not self.join or self.member or st.awaiting is not None or st.tentative is not None:
+            return
+        held = (st.committed, st.committed_digest)
+        if held == self._requested:
+            return
+        req = JoinRequest(run_id=st.run_id, receiver=self.receiver_id, held_version=st.committed,
+                          held_digest=st.committed_digest)
+        try:
+            self.store.put(join_key(self.receiver_id), req.to_json(self.sealer))
+        except TransportError as e:  # asked again at the next step
+            self._log({"receiver": self.receiver_id, "store_error": "join request put", "error": str(e)})
+            return
+        self._requested = held
+        self._log({"receiver": self.receiver_id, "event": "join requested", "held": st.committed})
+
     # ------------------------------------------------------------------ steps
     def _below(self, version: int, floor: int) -> bool | None:
         """Walking commit decisions down from ``version``: True when the chain passes below
@@ -162,6 +210,7 @@ class Follower:
         digest = ""
         if got is not None:
             d, digest = got
+            self._membership(d)
         else:
             # No decision record (the trainer failed before writing it, or it was deleted).
             # A signed manifest of a later version whose chain passes below the awaited one
@@ -223,6 +272,8 @@ class Follower:
             d, digest = got
             if digest != want:
                 raise _Broken(f"v{v}'s decision is not the one the next version names")
+            if v == target:
+                self._chain_head = d
             if not d.commit:
                 raise _Broken(f"v{v} was aborted, yet a later version is based on it")
             mgot = self._manifest(v)
@@ -239,6 +290,7 @@ class Follower:
         return out[::-1]
 
     def _catch_up(self, head: Manifest) -> bool:
+        self._chain_head = None
         try:
             manifests = self._chain(head.base_version, head.base_digest)
         except _Broken as e:
@@ -275,6 +327,8 @@ class Follower:
         st.committed, st.committed_digest = target, digest
         st.handled = max(st.handled, target)
         st.decided = max(st.decided, target)
+        if self._chain_head is not None:
+            self._membership(self._chain_head)
         self._log({"receiver": self.receiver_id, "event": "caught up", "mode": mode, "versions": versions,
                    "seconds": round(time.perf_counter() - t0, 4),
                    **{k: v for k, v in stats.items() if k in ("composed_changed", "changed", "wire_bytes")}})
@@ -342,6 +396,7 @@ class Follower:
             return self._settle()
         head = self.docs.read(HEAD_KEY, Head)
         if head is None or head.doc.version <= st.handled:
+            self._request_join()  # nothing newer published: the held version is the latest commit
             return self._prefetch()
         got = self._manifest(head.doc.version)
         if got is None:
@@ -354,6 +409,7 @@ class Follower:
         if manifest.base_digest != st.committed_digest:
             return self._refuse(manifest, f"its base v{manifest.base_version} is another v{st.committed} "
                                           f"({manifest.base_digest} is not {st.committed_digest})")
+        self._request_join()  # the trainer's base is the held version
         return self._answer(manifest, digest)
 
     def run(self, *, until_version: int | None = None, timeout_s: float | None = None, poll_s: float = 0.05) -> int:

@@ -10,6 +10,7 @@ Store layout (all keys relative to the store URI)::
     v/00000003/dense.safetensors               optional dense reference (verification only)
     HEAD.json                                  the latest published version (after its manifest)
     acks/<receiver>/00000003.json              a receiver's ack (or refusal) of v3
+    acks/join.d/<receiver>.json                a receiver's request to join (elastic membership)
     v/00000003/DECISION.json                   the trainer's decision on v3: commit or abort
     COMMITTED.json                             the latest committed version
 
@@ -37,7 +38,7 @@ FORMAT_VERSION = 3
 signatures but no chain; 1 had neither; both refused)."""
 MAX_JSON_BYTES = 64 << 20
 DOC_LIMITS = {"run": 64 << 10, "init": 64 << 10, "head": 64 << 10, "ack": 1 << 20, "decision": 1 << 20,
-              "committed": 1 << 20, "manifest": MAX_JSON_BYTES}
+              "committed": 1 << 20, "join": 64 << 10, "manifest": MAX_JSON_BYTES}
 """Byte cap per document kind, known before an object is read (``get(max_bytes=...)``) and
 checked again by the parser: what a key-less writer plants under a document's key can
 cost a reader at most this much memory."""
@@ -45,6 +46,8 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHUNK_KEY = re.compile(r"^v/([0-9]{8})/chunks/r[0-9]{3,6}-[0-9]{5,9}\.dcr$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_RECEIVERS = 1024
+"""Most members a decision names (elastic membership admits no more)."""
 _UNSIGNED = Sealer(None)
 
 
@@ -70,6 +73,23 @@ def dense_key(version: int) -> str:
 
 def ack_key(receiver: str, version: int) -> str:
     return f"acks/{check_receiver_id(receiver)}/{version:08d}.json"
+
+
+JOIN_PREFIX = "acks/join.d/"
+"""Where join requests live: under ``acks/`` so that a relay writes them through like acks
+(``transport/relay.py`` writes through nothing else), in a directory whose name holds a
+``.``, which no receiver id does, so it never collides with a receiver's acks."""
+_JOIN_KEY = re.compile(r"^acks/join\.d/([A-Za-z0-9_\-]{1,64})\.json$")
+
+
+def join_key(receiver: str) -> str:
+    return f"{JOIN_PREFIX}{check_receiver_id(receiver)}.json"
+
+
+def join_key_receiver(key: str) -> str | None:
+    """The receiver id of a join request's key (as ``join_key`` writes it), else None."""
+    m = _JOIN_KEY.match(key)
+    return m.group(1) if m else None
 
 
 def decision_key(version: int) -> str:
@@ -276,6 +296,11 @@ class Decision:
     """Digest of the manifest decided on ('' when none was published): a receiver that
     applied other bytes under this version number (a restarted trainer reusing a step
     number) treats the decision as an abort of what it applied."""
+    joined: tuple[str, ...] = ()
+    """Receivers admitted at this version (elastic membership): in ``receivers``, their ack
+    of this version was required."""
+    evicted: tuple[str, ...] = ()
+    """Members evicted at this version (elastic membership): no longer in ``receivers``."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -283,18 +308,69 @@ class Decision:
             raise ManifestError(f"decision: base_version {self.base_version} must be in [0, {self.version})")
         if self.manifest_digest or self.commit:  # a commit always names what it committed
             check_digest(self.manifest_digest, f"decision v{self.version} manifest_digest")
+        if len(self.receivers) > MAX_RECEIVERS:
+            raise ManifestError(f"decision: {len(self.receivers)} receivers, more than {MAX_RECEIVERS}")
+        for rid in (*self.receivers, *self.joined, *self.evicted):
+            if not isinstance(rid, str) or not _RECEIVER.match(rid):
+                raise ManifestError(f"decision: invalid receiver id {str(rid)[:80]!r}")
+        members = set(self.receivers)
+        # a receiver admitted and evicted at the same version (evict_after=1) is in both lists
+        if (len(members) != len(self.receivers) or not set(self.joined) <= members | set(self.evicted)
+                or members & set(self.evicted)):
+            raise ManifestError("decision: receivers repeat, or joined/evicted disagree with receivers")
 
     def to_json(self, sealer: Sealer | None = None) -> bytes:
-        return (sealer or _UNSIGNED).seal("decision", {**asdict(self), "receivers": list(self.receivers)})
+        return (sealer or _UNSIGNED).seal("decision", {**asdict(self), "receivers": list(self.receivers),
+                                                       "joined": list(self.joined), "evicted": list(self.evicted)})
 
     @classmethod
     def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "Decision":
+        # joined/evicted are optional: decisions written before elastic membership still open
         obj = _take(_load(data, "decision", "decision", sealer),
                     {"run_id": str, "version": int, "base_version": int, "commit": bool, "receivers": list,
-                     "reason": str, "manifest_digest": str}, "decision")
-        if not all(isinstance(r, str) for r in obj["receivers"]):
-            raise ManifestError("decision: receivers must be strings")
-        return cls(**{**obj, "receivers": tuple(obj["receivers"])})
+                     "reason": str, "manifest_digest": str, "joined": list, "evicted": list}, "decision",
+                    optional=frozenset({"joined", "evicted"}))
+        for name in ("receivers", "joined", "evicted"):
+            if not all(isinstance(r, str) for r in obj.get(name, ())):
+                raise ManifestError(f"decision: {name} must be strings")
+        return cls(**{**obj, **{n: tuple(obj[n]) for n in ("receivers", "joined", "evicted") if n in obj}})
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A receiver's request to join the run's members (elastic membership), at
+    ``join_key(receiver)``: it holds committed version ``held_version``, whose commit
+    decision (``init/INIT.json`` for version 0) hashes to ``held_digest``.  The trainer
+    admits a signed request of this run whose held version and digest are a commit it
+    knows (docs/protocol.md, "Elastic membership"); from the version it is admitted at,
+    the receiver's ack is required."""
+
+    KIND: ClassVar[str] = "join"
+
+    run_id: str
+    receiver: str
+    held_version: int
+    held_digest: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if not isinstance(self.receiver, str) or not _RECEIVER.match(self.receiver):
+            raise ManifestError(f"join request: invalid receiver id {str(self.receiver)[:80]!r}")
+        if self.held_version < 0:
+            raise ManifestError(f"join request: held_version {self.held_version} < 0")
+        check_digest(self.held_digest, "join request held_digest")
+
+    def to_json(self, sealer: Sealer | None = None) -> bytes:
+        return (sealer or _UNSIGNED).seal("join", {"format": "nemo-dcr-join", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "JoinRequest":
+        obj = _take(_load(data, "join request", "join", sealer),
+                    {"format": str, "run_id": str, "receiver": str, "held_version": int, "held_digest": str},
+                    "join request")
+        if obj.pop("format") != "nemo-dcr-join":
+            raise ManifestError("join request: wrong format tag")
+        return cls(**obj)
 
 
 @dataclass(frozen=True)

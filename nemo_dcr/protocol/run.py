@@ -12,6 +12,9 @@ checks it against the store's signed history and never trusts the pointer files,
 replayed or deleted ``HEAD.json`` / ``COMMITTED.json`` cannot relabel the trainer's bits or
 make it reuse a version number.
 
+With elastic membership the member set is recovered from the same signed history: the
+committed version's decision names the receivers it covered (``committed_members``).
+
 ``init/INIT.json`` lists the sha256 of each version-0 file.  A receiver checks the files
 it loads (downloaded or a local copy) against it, so its version 0 is provably this run's.
 """
@@ -267,6 +270,23 @@ def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tupl
     head = _signed(store, sealer, HEAD_KEY, Head, state.run_id)
     floor = max([c, state.published_version, *listed[-1:], *([head[0].version] if head else [])])
     return digest, floor
+
+
+def committed_members(store: ObjectStore, sealer: Sealer, run_id: str, version: int, digest: str
+                      ) -> tuple[str, ...] | None:
+    """Elastic membership, a trainer resuming (or starting) at committed ``version``: the
+    members its signed commit decision covers (``receivers``), the member set the run
+    continues with.  ``digest`` is that decision's digest as the trainer knows it (its
+    checkpoint's, checked by ``resume_position``): a decision with other bytes is not the
+    one the trainer's chain is on, and is refused.  None for version 0 (no decision: the
+    configured receivers are the members)."""
+    if version == 0:
+        return None
+    got = _signed(store, sealer, decision_key(version), Decision, run_id)
+    if got is None or not got[0].commit or got[0].version != version or got[1] != digest:
+        raise ProtocolError(f"run {run_id}: no commit decision for v{version} signed with this key and with digest "
+                            f"{digest} (deleted or tampered): the member set cannot be recovered")
+    return got[0].receivers
 
 
 def sha256_file(path: str) -> str:

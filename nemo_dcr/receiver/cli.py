@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None, help="the engine's context length (runtimes: vllm)")
     ap.add_argument("--sample-tokens", type=int, default=0,
                     help="greedy tokens generated after every refit and reported in the ack (runtimes: vllm)")
+    ap.add_argument("--join", action="store_true",
+                    help="elastic membership (refit.membership=elastic): once this receiver holds the committed "
+                         "version, write a signed join request so the trainer admits it at a next version, and "
+                         "again whenever a decision evicts it (events 'join requested', 'joined', 'evicted')")
     ap.add_argument("--dump-dir", default=None,
                     help="testing aid: after each applied version write every parameter and buffer "
                          "to DIR/v<version>.safetensors")
@@ -140,6 +144,7 @@ def _serve(args, store, sealer, cfg, options) -> int:
                              run_id=args.run_id, init_dir=args.init_dir, timeout_s=args.timeout_s,
                              allow_unverified=args.insecure_no_key, dump_dir=args.dump_dir)
     with session:
+        session.follower.join = args.join
         if session.recovered is not None:
             print(json.dumps({"receiver": args.receiver_id, **session.recovered, "held": session.committed}),
                   flush=True)

@@ -1,0 +1,320 @@
+"""Elastic receiver membership (``refit.membership=elastic``): eviction of a receiver that
+stops acknowledging, joining a running run with a signed join request, what a store writer
+without the key cannot do to the member set, and recovery of the member set on resume.
+
+Same harness as test_joint_commit.py: an in-process RefitSender over a plain tensor and
+receivers (Receiver + Follower over a numpy stand-in runtime) on threads, through a real
+directory store signed with a key.  End states are compared through integer views, each
+with a perturbed negative control; every attack has a genuine control that is admitted.
+"""
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from protocol_helpers import Rx, _sender, _step, bits_of, key, root_of  # noqa: F401 - key is a fixture
+
+from nemo_dcr.errors import ValidationError
+from nemo_dcr.integrations.sender import RefitSender
+from nemo_dcr.protocol.commit import CommitCoordinator
+from nemo_dcr.protocol.manifest import (
+    Decision,
+    doc_digest,
+    JoinRequest,
+    ManifestError,
+    ack_key,
+    decision_key,
+    join_key,
+    join_key_receiver,
+)
+from nemo_dcr.protocol.signing import Sealer, SignatureError, load_key
+
+
+def _decision(store, v) -> Decision:
+    return Decision.from_json(store.get(decision_key(v)))
+
+
+def _assert_bit_exact(got: np.ndarray, want: np.ndarray, w0: np.ndarray) -> None:
+    np.testing.assert_array_equal(got.view(np.int16), want.view(np.int16))
+    bad = got.copy()
+    bad[len(bad) // 2] ^= 1  # negative control: one flipped bit is seen
+    assert not np.array_equal(bad.view(np.int16), want.view(np.int16))
+    assert not np.array_equal(got.view(np.int16), w0.view(np.int16))  # the versions did change it
+
+
+def _wait(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _requested(rx: Rx, held: int):
+    return lambda: any(e.get("event") == "join requested" and e.get("held") == held for e in rx.events)
+
+
+@pytest.mark.parametrize("membership", ["elastic", "static"])
+def test_a_dead_receiver_is_evicted_and_later_versions_commit_with_the_rest(tmp_path, key, membership):
+    """r1 never acknowledges.  Elastic, evict_after=2: v1 aborts (first miss), v2 evicts it
+    and commits with r0, v3 commits with r0.  Static (the control): every version aborts."""
+    rng = np.random.default_rng(10)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = bits_of(w)
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"), membership=membership,
+                            evict_after=2, ack_timeout_s=1.0, max_consecutive_failures=10)
+    r0 = Rx("r0", store, key, sender.run_id, w.clone()).start(until=3)
+    stats = []
+    for v in (1, 2, 3):
+        _step(w, rng)
+        stats.append(sender.refit(v))
+    r0.join()
+    decisions = [_decision(store, v) for v in (1, 2, 3)]
+    if membership == "static":
+        assert [d.commit for d in decisions] == [False, False, False]
+        assert all("r1: no acknowledgement" in s.reason for s in stats)
+        assert all(d.receivers == ("r0", "r1") and d.evicted == () for d in decisions)
+        assert sender.baseline.version == 0
+        _assert_bit_exact(r0.w, w0, bits_of(w))  # r0 rolled every version back: still at v0
+        return
+    assert [d.commit for d in decisions] == [False, True, True]
+    assert "r1: no acknowledgement" in stats[0].reason
+    assert decisions[0].receivers == ("r0", "r1") and decisions[0].evicted == ()
+    assert decisions[1].receivers == ("r0",) and decisions[1].evicted == ("r1",)
+    assert stats[1].evicted == ("r1",) and stats[1].members == ("r0",)
+    assert decisions[2].receivers == ("r0",) and decisions[2].evicted == ()
+    assert sender.baseline.version == 3
+    _assert_bit_exact(r0.w, bits_of(w), w0)
+
+
+def test_a_fresh_receiver_joins_and_its_ack_is_then_required(tmp_path, key):
+    """r1 starts after v1, catches up, asks to join and is admitted at v2; the version it
+    refuses (v3) aborts; v4 commits on both, bit-exact."""
+    rng = np.random.default_rng(11)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic",
+                            ack_timeout_s=10, max_consecutive_failures=10)
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=4)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    r1 = Rx("r1", store, key, sender.run_id, w0, refuse={3})  # apply calls: v1, v2, v3
+    r1.follower.join = True
+    r1.start(until=4)
+    _wait(_requested(r1, 1), "r1's join request holding v1")
+    _step(w, rng)
+    s2 = sender.refit(2)
+    assert s2.committed and s2.joined == ("r1",) and s2.members == ("r0", "r1")
+    d2 = _decision(store, 2)
+    assert d2.joined == ("r1",) and d2.receivers == ("r0", "r1")
+    _step(w, rng)
+    s3 = sender.refit(3)
+    assert not s3.committed and "r1: refusing apply call 3" in s3.reason  # its ack now counts
+    _step(w, rng)
+    assert sender.refit(4).committed
+    r0.join()
+    r1.join()
+    assert [e["version"] for e in r1.events if e.get("event") == "joined"] == [2]
+    assert _decision(store, 4).receivers == ("r0", "r1")
+    for r in (r0, r1):
+        _assert_bit_exact(r.w, bits_of(w), bits_of(w0))
+
+
+def test_a_non_member_answers_but_its_refusal_does_not_count(tmp_path, key):
+    rng = np.random.default_rng(12)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic")
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=1)
+    r9 = Rx("r9", store, key, sender.run_id, w0, refuse={1}).start(until=1)  # no --join: never a member
+    _step(w, rng)
+    s1 = sender.refit(1)
+    r0.join()
+    r9.join()
+    assert s1.committed and s1.members == ("r0",)
+    assert json.loads(store.get(ack_key("r9", 1)))["ok"] is False  # it refused; v1 committed anyway
+    assert not store.exists(join_key("r9"))
+    _assert_bit_exact(r0.w, bits_of(w), bits_of(w0))
+
+
+def test_forged_oversized_and_nested_join_requests_are_ignored_and_logged_once(tmp_path, key, capsys):
+    rng = np.random.default_rng(13)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic",
+                            ack_timeout_s=1.0, max_consecutive_failures=20)
+    sealer = Sealer(load_key(key))
+    run_id = sender.run_id
+    w0 = w.clone()
+    r0 = Rx("r0", store, key, run_id, w0).start(until=4)
+    root = root_of(store, key, run_id)
+
+    def req(rid="r9", **kw):
+        fields = dict(run_id=run_id, receiver=rid, held_version=0, held_digest=root)
+        return JoinRequest(**{**fields, **kw})
+
+    # v1 publishes with base 0 (held 0 is a known commit for every one of these)
+    attacks = {
+        "r1": req("r1").to_json(),  # unsigned
+        "r2": req("r2").to_json(Sealer(bytes(32))),  # another key
+        "r3": req("r3", run_id="f" * 32).to_json(sealer),  # another run
+        "r4": b'{"format": "nemo-dcr-join", "pad": "' + b"x" * (70 << 10) + b'"}',  # over the 64 KiB cap
+        "r5": b'{"a":' * 200 + b"1" + b"}" * 200,  # nested 200 deep
+        "r6": req("r6", held_digest="sha256:" + "0" * 64).to_json(sealer),  # not a commit it knows
+        "r7": req("r8").to_json(sealer),  # names another receiver than its key
+        "r8": b"\xff\xfe not json",
+    }
+    for rid, data in attacks.items():
+        store.put(join_key(rid), data)
+    for v in (1, 2, 3):
+        _step(w, rng)
+        s = sender.refit(v)
+        assert s.committed and s.joined == () and s.members == ("r0",), s
+    err = capsys.readouterr().err
+    for rid in attacks:  # each planted object logged once (by identity), never again
+        assert err.count(f'"ignored": "{join_key(rid)}"') == 1, (rid, err)
+    for why in ("bad signature", "unsigned", "over the limit of 65536", "nested more", "of run fff", "not a committed version", "names receiver"):
+        assert why in err, (why, err)
+    # control: a genuine request of this run, signed, holding the committed v3, is admitted
+    d3 = store.get(decision_key(3))
+    store.put(join_key("r9"), req("r9", held_version=3, held_digest=doc_digest(d3)).to_json(sealer))
+    _step(w, rng)
+    s4 = sender.refit(4)
+    assert s4.joined == ("r9",) and not s4.committed and "r9: no acknowledgement" in s4.reason
+    r0.join()
+    _assert_bit_exact(r0.w, sender.baseline.bits("w"), bits_of(w0))  # at v3: v4 was rolled back
+
+
+def test_a_replayed_join_request_does_not_readmit_an_evicted_receiver(tmp_path, key):
+    """r1's genuine request admits it at v1; it never acks and is evicted at once
+    (evict_after=1), v1 commits with r0.  The same request, still there or put again (a
+    replay), is refused at v2 and v3; a new request holding v3 (the control) is admitted."""
+    rng = np.random.default_rng(14)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic", evict_after=1,
+                            ack_timeout_s=1.0, max_consecutive_failures=10)
+    sealer = Sealer(load_key(key))
+    run_id = sender.run_id
+    w0 = w.clone()
+    r0 = Rx("r0", store, key, run_id, w0).start(until=4)
+    old = JoinRequest(run_id=run_id, receiver="r1", held_version=0,
+                      held_digest=root_of(store, key, run_id)).to_json(sealer)
+    store.put(join_key("r1"), old)
+    _step(w, rng)
+    s1 = sender.refit(1)
+    d1 = _decision(store, 1)
+    assert s1.committed and d1.joined == ("r1",) and d1.evicted == ("r1",) and d1.receivers == ("r0",)
+    _step(w, rng)
+    assert sender.refit(2).joined == ()  # the consumed request is still there
+    store.delete(join_key("r1"))
+    store.put(join_key("r1"), old)  # replayed: a new object, the same signed bytes
+    _step(w, rng)
+    s3 = sender.refit(3)
+    assert s3.committed and s3.joined == ()
+    fresh = JoinRequest(run_id=run_id, receiver="r1", held_version=3,
+                        held_digest=doc_digest(store.get(decision_key(3)))).to_json(sealer)
+    store.put(join_key("r1"), fresh)
+    _step(w, rng)
+    s4 = sender.refit(4)
+    assert s4.joined == ("r1",) and s4.evicted == ("r1",) and s4.committed  # admitted, then evicted again
+    r0.join()
+    _assert_bit_exact(r0.w, bits_of(w), bits_of(w0))
+
+
+def test_an_evicted_receiver_rejoins_by_itself(tmp_path, key):
+    """r1 is down for v1 and v2 (evicted at v2), then restarts from version 0 with joining
+    on: it catches up, sees itself evicted, asks again and is a member from v3."""
+    rng = np.random.default_rng(15)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"), membership="elastic",
+                            evict_after=2, ack_timeout_s=1.0, max_consecutive_failures=10)
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=4)
+    for v in (1, 2):
+        _step(w, rng)
+        sender.refit(v)
+    assert _decision(store, 2).evicted == ("r1",) and _decision(store, 2).commit
+    r1 = Rx("r1", store, key, sender.run_id, w0)
+    r1.follower.join = True
+    r1.start(until=4)
+    _wait(_requested(r1, 2), "r1's join request holding v2")
+    assert any(e.get("event") == "evicted" and e["version"] == 2 for e in r1.events), r1.events
+    for v in (3, 4):
+        _step(w, rng)
+        assert sender.refit(v).committed
+    r0.join()
+    r1.join()
+    assert _decision(store, 3).joined == ("r1",) and _decision(store, 4).receivers == ("r0", "r1")
+    for r in (r0, r1):
+        _assert_bit_exact(r.w, bits_of(w), bits_of(w0))
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_a_resumed_trainer_recovers_the_member_set_from_the_signed_decision(tmp_path, key, tamper):
+    """r1 is evicted at v1 (evict_after=1).  The trainer resumes from v1's checkpoint with
+    the same settings (receivers r0, r1; now evict_after=3): its members are v1's decision's
+    (r0 alone), so v2 commits though r1 is still down.  With the decision replaced by one
+    of other bytes (tamper), the member set cannot be recovered: v2 aborts, nothing joins."""
+    rng = np.random.default_rng(16)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"), membership="elastic",
+                            evict_after=1, ack_timeout_s=1.0, max_consecutive_failures=10)
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=1)
+    _step(w, rng)
+    assert sender.refit(1).committed and _decision(store, 1).receivers == ("r0",)
+    r0.join()
+    checkpoint = sender.run_state()
+    cfg = dataclasses.replace(sender.cfg, evict_after=3)
+    again = RefitSender({"w": w.clone()}, sender.views, sender.projector, store, cfg)
+    again.claim(resume=checkpoint)
+    assert again.coordinator.receivers == ("r0", "r1")  # not known before the first version
+    if tamper:
+        sealer = Sealer(load_key(key))
+        d = _decision(store, 1)
+        store.put(decision_key(1), dataclasses.replace(d, receivers=("r0", "r1"), evicted=()).to_json(sealer))
+    r0 = Rx("r0", store, key, sender.run_id, w0)  # restarted: catches up to v1, then answers v2
+    if not tamper:
+        r0.start(until=2)
+    _step(again.params["w"], rng)
+    s2 = again.refit(2)
+    if tamper:
+        assert not s2.committed and "member set cannot be recovered" in s2.reason
+        return
+    assert s2.committed and s2.members == ("r0",), s2.reason
+    assert _decision(store, 2).receivers == ("r0",)
+    r0.join()
+    _assert_bit_exact(r0.w, bits_of(again.params["w"]), bits_of(w0))
+
+
+def test_join_request_parsing_is_strict(key):
+    sealer = Sealer(load_key(key))
+    run_id = "a" * 32
+    good = JoinRequest(run_id=run_id, receiver="r1", held_version=2, held_digest="sha256:" + "1" * 64)
+    assert JoinRequest.from_json(good.to_json(sealer), sealer) == good
+    doc = json.loads(good.to_json(sealer))
+    doc["held_version"] = 3
+    with pytest.raises(SignatureError):
+        JoinRequest.from_json(json.dumps(doc).encode(), sealer)
+    with pytest.raises(SignatureError):  # domain separation: a join request never opens as an ack
+        sealer.open("ack", good.to_json(sealer), "x")
+    for bad in ({"held_version": -1}, {"held_digest": "sha256:zz"}, {"receiver": "../x"}, {"run_id": "x"}):
+        with pytest.raises(ManifestError):
+            JoinRequest(**{**dataclasses.asdict(good), **bad})
+    extra = {k: v for k, v in json.loads(good.to_json()).items() if k != "signature"}
+    extra["more"] = 1
+    with pytest.raises(ManifestError, match="unknown fields"):
+        JoinRequest.from_json(Sealer(None).seal("join", extra), Sealer(None))
+    assert join_key_receiver(join_key("r1")) == "r1"
+    assert join_key_receiver("acks/r1/00000001.json") is None and join_key_receiver("acks/join.d/a.b.json") is None
+    # a decision with joined/evicted that disagree with receivers is refused
+    with pytest.raises(ManifestError):
+        Decision(run_id=run_id, version=2, base_version=1, commit=False, receivers=("r0",), evicted=("r0",))
+    with pytest.raises(ManifestError):
+        Decision(run_id=run_id, version=2, base_version=1, commit=False, receivers=("r0",), joined=("r2",))
+    # decisions written before elastic membership (no joined/evicted) still open
+    old = Sealer(None).seal("decision", {"run_id": run_id, "version": 2, "base_version": 1, "commit": False,
+                                         "receivers": ["r0"], "reason": "x", "manifest_digest": ""})
+    assert Decision.from_json(old).receivers == ("r0",)
+    with pytest.raises(ValidationError):
+        CommitCoordinator(None, sealer, run_id, ("r0",), ack_timeout_s=1, membership="dynamic")
