@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from protocol_helpers import Rx, _sender, _step, bits_of, key, root_of  # noqa: F401 - key is a fixture
+from protocol_helpers import ArrayRuntime, Rx, _sender, _step, bits_of, key, root_of  # noqa: F401 - key: fixture
 
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.integrations.sender import RefitSender
@@ -173,7 +173,8 @@ def test_forged_oversized_and_nested_join_requests_are_ignored_and_logged_once(t
     err = capsys.readouterr().err
     for rid in attacks:  # each planted object logged once (by identity), never again
         assert err.count(f'"ignored": "{join_key(rid)}"') == 1, (rid, err)
-    for why in ("bad signature", "unsigned", "over the limit of 65536", "nested more", "of run fff", "not a committed version", "names receiver"):
+    for why in ("bad signature", "unsigned", "over the limit of 65536", "nested more", "of run fff",
+                "not a committed version", "names receiver", "not UTF-8"):
         assert why in err, (why, err)
     # control: a genuine request of this run, signed, holding the committed v3, is admitted
     d3 = store.get(decision_key(3))
@@ -318,3 +319,55 @@ def test_join_request_parsing_is_strict(key):
     assert Decision.from_json(old).receivers == ("r0",)
     with pytest.raises(ValidationError):
         CommitCoordinator(None, sealer, run_id, ("r0",), ack_timeout_s=1, membership="dynamic")
+
+
+def test_receive_cli_join_flag_makes_the_receiver_ask_to_join(tmp_path, key, monkeypatch):
+    """``nemo-dcr receive --join`` end to end over the stand-in runtime (the session that
+    ``build_receiver`` would load is replaced by one over an ArrayRuntime): r1 asks, is
+    admitted at v2, and v2 commits only with its ack.  Control: without ``--join`` the same
+    receiver writes no request and v2 commits with r0 alone."""
+    import threading
+
+    from nemo_dcr.receiver import bootstrap
+    from nemo_dcr.receiver import cli as receive_cli
+
+    rng = np.random.default_rng(17)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic", ack_timeout_s=10)
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=4)
+    made = {}
+
+    def fake_build(store_, sealer, cfg, **kw):
+        made[cfg.receiver_id] = rx = Rx(cfg.receiver_id, store, key, sender.run_id, w0)
+        return bootstrap.ReceiverSession(receiver=rx.rx, follower=rx.follower, runtime=rx.runtime,
+                                         run_id=sender.run_id, init_dir="", committed=0)
+
+    monkeypatch.setattr(bootstrap, "build_receiver", fake_build)
+    monkeypatch.setattr(ArrayRuntime, "close", lambda self: None, raising=False)  # the session closes it
+    _step(w, rng)
+    assert sender.refit(1).committed
+    codes = {}
+    for rid, flags, until in (("r1", ["--join"], 4), ("r2", [], 4)):
+        argv = ["--store", str(tmp_path / "store"), "--receiver-id", rid, "--model-id", "m", "--key-file", key,
+                "--until-version", str(until), "--timeout-s", "20", "--poll-s", "0.01", *flags]
+        t = threading.Thread(target=lambda a=argv, r=rid: codes.__setitem__(r, receive_cli.main(a)), daemon=True)
+        t.start()
+        codes[rid + "-thread"] = t
+    _wait(lambda: "r1" in made and _requested(made["r1"], 1)(), "r1's join request")
+    _step(w, rng)
+    s2 = sender.refit(2)
+    assert s2.committed and s2.joined == ("r1",) and s2.members == ("r0", "r1")
+    # control: r2 (no --join) follows and acks, never asks, and never becomes a member
+    for v in (3, 4):
+        _step(w, rng)
+        s = sender.refit(v)
+        assert s.committed and s.members == ("r0", "r1"), s.reason
+    for rid in ("r1", "r2"):
+        codes[rid + "-thread"].join(timeout=30)
+        assert codes[rid] == 0
+        _assert_bit_exact(made[rid].w, bits_of(w), bits_of(w0))
+    r0.join()
+    assert [e["version"] for e in made["r1"].events if e.get("event") == "joined"] == [2]
+    assert not store.exists(join_key("r2"))
+    assert not any(e.get("event") == "join requested" for e in made["r2"].events)
