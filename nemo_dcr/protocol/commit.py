@@ -276,8 +276,11 @@ class CommitCoordinator:
         joined = evicted = ()
         if self._change is not None and self._change[0] == version:
             _, joined, evicted = self._change
+        # elastic, before the member set was recovered (the base's decision did not read): an
+        # abort that names no members rather than ones this coordinator does not know to be
+        members = self.receivers if self._recovered else ()
         d = Decision(run_id=self.run_id, version=version, base_version=base_version, commit=commit,
-                     receivers=self.receivers, reason=reason[:4096], manifest_digest=manifest_digest,
+                     receivers=members, reason=reason[:4096], manifest_digest=manifest_digest,
                      joined=joined, evicted=evicted)
         # A put that raised may still have landed (a lost response): receivers would then act
         # on a record the trainer believes unwritten.  So the put is retried (same bytes,

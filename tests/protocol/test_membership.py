@@ -57,34 +57,37 @@ def _requested(rx: Rx, held: int):
 
 @pytest.mark.parametrize("membership", ["elastic", "static"])
 def test_a_dead_receiver_is_evicted_and_later_versions_commit_with_the_rest(tmp_path, key, membership):
-    """r1 never acknowledges.  Elastic, evict_after=2: v1 aborts (first miss), v2 evicts it
-    and commits with r0, v3 commits with r0.  Static (the control): every version aborts."""
+    """r1 never acknowledges.  Elastic, with the default evict_after=3 and
+    max_consecutive_failures=3: v1 and v2 abort (misses, two in a row), v3 evicts it and
+    commits with r0, v4 commits with r0.  Static (the control): every version aborts."""
     rng = np.random.default_rng(10)
     w = torch.randn(64, 32).to(torch.bfloat16)
     w0 = bits_of(w)
+    kw = {} if membership == "elastic" else {"max_consecutive_failures": 10}
     sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"), membership=membership,
-                            evict_after=2, ack_timeout_s=1.0, max_consecutive_failures=10)
-    r0 = Rx("r0", store, key, sender.run_id, w.clone()).start(until=3)
+                            ack_timeout_s=1.0, **kw)
+    assert sender.cfg.evict_after == 3
+    r0 = Rx("r0", store, key, sender.run_id, w.clone()).start(until=4)
     stats = []
-    for v in (1, 2, 3):
+    for v in (1, 2, 3, 4):
         _step(w, rng)
         stats.append(sender.refit(v))
     r0.join()
-    decisions = [_decision(store, v) for v in (1, 2, 3)]
+    decisions = [_decision(store, v) for v in (1, 2, 3, 4)]
     if membership == "static":
-        assert [d.commit for d in decisions] == [False, False, False]
+        assert [d.commit for d in decisions] == [False] * 4
         assert all("r1: no acknowledgement" in s.reason for s in stats)
         assert all(d.receivers == ("r0", "r1") and d.evicted == () for d in decisions)
         assert sender.baseline.version == 0
         _assert_bit_exact(r0.w, w0, bits_of(w))  # r0 rolled every version back: still at v0
         return
-    assert [d.commit for d in decisions] == [False, True, True]
-    assert "r1: no acknowledgement" in stats[0].reason
-    assert decisions[0].receivers == ("r0", "r1") and decisions[0].evicted == ()
-    assert decisions[1].receivers == ("r0",) and decisions[1].evicted == ("r1",)
-    assert stats[1].evicted == ("r1",) and stats[1].members == ("r0",)
-    assert decisions[2].receivers == ("r0",) and decisions[2].evicted == ()
-    assert sender.baseline.version == 3
+    assert [d.commit for d in decisions] == [False, False, True, True]
+    assert all("r1: no acknowledgement" in s.reason for s in stats[:2])
+    assert all(d.receivers == ("r0", "r1") and d.evicted == () for d in decisions[:2])
+    assert decisions[2].receivers == ("r0",) and decisions[2].evicted == ("r1",)
+    assert stats[2].evicted == ("r1",) and stats[2].members == ("r0",)
+    assert decisions[3].receivers == ("r0",) and decisions[3].evicted == ()
+    assert sender.baseline.version == 4
     _assert_bit_exact(r0.w, bits_of(w), w0)
 
 
@@ -281,6 +284,7 @@ def test_a_resumed_trainer_recovers_the_member_set_from_the_signed_decision(tmp_
     s2 = again.refit(2)
     if tamper:
         assert not s2.committed and "member set cannot be recovered" in s2.reason
+        assert _decision(store, 2).receivers == ()  # an abort naming no members: none are known
         return
     assert s2.committed and s2.members == ("r0",), s2.reason
     assert _decision(store, 2).receivers == ("r0",)
