@@ -185,7 +185,7 @@ class CommitCoordinator:
                 why = (f"holds v{req.held_version} ({req.held_digest[:19]}...), not a committed version this "
                        f"trainer knows (last {sorted(self._known)})")
             elif req.held_version < self._evicted_at.get(rid, -1):
-                why = f"holds v{req.held_version}, older than its eviction at v{self._evicted_at[rid]} (replayed)"
+                why = f"holds v{req.held_version}, older than its eviction at v{self._evicted_at[rid]} (written before it, or replayed)"
             else:
                 admitted.append(rid)
                 continue

@@ -375,3 +375,28 @@ def test_receive_cli_join_flag_makes_the_receiver_ask_to_join(tmp_path, key, mon
     assert [e["version"] for e in made["r1"].events if e.get("event") == "joined"] == [2]
     assert not store.exists(join_key("r2"))
     assert not any(e.get("event") == "join requested" for e in made["r2"].events)
+
+
+def test_a_join_request_passes_through_a_relay(tmp_path, key):
+    """A receiver behind a relay writes its request through it (the relay writes through only
+    keys under ``acks/``; control: the same request under ``members/`` is refused there), and
+    the trainer admits it at the next version."""
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.transport.relay import RelayThread
+    from nemo_dcr.transport.relay_client import RelayStore
+    from nemo_dcr.transport.store import StorePolicy
+
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic", ack_timeout_s=0.5,
+                            max_consecutive_failures=10)
+    data = JoinRequest(run_id=sender.run_id, receiver="r1", held_version=0,
+                       held_digest=root_of(store, key, sender.run_id)).to_json(Sealer(load_key(key)))
+    with RelayThread(store) as relay:
+        via = RelayStore(relay.uri, policy=StorePolicy(timeout_s=10, retries=0, backoff_s=0.05))
+        with pytest.raises(DcrError):
+            via.put("members/r1/JOIN.json", data)
+        via.put(join_key("r1"), data)
+    assert store.get(join_key("r1")) == data and not store.exists("members/r1/JOIN.json")
+    _step(w, np.random.default_rng(18))
+    s1 = sender.refit(1)  # r1 (and r0) do not run: admitted, and its missing ack aborts v1
+    assert s1.joined == ("r1",) and s1.members == ("r0", "r1") and "r1: no acknowledgement" in s1.reason
