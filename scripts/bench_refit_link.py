@@ -540,7 +540,7 @@ def _main(args) -> int:
     total = args.warmup + args.steps * len(args.rates) * len(args.lrs)
     try:
         cfg = load_demo_config([*MODEL, f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/run", f"steps={total}",
-                                "refit.model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900",
+                                "refit.model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900", "refit.pipeline=false",
                                 *args.overrides])
     except Exception as e:  # noqa: BLE001 - a configuration error is the user's: one line
         raise BenchError(f"invalid configuration: {describe_config_error(e)}", 2) from None

@@ -988,7 +988,7 @@ def _main(args) -> int:
     try:
         cfg = load_demo_config([*MODELS[args.model], f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/{RUN_PREFIX}",
                                 f"steps={total}", "refit.model_id=relay-link", "refit.verify_dense=false",
-                                "refit.ack_timeout_s=900", f"refit.receivers=[{','.join(rids)}]", *args.overrides])
+                                "refit.ack_timeout_s=900", "refit.pipeline=false", f"refit.receivers=[{','.join(rids)}]", *args.overrides])
     except Exception as e:  # noqa: BLE001 - a configuration error is the user's: one line
         raise BenchError(f"invalid configuration: {describe_config_error(e)}", 2) from None
     if cfg.receiver.runtime != "hf" or cfg.refit.verify_dense:

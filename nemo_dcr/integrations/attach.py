@@ -199,7 +199,9 @@ class RefitAttachment:
 
     def after_step(self, step: int) -> RefitMetrics | None:
         """Collective: publish version ``step`` (after every ``every_n_steps``-th step);
-        returns what it cost, or None when this step publishes nothing."""
+        returns the metrics of the version decided in this call, or None when none was
+        (pipelined: the previous version's, so None at the first published step; or this
+        step publishes nothing).  Call :meth:`finish` after the last step."""
         if self.hook is None:
             raise RefitSetupError("after_step before attach: the refit is not attached to a model")
         t_enter = time.perf_counter()
@@ -207,7 +209,7 @@ class RefitAttachment:
         if step % self.settings.every_n_steps or step == self._last_step:
             return None
         self._last_step = step
-        floor = self.hook.run_state().published_version
+        floor = self.hook.sender.published_version
         if step <= floor:
             # a restarted job re-runs steps whose numbers an earlier incarnation published:
             # never reuse one; the first step past them carries these steps' changes too
@@ -216,12 +218,29 @@ class RefitAttachment:
                       f"use on the store; the next version is {floor + 1} or later", flush=True)
                 self._skipped_logged = True
             return None
-        self.hook(step=step)
-        refit_s = time.perf_counter() - t_enter
-        stats = self.hook.last_stats
+        return self._metrics(self.hook(step=step), t_enter)
+
+    def finish(self) -> RefitMetrics | None:
+        """Collective: at the end of training, wait for the version still in flight (the
+        pipelined refit) and return its metrics; None when nothing was in flight.  The
+        framework callbacks call it at train end; a loop of its own calls it after its last
+        step, or the last version stays undecided on the store (receivers keep waiting)."""
+        if self.hook is None:
+            return None
+        t_enter = time.perf_counter()
+        return self._metrics(self.hook.finish(), t_enter)
+
+    def _metrics(self, stats, t_enter: float) -> RefitMetrics | None:
+        """Collective: ``stats`` (rank 0 holds the totals) as the same metrics on every rank."""
+        if stats is None:
+            return None
         # totals live on rank 0 (the sender gathers them there); a framework's logger may
         # live on another rank (Megatron's on the last one)
-        wire_bytes, refit_s = from_rank0((int(stats.wire_bytes), refit_s))
-        return RefitMetrics(version=step, committed=bool(stats.committed),
-                            committed_version=self.hook.run_state().committed_version,
-                            wire_bytes=wire_bytes, refit_s=refit_s, pause_s=time.perf_counter() - t_enter)
+        totals = from_rank0((int(stats.wire_bytes), int(stats.dense_bytes), int(stats.changed), int(stats.numel),
+                             len(stats.members), len(stats.joined), len(stats.evicted), float(stats.refit_s)))
+        wire, dense, changed, numel, members, joined, evicted, refit_s = totals
+        return RefitMetrics(version=stats.version, committed=bool(stats.committed),
+                            committed_version=self.hook.sender.baseline.version, wire_bytes=wire, dense_bytes=dense,
+                            changed=changed, numel=numel, receivers=members, joined=joined, evicted=evicted,
+                            refit_s=refit_s, pause_s=time.perf_counter() - t_enter,
+                            canonical_numel=self.hook.sender.canonical_numel)

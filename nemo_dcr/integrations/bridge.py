@@ -5,8 +5,8 @@
 
 No Bridge import: Bridge's ``CallbackManager.add`` registers every method of a callback
 object that is named after one of its events (and is not its base ``Callback``'s), so this
-plain class registers ``on_train_start``, ``on_train_step_end`` and ``on_checkpoint_save``
-and nothing else.  Written against Megatron-Bridge 0.6.2 (``megatron/bridge/training/``
+plain class registers ``on_train_start``, ``on_train_step_end``, ``on_train_end`` and
+``on_checkpoint_save`` and nothing else.  Written against Megatron-Bridge 0.6.2 (``megatron/bridge/training/``
 ``train.py``, ``checkpointing.py``); ``tests/integration/test_bridge_callback.py`` drives it
 through that release's own ``callbacks.py`` in ``train.py``'s order.
 
@@ -36,10 +36,17 @@ What Bridge's loop does, and what follows for the refit:
   (unless ``refit.resume_run_id`` / ``refit.resume_version`` say what to continue).
   Non-persistent and local checkpoints (``non_persistent_ckpt_type``) get no state file: a
   job restarted from one is refused the same way.
-* Per published version, ``refit/*`` scalars (version, committed, committed version, wire
-  bytes, refit seconds, trainer pause) go to ``context.state.tensorboard_logger``
-  (``add_scalar``) and ``context.state.wandb_logger`` (``log``) when Bridge set them (on the
-  last rank), at the iteration's step.
+* The refit is pipelined (``refit.pipeline``, the default): ``on_train_step_end`` returns
+  once the step is diffed; the version's decision is settled at the next iteration's event,
+  and ``on_train_end`` (collective, after Bridge's loop) drains the last one.  The run state a
+  checkpoint carries is taken once its iteration's version is decided: at the next
+  iteration's event, or, for the newest iteration, when its save is reported (rank 0 waits
+  for that decision there; the other ranks learn it at their next event).
+* Per decided version, ``refit/*`` scalars (``RefitMetrics.scalars()``: version, committed,
+  committed version, wire bytes, compression, changed %, receivers, joined, evicted, refit
+  seconds, trainer pause) go to ``context.state.tensorboard_logger`` (``add_scalar``) and
+  ``context.state.wandb_logger`` (``log``) when Bridge set them (on the last rank), at the
+  version's step (pipelined: logged one iteration later).
 
 ``context.model`` is Bridge's list of model chunks (one per virtual pipeline stage).  With
 the distributed optimizer and ``overlap_param_gather`` the params may still be stale at
@@ -64,6 +71,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 """Bridge's (Megatron-LM's) tracker: the step of the newest finalized checkpoint."""
 _STATE_MAX_BYTES = 64 << 10
 _KEEP_STATES = 1024  # run states kept for checkpoints whose (async) save is not finalized yet
+_AT_SAVE: dict = {}  # marker: the newest iteration's state, taken when its checkpoint is saved
 
 
 def _rank() -> int:
@@ -138,12 +146,18 @@ class RefitBridgeCallback:
     def on_train_step_end(self, context) -> None:
         self._attach(context)
         step = int(context.state.train_state.step) + 1  # Bridge increments after this event
+        # the previous iteration's state is final once its version is decided: take it now
+        # (the wait is the one after_step makes anyway), before this step's version is in flight
+        self._remember(step - 1)
         if not context.skipped_iter:
-            metrics = self.refit.after_step(step)
-            if metrics is not None:
-                self.last_metrics = metrics
-                self._log(context.state, metrics)
-        self._remember(step)
+            self._publish(context.state, self.refit.after_step(step))
+        self._states[step] = _AT_SAVE
+        self._trim()
+
+    def on_train_end(self, context) -> None:
+        """Collective: the last version in flight (the pipelined refit) is decided and logged."""
+        if self.refit.attached:
+            self._publish(context.state, self.refit.finish())
 
     def on_checkpoint_save(self, context) -> None:
         """Rank 0 alone, no collective (an async save's event may come at any iteration); a
@@ -167,6 +181,8 @@ class RefitBridgeCallback:
                     self._noted_no_dir = True
                 return
             state = self._states.get(step)
+            if state is _AT_SAVE:  # the newest iteration: its version may be in flight (waited for here)
+                state = self._states[step] = self.refit.state_dict()
             if state is None:
                 _note(f"the refit state of step {step} is no longer known: {directory} gets none, and a job "
                       "restarted from it will be refused")
@@ -218,14 +234,20 @@ class RefitBridgeCallback:
 
     def _remember(self, step: int) -> None:
         self._states[step] = self.refit.state_dict()
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._states) > _KEEP_STATES:
             del self._states[next(iter(self._states))]
 
+    def _publish(self, state, metrics: RefitMetrics | None) -> None:
+        if metrics is not None:
+            self.last_metrics = metrics
+            self._log(state, metrics)
+
     @staticmethod
     def _log(state, m: RefitMetrics) -> None:
-        scalars = {"refit/version": m.version, "refit/committed": float(m.committed),
-                   "refit/committed_version": m.committed_version, "refit/wire_bytes": m.wire_bytes,
-                   "refit/refit_seconds": m.refit_s, "refit/trainer_pause_seconds": m.pause_s}
+        scalars = m.scalars()
         tb = getattr(state, "tensorboard_logger", None)
         if tb is not None:
             for tag, value in scalars.items():

@@ -82,6 +82,8 @@ class PublishStats:
     """Receivers evicted at this version (elastic membership; rank 0)."""
     pause_s: float = 0.0
     """How long the hook call that published this version held this rank's training loop."""
+    refit_s: float = 0.0
+    """Wall time from the start of the diff to the decision, on this rank."""
 
 
 def _split(delta: TensorDelta, chunk_bytes: int):
@@ -481,6 +483,12 @@ class RefitSender:
         return self.settle()
 
     @property
+    def published_version(self) -> int:
+        """The highest version number in use (published by this or an earlier incarnation);
+        unlike :meth:`run_state`, it does not wait for the version in flight."""
+        return max(self._floor, self.baseline.version)
+
+    @property
     def in_flight(self) -> int | None:
         """The version whose decision this rank has not applied yet (None: nothing pending)."""
         flight = self._inflight
@@ -528,6 +536,7 @@ class RefitSender:
             if isinstance(decision, str):
                 raise ProtocolError(decision)
             flight.commit, flight.reason, flight.stop, flight.digest = decision
+            stats.refit_s = time.perf_counter() - flight.t_start
         except BaseException as e:  # noqa: BLE001 - kept for settle(), which raises it on every rank
             flight.failure = f"{type(e).__name__}: {e}"
             flight.commit, flight.stop = False, False

@@ -131,3 +131,4 @@ def train(*, bridge, callbacks, state: GlobalState, model: list, optimizer, trai
             fire("on_checkpoint_save")
             if after_checkpoint is not None:
                 after_checkpoint(step)
+    fire("on_train_end")  # Bridge 0.6.2's train(): after the loop and its final save

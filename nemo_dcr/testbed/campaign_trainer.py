@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     store = FaultyStore(open_store(args.store), Plans(os.path.join(args.dir, "plan"), f"rank{rank}"), load_key(None))
     cfg = SenderConfig(model_id=MODEL_ID, receivers=RECEIVERS, chunk_bytes=256 << 10, upload_workers=2,
                        ack_timeout_s=args.ack_timeout_s, ack_poll_s=0.02, on_refusal="retry",
-                       max_consecutive_failures=1_000_000)
+                       max_consecutive_failures=1_000_000, pipeline=False)  # one trial = one decided step
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=cfg, vocab_size=256)
     dense_dir = os.path.join(args.dir, "dense")
     os.makedirs(dense_dir, exist_ok=True)

@@ -32,7 +32,7 @@ STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
     ("step", 4), ("loss", 7), ("changed%", 8), ("wire_B", 9), ("dense_B", 10), ("ratio", 7),
     ("B/chg", 6), ("diff_ms", 7), ("proj_ms", 7), ("enc_ms", 7), ("up_ms", 6), ("rx_ms", 7),
-    ("commit_ms", 9), ("bit_exact", 9),
+    ("commit_ms", 9), ("pause_ms", 8), ("bit_exact", 9),
 ]
 
 
@@ -220,7 +220,8 @@ def _row(r: dict) -> dict[str, str]:
         "B/chg": f"{r['wire_bytes'] / max(changed, 1):.2f}",
         "diff_ms": f"{r['diff_s'] * 1e3:.1f}", "proj_ms": f"{r['project_s'] * 1e3:.1f}",
         "enc_ms": f"{r['encode_s'] * 1e3:.1f}", "up_ms": f"{r['upload_s'] * 1e3:.1f}",
-        "rx_ms": f"{rx_ms:.1f}", "commit_ms": f"{r['commit_wait_s'] * 1e3:.1f}", "bit_exact": bit,
+        "rx_ms": f"{rx_ms:.1f}", "commit_ms": f"{r['commit_wait_s'] * 1e3:.1f}",
+        "pause_ms": f"{r['pause_s'] * 1e3:.1f}", "bit_exact": bit,
     }
 
 
@@ -543,6 +544,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         "verified": cfg.refit.verify_dense,
         "wire_bytes": wire,
         "transport": cfg.refit.transport,
+        "pipeline": cfg.refit.pipeline,
+        "pause_s_max": round(max((r["pause_s"] for r in rows), default=0.0), 4),
         "relays": len(relays),
         "origin_read_bytes": origin_read,
         "dense_bytes": dense,

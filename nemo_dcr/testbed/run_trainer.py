@@ -44,17 +44,29 @@ def main(argv: list[str] | None = None) -> int:
         cfg = DemoConfig.from_dict(json.load(f))
 
     trainer, hook = build_trainer(cfg)
-    trainer.add_post_step_hook(hook)
+    decided: list = []  # the stats of each version when its decision is settled
+    trainer.add_post_step_hook(lambda tr, step: decided.append(hook(tr, step)))
     rank = dist.get_rank()
     steps_path = os.path.join(cfg.run_dir, "steps.jsonl")
+    losses: dict[int, float] = {}
+
+    def write_rows() -> None:
+        # pipelined (refit.pipeline, the default): a step's row is written when its version
+        # is decided, at the next step's hook or at finish(); synchronous: at its own hook
+        for stats in filter(None, decided):
+            if rank == 0:
+                row = {"step": stats.version, "loss": losses.pop(stats.version), "pipeline": cfg.refit.pipeline,
+                       "canonical_numel": hook.sender.canonical_numel, "family": hook.family.name, **asdict(stats)}
+                with open(steps_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        decided.clear()
+
     for _ in range(cfg.steps):
         result = trainer.train_step()
-        if rank == 0:
-            row = {"step": result.step, "loss": result.loss, "canonical_numel": hook.sender.canonical_numel,
-                   "family": hook.family.name,
-                   **asdict(hook.last_stats)}
-            with open(steps_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        losses[result.step] = result.loss
+        write_rows()
+    decided.append(hook.finish())
+    write_rows()
     trainer.close()
     return 0
 

@@ -33,7 +33,7 @@ from .test_callbacks import _dense_hf_state
 from .test_refit_e2e import bit_differences
 
 HERE = os.path.dirname(__file__)
-EVENTS = {"on_train_start", "on_train_step_end", "on_checkpoint_save"}
+EVENTS = {"on_train_start", "on_train_step_end", "on_train_end", "on_checkpoint_save"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,11 @@ class RecordingRefit:
         self.calls.append(("after_step", step))
         self.published = step
         return RefitMetrics(version=step, committed=True, committed_version=step, wire_bytes=100 + step,
-                            refit_s=0.5, pause_s=0.75)
+                            dense_bytes=1000, changed=7, numel=100, receivers=1, joined=0, evicted=0,
+                            refit_s=0.5, pause_s=0.75, canonical_numel=100)
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
 
     def state_dict(self) -> dict:
         return {"published": self.published}
@@ -123,7 +127,7 @@ def test_versions_are_bridge_iterations_and_a_skipped_one_publishes_nothing(brid
     model = [object()]
     bridge_loop.train(bridge=bridge, callbacks=[cb], state=state, model=model, optimizer=None, train_iters=5,
                       step_fn=lambda i: bridge_loop.Iteration(loss_dict={}, grad_norm=1.0, skipped=i == 3))
-    assert cb.refit.calls == [("attach", model)] + [("after_step", v) for v in (1, 2, 4, 5)]
+    assert cb.refit.calls == [("attach", model)] + [("after_step", v) for v in (1, 2, 4, 5)] + [("finish",)]
     assert state.train_state.step == 5
     tb = [r for r in sink.rows if r[0] == "tb"]
     assert sorted({r[3] for r in tb}) == [1, 2, 4, 5]
@@ -131,7 +135,9 @@ def test_versions_are_bridge_iterations_and_a_skipped_one_publishes_nothing(brid
     wandb = [r for r in sink.rows if r[0] == "wandb"]
     assert [r[2] for r in wandb] == [1, 2, 4, 5]
     assert wandb[2][1] == {"refit/version": 4, "refit/committed": 1.0, "refit/committed_version": 4,
-                           "refit/wire_bytes": 104, "refit/refit_seconds": 0.5, "refit/trainer_pause_seconds": 0.75}
+                           "refit/wire_bytes": 104, "refit/refit_seconds": 0.5, "refit/trainer_pause_seconds": 0.75,
+                           "refit/compression": 1000 / 104, "refit/changed_pct": 7.0, "refit/receivers": 1,
+                           "refit/joined": 0, "refit/evicted": 0}
 
 
 def test_checkpoint_save_writes_the_state_of_the_saved_step(bridge, tmp_path):
