@@ -422,6 +422,8 @@ def _main(args) -> int:
                         "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
             "topology": "scripts/bench_refit_link.py's: moto_server in a network namespace behind a veth pair "
                         "shaped with htb on both ends; trainer (TP=2, gloo on lo) and receiver in the root namespace",
+            "link": {"namespace": run.link.ns, "host_if": run.link.host_if, "ns_if": run.link.ns_if,
+                     "host_addr": run.link.host_addr, "ns_addr": run.link.ns_addr},
             "link_probe": out["probes"],
             "unshaped_means": f"link_mbit null: htb left at --setup-mbit={args.setup_mbit:g} Mbit/s",
             "model": {**cfg.to_dict()["model"], "canonical_params": numel},
