@@ -14,6 +14,10 @@ Receiver (another shell, once ``runs/nemo/store/init/model.safetensors`` exists)
     .venv/bin/nemo-dcr receive --store runs/nemo/store --init-dir runs/nemo/store/init \\
         --receiver-id r0 --model-id nemo-llama3 --until-version 3
 
+The recipe's TensorBoard logger is kept: every version's ``refit/*`` scalars (pause, wall,
+wire bytes, compression, changed %, committed, receivers) land at step = the version next to
+NeMo's ``reduced_train_loss``, under ``--log-dir`` (``tensorboard --logdir runs/nemo/logs``).
+
 TP=2 x DP=2 is ``--nproc-per-node 4 ... --tp 2 --dp 2``; PP=2 x virtual PP=2 is
 ``--nproc-per-node 2 ... --tp 1 --pp 2 --vpp 2`` (4 layers, one per model chunk).  Arguments of the form
 ``refit.KEY=VALUE`` are Hydra overrides of ``nemo_dcr/configs/refit.yaml`` (the callback's settings);
@@ -72,7 +76,6 @@ def tiny_llama3_recipe(*, tp: int, dp: int, steps: int, log_dir: str, lr: float 
     recipe.trainer.limit_val_batches = 0
     recipe.trainer.enable_checkpointing = False
     recipe.log.ckpt = None
-    recipe.log.tensorboard = None
     recipe.resume = None
     recipe.optim.config.lr = lr
     recipe.optim.lr_scheduler.warmup_steps = 0  # the 2000-step warm-up would start at lr 0

@@ -4,11 +4,15 @@ refit follows.
 
 Usage: torchrun --nproc-per-node 2 callback_worker.py KIND --store S --dense D --iters N [options]
 
-KIND ``nemo``: ``RefitCallback`` (Lightning's ``on_train_start(trainer, pl_module)`` and
-``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)``, ``pl_module`` holding
-the model under ``.module`` as NeMo's does), TP=2; ``nemo_save`` / ``nemo_resume``: the same,
-saving a checkpoint (params, FP32 masters, step, the callback's ``state_dict``) to ``--ckpt``
-after the steps / restarting from it.
+KIND ``nemo``: ``RefitCallback`` (Lightning's ``on_train_start(trainer, pl_module)``,
+``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)`` and, after the loop,
+``on_train_end(trainer, pl_module)``; ``pl_module`` holding the model under ``.module`` as
+NeMo's does), TP=2; ``nemo_save`` / ``nemo_resume``: the same, saving a checkpoint (params,
+FP32 masters, step, the callback's ``state_dict``) to ``--ckpt`` after the steps, before
+``on_train_end`` as Lightning's checkpoint callback does / restarting from it.  The stand-in
+trainer has ``is_global_zero`` and ``loggers``: every rank has a recording logger with
+Lightning's ``log_metrics(metrics, step)`` / ``save()`` that appends to ``D/metrics.jsonl``
+(sink ``lightning``, with the rank), so a rank other than 0 logging would show.
 
 KIND ``bridge`` (TP=2) and ``bridge_vpp`` (``context.model`` = the two model chunks of an
 interleaved pipeline, PP=2 x virtual PP=2, 4 layers, one per chunk, trained by megatron's
@@ -175,6 +179,20 @@ class RecordingLogger:
         self._write({"data": data, "step": step})
 
 
+class LightningRecordingLogger(RecordingLogger):
+    """Stands in for a Lightning logger (``Logger.log_metrics`` / ``save``) on one rank."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "lightning")
+        self.saves = 0
+
+    def log_metrics(self, metrics, step=None):
+        self._write({"rank": dist.get_rank(), "data": metrics, "step": step})
+
+    def save(self):
+        self.saves += 1
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=["nemo", "nemo_save", "nemo_resume", "bridge", "bridge_vpp"])
@@ -219,17 +237,31 @@ def run_nemo(args, cfg, trainer, overrides) -> None:
 
     callback = RefitCallback(overrides=overrides)
     pl_module = SimpleNamespace(module=trainer.model)
+    logger = LightningRecordingLogger(os.path.join(args.dense, "metrics.jsonl"))
+
+    def lightning(step: int) -> SimpleNamespace:  # what the callback reads of Lightning's Trainer
+        return SimpleNamespace(global_step=step, is_global_zero=dist.get_rank() == 0, loggers=[logger])
+
     if args.kind == "nemo_resume":  # a restarted job: weights, step and refit state from the checkpoint
         load_checkpoint(trainer, callback, args.ckpt)
-    callback.on_train_start(SimpleNamespace(global_step=trainer.steps_done), pl_module)
+    callback.on_train_start(lightning(trainer.steps_done), pl_module)
+    first, decided = trainer.steps_done + 1, []
     for _ in range(args.iters):
         step = trainer.train_step().step
-        callback.on_train_batch_end(SimpleNamespace(global_step=step), pl_module, None, None, 0)
-        stats = callback.refit.hook.last_stats
-        assert stats.version == step and stats.committed, (step, stats)
+        callback.on_train_batch_end(lightning(step), pl_module, None, None, 0)
+        # pipelined (the default): version step - 1 is decided in this call, step is in flight
+        m = callback.last_metrics
+        assert (m is None) if step == first else (m.version == step - 1), (step, m)
+        if m is not None and m not in decided:
+            decided.append(m)
         write_reference(callback, trainer, step, args.dense, check_layers=False)
     if args.kind == "nemo_save":
         save_checkpoint(trainer, callback, args.ckpt)
+    callback.on_train_end(lightning(trainer.steps_done), pl_module)  # drains the last version
+    decided.append(callback.last_metrics)
+    assert [m.version for m in decided] == list(range(first, trainer.steps_done + 1)), decided
+    assert all(m.committed for m in decided), decided
+    assert logger.saves == (len(decided) if dist.get_rank() == 0 else 0), logger.saves
 
 
 def run_bridge(args, cfg, trainer, model, overrides) -> None:
@@ -262,13 +294,20 @@ def run_bridge(args, cfg, trainer, model, overrides) -> None:
         return bridge_loop.Iteration(loss_dict={"lm loss": torch.tensor(r.loss)}, grad_norm=r.grad_norm,
                                      skipped=not r.update_successful)
 
+    published, decided = [], []
+
+    def note_decided() -> None:
+        m = callback.last_metrics
+        if m is not None and (not decided or decided[-1].version != m.version):
+            assert m.committed, m
+            decided.append(m)
+
     def after_step_end(iteration: int, result: bridge_loop.Iteration) -> None:
-        stats = callback.refit.hook.last_stats
+        note_decided()  # pipelined (the default): an earlier version, decided in this event
+        assert not decided or decided[-1].version < iteration, (iteration, decided[-1])
         if result.skipped or iteration % args.every_n:
-            assert stats is None or stats.version < iteration, (iteration, stats)
             return
-        assert stats.version == iteration and stats.committed, (iteration, stats)
-        assert callback.last_metrics.version == iteration, callback.last_metrics
+        published.append(iteration)
         write_reference(callback, trainer, iteration, args.dense, check_layers=args.kind == "bridge_vpp")
 
     def after_checkpoint(step: int) -> None:
@@ -281,6 +320,8 @@ def run_bridge(args, cfg, trainer, model, overrides) -> None:
                       train_iters=args.iters, step_fn=step_fn,
                       save_fn=(lambda directory, step: trainer.save_weights(directory)) if args.ckpt else None,
                       after_step_end=after_step_end, after_checkpoint=after_checkpoint)
+    note_decided()  # the last version, drained by on_train_end
+    assert [m.version for m in decided] == published, (decided, published)
 
 
 def main() -> None:

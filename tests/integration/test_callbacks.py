@@ -6,7 +6,9 @@ tests, through Bridge's own callback machinery, are ``test_bridge_callback.py``.
 
 A receiver process (``nemo-dcr receive``, transformers) follows every step; each version
 it holds must equal, on integer views, transformers' own load of the dense reference the
-trainer gathered from full Megatron tensors.  Bad settings fail before training.
+trainer gathered from full Megatron tensors.  Every version's metrics reach the stand-in
+trainer's Lightning-style loggers once, from rank 0, at step = the version (the pipelined
+refit's last version through ``on_train_end``).  Bad settings fail before training.
 """
 import os
 import subprocess
@@ -52,6 +54,25 @@ def _receiver_cmd(store, dump, until: int) -> list[str]:
             "--timeout-s", "300", "--dump-dir", str(dump)]
 
 
+def _logged_refit_metrics(dense) -> dict[int, dict]:
+    """What the callback gave the stand-in Lightning loggers (``callback_worker.py``), by step;
+    each version logged once, by rank 0 alone, at step = the version."""
+    import json
+
+    rows = [json.loads(line) for line in (dense / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["sink"] == "lightning"]
+    assert {r["rank"] for r in rows} == {0}, rows
+    by_step = {r["step"]: r["data"] for r in rows}
+    assert len(by_step) == len(rows), rows  # no version logged twice
+    for step, m in by_step.items():
+        assert m["refit/version"] == m["refit/committed_version"] == step, m
+        assert m["refit/committed"] == 1.0 and m["refit/receivers"] == 1.0, m
+        assert m["refit/wire_bytes"] > 0 and m["refit/compression"] > 0 and 0 < m["refit/changed_pct"] <= 100, m
+        assert m["refit/refit_seconds"] > 0 and m["refit/trainer_pause_seconds"] >= 0, m
+        assert (m["refit/joined"], m["refit/evicted"]) == (0.0, 0.0), m
+    return by_step
+
+
 def test_callback_refit_is_bit_exact(tmp_path):
     from safetensors.torch import load_file
 
@@ -73,6 +94,8 @@ def test_callback_refit_is_bit_exact(tmp_path):
         if previous is not None:
             assert bit_differences(got, previous)
         previous = got
+    # every version's metrics reached the loggers, the last one through on_train_end
+    assert sorted(_logged_refit_metrics(dense)) == list(range(1, STEPS + 1))
 
 
 def _torchrun(*args, env):
@@ -116,6 +139,7 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
         if previous is not None:
             assert bit_differences(got, previous)  # control: every version changed something
         previous = got
+    assert sorted(_logged_refit_metrics(dense)) == [1, 2, 3, 4]  # both incarnations, each drained
 
 
 def test_settings_from_hydra_overrides():

@@ -10,10 +10,13 @@ After every optimizer step (after the refit callback published the version) the 
     stale bits outside its optimizer shard: this shows the refit read synced parameters);
   * writes the dense reference of the version: the NeMo model's full tensors gathered to
     rank 0 and converted by the dense transforms (OUT_DIR/v<step>.safetensors).
-When training ends (PP=1 only) it gives every norm weight distinct values (so a norm mix-up
-would show), writes those weights (OUT_DIR/logits_weights.safetensors), runs the megatron model
-in fp32 on fixed tokens and writes the gathered logits (OUT_DIR/logits.safetensors).  OUT_DIR/meta.json
-says what ran.
+and records the version the refit callback decided in that call (``last_metrics``: pipelined,
+the previous step's; the last one is decided in the callback's ``on_train_end``, which Lightning
+calls before the oracle's).  When training ends (PP=1 only) it gives every norm weight distinct
+values (so a norm mix-up would show), writes those weights (OUT_DIR/logits_weights.safetensors),
+runs the megatron model in fp32 on fixed tokens and writes the gathered logits
+(OUT_DIR/logits.safetensors).  OUT_DIR/meta.json says what ran (``decided``: [version,
+committed] in the order decided).
 """
 import importlib.util
 import json
@@ -42,13 +45,21 @@ class Oracle(BaseCallback):
         super().__init__()
         self.out_dir = out_dir
         self.versions: list[int] = []
-        self.committed: list[bool] = []
+        self.decided: list[list] = []
 
-    def _hook(self, trainer):
+    def _refit(self, trainer):
         from nemo_dcr.integrations.nemo import RefitCallback
 
         (refit,) = [cb for cb in trainer.callbacks if isinstance(cb, RefitCallback)]
-        return refit.refit.hook
+        return refit
+
+    def _hook(self, trainer):
+        return self._refit(trainer).refit.hook
+
+    def _note_decided(self, trainer) -> None:
+        m = self._refit(trainer).last_metrics
+        if m is not None and (not self.decided or self.decided[-1][0] != m.version):
+            self.decided.append([m.version, m.committed])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         from megatron.core import parallel_state
@@ -63,11 +74,11 @@ class Oracle(BaseCallback):
             dist.all_gather(copies, bits, group=group)
             assert all(torch.equal(c, bits) for c in copies), f"{name} differs across DP ranks after the refit"
         step = int(trainer.global_step)
+        self._note_decided(trainer)
         state = hook.dense_state()
         if dist.get_rank() == 0:
             save_file(state, os.path.join(self.out_dir, f"v{step}.safetensors"))
             self.versions.append(step)
-            self.committed.append(bool(hook.last_stats.committed))
 
     def on_train_end(self, trainer, pl_module):
         from megatron.core import parallel_state
@@ -75,11 +86,12 @@ class Oracle(BaseCallback):
         from nemo_dcr.integrations.megatron_model import unwrap_gpt
 
         hook = self._hook(trainer)
+        self._note_decided(trainer)  # the last version, drained by the refit callback's on_train_end
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if pp == 1:  # the forward below is not pipelined
             self._logits(hook, unwrap_gpt(pl_module))
         if dist.get_rank() == 0:
-            meta = {"versions": self.versions, "committed": self.committed,
+            meta = {"versions": self.versions, "decided": self.decided,
                     "tp": parallel_state.get_tensor_model_parallel_world_size(), "pp": pp,
                     "dp": parallel_state.get_data_parallel_world_size(),
                     "deferred_param_gathers": len(hook._param_gathers),

@@ -7,7 +7,8 @@ A receiver in this (the main) environment, ``nemo-dcr receive`` with a transform
 built from the ``config.json`` the hook derived from the NeMo model, applies every version;
 each must equal, on integer views, transformers' own load of the dense reference gathered
 from the NeMo model's full tensors (``nemo_worker.py``), with a one-bit negative control.
-The HF model built from the exported weights gives NeMo's megatron logits (fp32).
+The HF model built from the exported weights gives NeMo's megatron logits (fp32).  Every
+version's refit metrics are read back from the recipe's TensorBoard event files.
 """
 import json
 import os
@@ -74,11 +75,60 @@ def nemo_run(tmp_path_factory):
 def test_recipe_ran_with_the_callback(nemo_run):
     _, _, out, _, log = nemo_run
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["versions"] == list(range(1, STEPS + 1)) and all(meta["committed"]), meta
+    assert meta["versions"] == list(range(1, STEPS + 1)), meta
+    # pipelined: each version decided one step later, the last one by on_train_end; all committed
+    assert meta["decided"] == [[v, True] for v in range(1, STEPS + 1)], meta
     assert (meta["tp"], meta["dp"], meta["family"]) == (TP, DP, "llama"), meta
     # the recipe's distributed optimizer defers the param all-gather; the hook forced it
     assert meta["deferred_param_gathers"] == 1, meta
     assert "Trainer.fit` stopped: `max_steps=3` reached" in log
+
+
+_READ_EVENTS = """
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+out = {}
+for path in sys.argv[1:]:
+    acc = EventAccumulator(path, size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag in acc.Tags()["scalars"]:
+        out.setdefault(tag, []).extend([e.step, e.value] for e in acc.Scalars(tag))
+print(json.dumps(out))
+"""
+
+
+def test_refit_metrics_are_in_the_recipes_tensorboard(nemo_run):
+    """The recipe's own TensorBoard logger got every version's refit metrics at step = the
+    version, once each, beside NeMo's training loss; read back with TensorBoard's own reader
+    (``EventAccumulator``, in ``.venv-nemo``) from the event files the run wrote."""
+    d, _, _, _, _ = nemo_run
+    files = sorted(str(p) for p in (d / "logs").rglob("events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {d / 'logs'}"
+    python = os.path.join(os.path.dirname(NEMO_TORCHRUN), "python")
+    read = subprocess.run([python, "-c", _READ_EVENTS, *files], capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    scalars = json.loads(read.stdout)
+    print("TensorBoard tags:", sorted(scalars))
+    # NeMo's loss, in the same files: optimizer step k's at x = k - 1, so x = v holds the loss
+    # computed on the weights of version v
+    assert [int(step) for step, _ in scalars["reduced_train_loss"]] == list(range(STEPS))
+
+    def by_step(tag):
+        steps = [int(s) for s, _ in scalars[tag]]
+        assert steps == list(range(1, STEPS + 1)), (tag, scalars[tag])  # every version once, none twice
+        return [v for _, v in scalars[tag]]
+
+    assert by_step("refit/version") == list(range(1, STEPS + 1))
+    assert by_step("refit/committed") == [1.0] * STEPS
+    assert by_step("refit/committed_version") == list(range(1, STEPS + 1))
+    assert by_step("refit/receivers") == [1.0] * STEPS
+    assert by_step("refit/joined") == by_step("refit/evicted") == [0.0] * STEPS
+    assert all(v > 0 for v in by_step("refit/wire_bytes"))
+    assert all(v > 0 for v in by_step("refit/compression"))
+    assert all(0 < v <= 100 for v in by_step("refit/changed_pct"))
+    assert all(v > 0 for v in by_step("refit/refit_seconds"))
+    assert all(v >= 0 for v in by_step("refit/trainer_pause_seconds"))
+    print("refit metrics in TensorBoard:", {t: scalars[t] for t in sorted(scalars) if t.startswith("refit/")})
 
 
 def test_receiver_config_comes_from_the_nemo_model(nemo_run):
