@@ -175,3 +175,63 @@ def test_unreachable_store_and_unmappable_model_fail_at_attach(tmp_path):
     with pytest.raises(RefitSetupError, match="cannot map this model: no megatron GPTModel inside Linear"):
         RefitAttachment(ok_store).attach(torch.nn.Linear(2, 2))
     assert not (tmp_path / "store" / "init" / "model.safetensors").exists()
+
+
+class _StubRefit:
+    """Stands in for ``RefitAttachment``: a pipelined refit (version v decided at step v + 1,
+    the last one by ``finish``)."""
+
+    attached = True
+
+    def __init__(self):
+        from nemo_dcr.integrations.attach import RefitMetrics
+
+        self.make = lambda v: RefitMetrics(version=v, committed=True, committed_version=v, wire_bytes=10 * v,
+                                           dense_bytes=1000, changed=5, numel=100, receivers=1, joined=0,
+                                           evicted=0, refit_s=0.5, pause_s=0.25, canonical_numel=100)
+        self.published = None
+
+    def after_step(self, step):
+        decided, self.published = self.published, step
+        return None if decided is None else self.make(decided)
+
+    def finish(self):
+        decided, self.published = self.published, None
+        return None if decided is None else self.make(decided)
+
+
+class _Logger:  # Lightning's Logger surface the callback uses
+    def __init__(self):
+        self.rows, self.saves = [], 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, metrics))
+
+    def save(self):
+        self.saves += 1
+
+
+@pytest.mark.parametrize("global_zero", [True, False])
+def test_nemo_callback_logs_each_decided_version_once_at_its_step(global_zero):
+    from types import SimpleNamespace
+
+    from nemo_dcr.integrations.nemo import RefitCallback
+
+    cb = RefitCallback(RefitSettings(store_uri="memory://x", model_id="m", receivers=("r0",)))
+    cb.refit = _StubRefit()
+    loggers = [_Logger(), _Logger()]
+    for step in (1, 2, 3):
+        trainer = SimpleNamespace(global_step=step, is_global_zero=global_zero, loggers=loggers)
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+        assert (cb.last_metrics is None) if step == 1 else (cb.last_metrics.version == step - 1)
+    cb.on_train_end(trainer, None)
+    assert cb.last_metrics.version == 3
+    for logger in loggers:
+        if not global_zero:  # Lightning's loggers write on global rank 0 only
+            assert (logger.rows, logger.saves) == ([], 0)
+            continue
+        assert [step for step, _ in logger.rows] == [1, 2, 3] and logger.saves == 3
+        assert [m["refit/version"] for _, m in logger.rows] == [1.0, 2.0, 3.0]
+        assert logger.rows[2][1]["refit/wire_bytes"] == 30.0 and logger.rows[2][1]["refit/compression"] == 1000 / 30
+    cb.on_train_end(trainer, None)  # nothing in flight: nothing more logged
+    assert sum(len(logger.rows) for logger in loggers) == (6 if global_zero else 0)
