@@ -126,10 +126,10 @@ class Follower:
         self.state = FollowerState(run_id=run_id, committed=committed, committed_digest=committed_digest,
                                    handled=committed, decided=committed)
         self.stride = 1
-        self._chain_head: Decision | None = None
         """Gap between the last two versions this receiver answered (versions are step
         numbers; a trainer refitting every k steps publishes every k-th): streaming receive
         looks this far ahead."""
+        self._chain_head: Decision | None = None  # the newest decision of the last catch-up's chain
         self._prefetch_error = ""
         self.join = join
         self.member: bool | None = None
