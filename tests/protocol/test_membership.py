@@ -400,3 +400,30 @@ def test_a_join_request_passes_through_a_relay(tmp_path, key):
     _step(w, np.random.default_rng(18))
     s1 = sender.refit(1)  # r1 (and r0) do not run: admitted, and its missing ack aborts v1
     assert s1.joined == ("r1",) and s1.members == ("r0", "r1") and "r1: no acknowledgement" in s1.reason
+
+
+def test_fewer_members_than_min_receivers_abort_until_one_joins(tmp_path, key):
+    """min_receivers=2: r1 dies and is evicted at v1 (evict_after=1); r0 alone acks, yet v1
+    and v2 abort (one member); once r2 joins (a genuine request holding v0), v3 commits."""
+    rng = np.random.default_rng(19)
+    w = torch.randn(32, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0", "r1"), membership="elastic",
+                            min_receivers=2, evict_after=1, ack_timeout_s=1.0, max_consecutive_failures=10)
+    r0 = Rx("r0", store, key, sender.run_id, w0).start(until=3)
+    for v in (1, 2):
+        _step(w, rng)
+        s = sender.refit(v)
+        assert not s.committed and "fewer than min_receivers=2" in s.reason and s.members == ("r0",), s.reason
+    assert _decision(store, 1).evicted == ("r1",) and _decision(store, 2).receivers == ("r0",)
+    r2 = Rx("r2", store, key, sender.run_id, w0)
+    r2.follower.join = True
+    r2.start(until=3)
+    _wait(_requested(r2, 0), "r2's join request holding v0")
+    _step(w, rng)
+    s3 = sender.refit(3)
+    assert s3.committed and s3.joined == ("r2",) and s3.members == ("r0", "r2"), s3.reason
+    r0.join()
+    r2.join()
+    for r in (r0, r2):
+        _assert_bit_exact(r.w, bits_of(w), bits_of(w0))
