@@ -46,7 +46,8 @@ What Bridge's loop does, and what follows for the refit:
   committed version, wire bytes, compression, changed %, receivers, joined, evicted, refit
   seconds, trainer pause) go to ``context.state.tensorboard_logger`` (``add_scalar``) and
   ``context.state.wandb_logger`` (``log``) when Bridge set them (on the last rank), at the
-  version's step (pipelined: logged one iteration later).
+  version's step (pipelined: logged one iteration later, so a job killed before that
+  event loses the metrics of its last decided version, never the version itself).
 
 ``context.model`` is Bridge's list of model chunks (one per virtual pipeline stage).  With
 the distributed optimizer and ``overlap_param_gather`` the params may still be stale at

@@ -280,15 +280,18 @@ def test_bridge_tp2_skipped_iteration_kill_and_restart_bit_exact(bridge, tmp_pat
     _check_versions(tmp_path, store, dense, dump, [1, 2, 4, 5, 6])
     rows = [json.loads(line) for line in (dense / "metrics.jsonl").read_text().splitlines()]
     tb = [r for r in rows if r["sink"] == "tensorboard"]
+    # pipelined: a version's metrics are logged at the next iteration's event (or at train end);
+    # version 4 was decided (its checkpoint's save waited for it) but the job was killed before
+    # the event that would have logged it, so the metrics of 4 are lost, not its version
     for tag in ("refit/version", "refit/committed", "refit/committed_version", "refit/wire_bytes",
                 "refit/refit_seconds", "refit/trainer_pause_seconds"):
-        assert [r["step"] for r in tb if r["tag"] == tag] == [1, 2, 4, 5, 6], tag
+        assert [r["step"] for r in tb if r["tag"] == tag] == [1, 2, 5, 6], tag
     for r in rows:
         if r["sink"] == "wandb":
             m = r["data"]
             assert m["refit/version"] == m["refit/committed_version"] == r["step"] and m["refit/committed"] == 1.0
             assert m["refit/wire_bytes"] > 0 and m["refit/refit_seconds"] > 0 and m["refit/trainer_pause_seconds"] > 0
-    assert [r["step"] for r in rows if r["sink"] == "wandb"] == [1, 2, 4, 5, 6]
+    assert [r["step"] for r in rows if r["sink"] == "wandb"] == [1, 2, 5, 6]
 
 
 def test_bridge_vpp_every_second_iteration_bit_exact(bridge, tmp_path):
