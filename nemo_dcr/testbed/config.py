@@ -103,8 +103,26 @@ class RefitConfig(RefitOptions):
     runs of this many, up to one root relay (4 receivers, fanout 2: 2 relays above them, 1
     root)."""
 
+    late_receivers: int = 0
+    """With ``membership=elastic``: receivers (``late0``, ``late1``, ...) the demo starts
+    once version ``late_after`` is decided; each catches up, asks to join (``nemo-dcr receive
+    --join``) and is admitted at a later version."""
+    late_after: int = 2
+    """With ``late_receivers``: the version whose decision starts them.  The test bed's
+    trainer holds the step after the next one until they have asked to join, so the demo
+    shows an admission however slow the machine is (a scenario aid; a real trainer never
+    waits for a joiner)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()  # checks every field's type, these two included
+        if self.late_receivers < 0:
+            raise ValueError(f"refit.late_receivers must be >= 0, got {self.late_receivers}")
+        if self.late_receivers and self.membership != "elastic":
+            raise ValueError("refit.late_receivers needs refit.membership=elastic (a static run admits no receiver)")
+        if self.late_receivers and self.transport != "store":
+            raise ValueError("refit.late_receivers reads the store directly: use refit.transport=store")
+        if self.late_after < 1:
+            raise ValueError(f"refit.late_after must be >= 1, got {self.late_after}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"refit.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.relay_fanout < 1:
@@ -172,6 +190,10 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
+        if self.refit.late_receivers and self.steps < self.refit.late_after + 2:
+            raise ValueError(f"refit.late_receivers: steps={self.steps} leaves no version to admit them at (they start "
+                             f"after version {self.refit.late_after}'s decision and are admitted two versions later: "
+                             f"steps >= {self.refit.late_after + 2})")
         if "," in self.store.uri:
             raise ValueError(f"store.uri is the one store the trainer writes, not an upstream list: "
                              f"{self.store.uri!r} has a ','")

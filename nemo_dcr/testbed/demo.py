@@ -225,6 +225,29 @@ def _row(r: dict) -> dict[str, str]:
     }
 
 
+def _receiver_cmd(cfg: DemoConfig, rid: str, store_uri: str, init_dir: str) -> list[str]:
+    from nemo_dcr.receiver.registry import supported_options
+
+    cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", store_uri,
+           "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
+           "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
+    if cfg.refit.membership == "elastic":
+        cmd.append("--join")  # (re)join: after the initial catch-up, and whenever evicted
+    if cfg.refit.verify_dense:
+        cmd.append("--verify-dense")
+    if cfg.refit.receiver_dump_dir:
+        cmd += ["--dump-dir", os.path.join(cfg.refit.receiver_dump_dir, rid)]
+    cmd += ["--runtime", cfg.receiver.runtime]
+    supported = supported_options(cfg.receiver.runtime)  # the registry row's options
+    for option, flag, value in (
+            ("tensor_parallel_size", "--tensor-parallel-size", cfg.receiver.tensor_parallel_size),
+            ("max_model_len", "--max-model-len", cfg.model.seq_length),
+            ("sample_tokens", "--sample-tokens", cfg.receiver.sample_tokens)):
+        if option in supported:
+            cmd += [flag, str(value)]
+    return cmd
+
+
 def _print_row(cells: dict[str, str]) -> None:
     print(" ".join(cells[name].rjust(w) for name, w in COLUMNS), flush=True)
 
@@ -455,8 +478,6 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     _err(f"initial checkpoint written ({time.perf_counter() - t_start:.1f}s); starting "
          f"{len(cfg.refit.receivers)} receiver(s)" + (" under a relay tree" if cfg.refit.transport == "relay" else ""))
 
-    from nemo_dcr.receiver.registry import supported_options
-
     relays: list[_Relay] = []
     reads_from = [cfg.store.uri] * len(cfg.refit.receivers)  # each receiver's --store
     if cfg.refit.transport == "relay":
@@ -464,32 +485,28 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         relays = _start_relays(cfg, tree, children, env)
         reads_from = [_upstreams(tree, p, relays, cfg.store.uri) for p in tree.receiver_parents]
 
-    receivers = []
-    for rid, store_uri in zip(cfg.refit.receivers, reads_from):
+    def start_receiver(rid: str, store_uri: str) -> None:
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
-        cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", store_uri,
-               "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
-               "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
-        if cfg.refit.verify_dense:
-            cmd.append("--verify-dense")
-        if cfg.refit.receiver_dump_dir:
-            cmd += ["--dump-dir", os.path.join(cfg.refit.receiver_dump_dir, rid)]
-        cmd += ["--runtime", cfg.receiver.runtime]
-        supported = supported_options(cfg.receiver.runtime)  # the registry row's options
-        for option, flag, value in (
-                ("tensor_parallel_size", "--tensor-parallel-size", cfg.receiver.tensor_parallel_size),
-                ("max_model_len", "--max-model-len", cfg.model.seq_length),
-                ("sample_tokens", "--sample-tokens", cfg.receiver.sample_tokens)):
-            if option in supported:
-                cmd += [flag, str(value)]
-        receivers.append((rid, children.start(cmd, log, env), log))
+        receivers.append((rid, children.start(_receiver_cmd(cfg, rid, store_uri, init_dir), log, env), log))
+
+    receivers: list = []
+    for rid, store_uri in zip(cfg.refit.receivers, reads_from):
+        start_receiver(rid, store_uri)
+    late = [f"late{i}" for i in range(cfg.refit.late_receivers)]  # run_trainer.late_receiver_ids
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
     cells: list[dict[str, str]] = []
     seen = 0
+    from nemo_dcr.protocol.manifest import decision_key
+
     while True:
         done = trainer.poll() is not None
+        if late and store.exists(decision_key(cfg.refit.late_after)):
+            _err(f"version {cfg.refit.late_after} decided: starting late receiver(s) {', '.join(late)} (--join)")
+            for rid in late:
+                start_receiver(rid, cfg.store.uri)
+            late = []
         if os.path.exists(steps_path):
             with open(steps_path) as f:
                 lines = f.read().splitlines()
@@ -544,6 +561,9 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         "verified": cfg.refit.verify_dense,
         "wire_bytes": wire,
         "transport": cfg.refit.transport,
+        "membership": cfg.refit.membership,
+        "joined": sorted({r for row in rows for r in row.get("joined", [])}),
+        "evicted": sorted({r for row in rows for r in row.get("evicted", [])}),
         "pipeline": cfg.refit.pipeline,
         "pause_s_max": round(max((r["pause_s"] for r in rows), default=0.0), 4),
         "relays": len(relays),

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 import torch.distributed as dist
@@ -36,6 +37,32 @@ def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
     return trainer, hook
 
 
+def late_receiver_ids(cfg: DemoConfig) -> list[str]:
+    return [f"late{i}" for i in range(cfg.refit.late_receivers)]
+
+
+def wait_for_joins(store, cfg: DemoConfig, rank: int) -> None:
+    """Collective, a scenario aid of the demo (``refit.late_after``): hold this step until
+    every late receiver has written its join request, so the next version admits them."""
+    from nemo_dcr.protocol.manifest import join_key
+
+    error = None
+    if rank == 0:
+        missing = late_receiver_ids(cfg)
+        deadline = time.monotonic() + cfg.refit.ack_timeout_s
+        while missing and time.monotonic() < deadline:
+            missing = [rid for rid in missing if not store.exists(join_key(rid))]
+            time.sleep(0.1)
+        if missing:
+            error = f"late receivers {missing} did not ask to join within {cfg.refit.ack_timeout_s:g}s"
+        else:
+            print(f"nemo_dcr demo: {cfg.refit.late_receivers} late receiver(s) asked to join", flush=True)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise SystemExit(f"nemo_dcr demo trainer: {box[0]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.run_trainer")
     ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
@@ -61,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
         decided.clear()
 
-    for _ in range(cfg.steps):
+    for step in range(1, cfg.steps + 1):
+        if cfg.refit.late_receivers and step == cfg.refit.late_after + 2:
+            wait_for_joins(hook.store, cfg, rank)
         result = trainer.train_step()
         losses[result.step] = result.loss
         write_rows()
