@@ -104,6 +104,13 @@ class RefitOptions:
             FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
         except ValueError as e:
             raise RefitSetupError(f"refit.{e}") from None
+        if self.membership == "elastic":
+            budget = 1 if self.on_refusal == "fail" else self.max_consecutive_failures
+            if self.evict_after > budget:
+                raise RefitSetupError(
+                    f"refit.evict_after={self.evict_after} exceeds the aborted versions training survives "
+                    f"(refit.on_refusal={self.on_refusal}, refit.max_consecutive_failures="
+                    f"{self.max_consecutive_failures}): training would stop before a silent member is evicted")
 
     def sender_config(self) -> SenderConfig:
         """The schema's fields of this (possibly larger) settings object, as the sender's

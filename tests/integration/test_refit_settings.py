@@ -27,7 +27,7 @@ NON_DEFAULT = {
     "model_id": "m-x", "receivers": ("ra", "rb"), "chunk_bytes": 12345, "upload_workers": 3,
     "context": False, "ack_timeout_s": 7.5, "ack_poll_s": 0.25, "key_file": "/keys/k",
     "on_refusal": "fail", "max_consecutive_failures": 5, "pipeline": False, "pipeline_max_staged_bytes": 4096,
-    "membership": "elastic", "min_receivers": 2, "evict_after": 4,
+    "membership": "elastic", "min_receivers": 2, "evict_after": 1,
 }
 
 
@@ -135,11 +135,12 @@ def test_same_key_same_type_on_both_paths():
     assert errors[0] == errors[1] and "refit.receivers" in errors[0] and "\n" not in errors[0]
     # and the schema's checks are the same: the demo refuses what a callback refuses
     for bad in ("refit.on_refusal=sometimes", "refit.ack_poll_s=0", "refit.receivers=[]", "refit.membership=open",
-                "refit.evict_after=0", "refit.min_receivers=2"):
+                "refit.evict_after=0", "refit.min_receivers=2",
+                "refit.membership=elastic refit.evict_after=4"):
         msgs = []
         for load, error in ((load_demo_config, ConfigError), (load_refit_settings, RefitSetupError)):
             with pytest.raises(error) as e:
-                load([bad])
+                load(bad.split())
             msgs.append(str(e.value))
         assert msgs[0] == msgs[1], bad
 
