@@ -41,6 +41,43 @@ the failover warnings in every node's log.  Receivers of a relay epoch read the 
 list as it is (no store injectors), so only ``none``, ``apply_exception`` and
 ``one_refuses`` of the store classes run there.
 
+Pipelined epochs (``--classes pipeline``: the "none" control and the classes below): the
+trainer runs ``refit.pipeline=true`` with ``refit.membership=elastic`` (``min_receivers``
+1, ``evict_after`` 2) when an elastic class is selected, takes each version without a step
+number (one past every number in use) and checkpoints every committed step right after its
+hook call (``hook.run_state()``, which waits for the version in flight; weights +
+run state, renamed into place).  A trial may span several versions; after each one the
+driver reads the signed decision and checks every live receiver as above.
+
+* ``trainer_kill_inflight``: rank 0 holds version v's decision put 1.5-3 s; the driver
+  SIGKILLs both ranks (each runs in a session of its own) and torchrun once v's first
+  chunk, its manifest or every receiver's ack is on the store, or (no hold) once its
+  decision is.  Recorded: v's fate (chunks, manifest, decision) and which receivers held
+  it tentatively.  Checked: before the resume a receiver holds the committed version or
+  v tentatively (no decision), and serves its bits; the trainer resumed from its last
+  checkpoint (``hook.resume``) is at the store's committed version, its next version is
+  above every number in use (``v/`` listing), and it commits (3 tries) with every
+  receiver bit-exact.  A resume refused because v committed after the last checkpoint
+  is the documented limit (docs/protocol.md, "Run state") and ends the epoch.
+* ``receiver_dies``: a live receiver is SIGKILLed for good (before the go, once v's
+  manifest is out, or once it acked v).  Checked: no version it did not ack commits
+  while it is a member; within ``evict_after`` + 2 versions a decision names it
+  evicted and not a member; the next version commits with the rest.
+* ``receiver_joins_midversion``: a fresh receiver (``--join``) is started once v's first
+  chunk or manifest is out.  Checked: within 4 later versions a decision admits it (in
+  ``joined`` and ``receivers``); the next version commits with it a member; it is
+  bit-exact after every version like the others.
+* ``join_forged``: the driver, without the key, plants a join request (signed with a
+  wrong key, unsigned, another receiver's genuine request under this name, 200 KB of
+  ``[``, or over the 64 KiB cap) for an unknown, evicted or member id, before the go or
+  once v's manifest is out.  Checked over two versions: nobody is admitted, the members
+  do not change, both commit.
+
+A death with one live receiver is redrawn as a join, a join with four as a death (the
+record says ``redrawn_from``).  Liveness checks that do not hold (``failures``: an
+eviction, admission or resumed commit not within its bound) are counted apart from
+violations.
+
 A violation is a silent corruption (must stay 0).  A hang (a receiver that never settles,
 a trainer that never decides) is recorded as such and the epoch is restarted.
 
@@ -70,16 +107,36 @@ STORE_CLASSES = ("none", "apply_exception", "receiver_kill", "trainer_kill", "st
 # faults of the relay tree: they need a relay epoch (--classes relay), where the receivers read
 # through two relays whose upstream lists end with the origin store
 RELAY_CLASSES = ("relay_kill", "relay_stop", "relay_flip", "relay_restart_empty")
-CLASSES = STORE_CLASSES + RELAY_CLASSES
+# faults of the pipelined refit and of elastic membership: they need a pipelined epoch
+# (--classes pipeline), whose trainer runs refit.pipeline=true, checkpoints every committed
+# step and, with an elastic class, refit.membership=elastic
+PIPELINE_CLASSES = ("trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged")
+ELASTIC_CLASSES = ("receiver_dies", "receiver_joins_midversion", "join_forged")
+CLASSES = STORE_CLASSES + RELAY_CLASSES + PIPELINE_CLASSES
 # store classes that also run in a relay epoch (they need no store injector in the receivers)
 RELAY_EPOCH_CLASSES = ("none", "apply_exception", "one_refuses")
 # --classes aliases
-CLASS_GROUPS = {"store": STORE_CLASSES, "relay": ("none",) + RELAY_CLASSES}
+CLASS_GROUPS = {"store": STORE_CLASSES, "relay": ("none",) + RELAY_CLASSES, "pipeline": ("none",) + PIPELINE_CLASSES}
 # relative frequency in a random campaign (trainer kills restart everything: rare)
 WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill": 0.5, "store_stall": 4,
            "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
            "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8,
-           "relay_kill": 24, "relay_stop": 24, "relay_flip": 24, "relay_restart_empty": 24}
+           "relay_kill": 24, "relay_stop": 24, "relay_flip": 24, "relay_restart_empty": 24,
+           "trainer_kill_inflight": 6, "receiver_dies": 6, "receiver_joins_midversion": 6, "join_forged": 6}
+# trainer_kill_inflight: when the driver SIGKILLs the trainer ranks, version v being in flight:
+# once its first chunk is on the store (uploads running), once its manifest is (receivers
+# fetching), once every live receiver's ack is (the decision due), or once its decision is
+# (the checkpoint being written; the only moment where v may be decided before the kill).
+# Before "decision", rank 0 holds v's decision put hold_s seconds, so that v is in flight
+KILL_MOMENTS = ("chunks", "manifest", "acks", "decision")
+# join_forged: what a store writer without the key plants under acks/join.d/
+FORGED_JOINS = ("wrong_key", "unsigned", "renamed_genuine", "hostile", "oversize")
+# receiver_dies: killed before the go, once v's manifest is out, or once it acked v
+DIE_MOMENTS = ("before_go", "manifest", "after_ack")
+# elastic epochs: evict a member after this many versions in a row without its ack; commit
+# needs at least MIN_RECEIVERS members acking
+EVICT_AFTER = 2
+MIN_RECEIVERS = 1
 # The relay tree of a relay epoch (a chain of two relays; every upstream list ends with the
 # origin store, which is implied here):
 #     origin <- ra <- rb          r0 reads rb, ra, origin          r1 reads ra, origin
@@ -175,6 +232,20 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
     elif cls == "relay_flip":  # the relay serves chunks of v with a bit flipped (testbed/relay_faults.py)
         f = [{"kind": "relay_flip", "target": rng.choice(RELAYS), "mode": rng.choice(["one_chunk", "every_chunk"]),
               "offset": round(rng.random(), 3), "bit": rng.randint(0, 7)}]
+    elif cls == "trainer_kill_inflight":
+        at = rng.choice(KILL_MOMENTS)
+        f = [{"kind": "trainer_sigkill", "target": "driver", "at": at, "delay_s": round(rng.uniform(0.0, 0.2), 2)}]
+        if at != "decision":
+            f.append({"kind": "hold", "target": "rank0", "key_kind": "decision",
+                      "hold_s": round(rng.uniform(1.5, 3.0), 2)})
+    elif cls == "receiver_dies":  # the target is drawn by the driver among the live receivers
+        f = [{"kind": "receiver_dies", "target": "driver", "at": rng.choice(DIE_MOMENTS), "pick": rng.random()}]
+    elif cls == "receiver_joins_midversion":
+        f = [{"kind": "join", "target": "driver", "at": rng.choice(("chunks", "manifest"))}]
+    elif cls == "join_forged":
+        f = [{"kind": "join_forged", "target": "driver", "mode": rng.choice(FORGED_JOINS),
+              "at": rng.choice(("before_go", "manifest")), "who": rng.choice(("ghost", "evicted", "member")),
+              "pick": rng.random()}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -256,6 +327,34 @@ def _log_count(directory: str, needle: str) -> int:
     return n
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: the parent is the 4th field of stat)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill(proc: subprocess.Popen | None) -> None:
     if proc is not None and proc.poll() is None:
         try:
@@ -266,9 +365,10 @@ def _kill(proc: subprocess.Popen | None) -> None:
 
 
 class ReceiverProc:
-    def __init__(self, epoch: Epoch, rid: str):
+    def __init__(self, epoch: Epoch, rid: str, join: bool = False):
         self.epoch = epoch
         self.rid = rid
+        self.join = join  # elastic: asks to become a member (Follower.join)
         self.dir = os.path.join(epoch.dir, "rx", rid)
         os.makedirs(self.dir, exist_ok=True)
         self.incarnation = 0
@@ -282,6 +382,8 @@ class ReceiverProc:
         cmd = [sys.executable, "-m", "nemo_dcr.testbed.faults", "--store", self.epoch.store_uri(self.rid),
                "--receiver-id", self.rid, "--model-id", "fault-campaign", "--init-dir", self.epoch.init_dir,
                "--plan-dir", self.epoch.plan_dir, "--dir", self.dir, "--state-dir", state_dir]
+        if self.join:
+            cmd.append("--join")
         if self.epoch.relays:  # faults are the relays' here (see main: no receiver store faults)
             cmd += ["--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s),
                     "--no-store-faults"]
@@ -291,11 +393,15 @@ class ReceiverProc:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def status(self, req: str, timeout: float) -> tuple[dict | None, int]:
-        """Ask for a settled dump; restarts the process when it died.  (status, restarts)."""
+    def ask(self, req: str) -> None:
+        """Ask for a settled dump (answered in ``status.json``)."""
         with open(os.path.join(self.dir, "req.tmp"), "w") as f:
             f.write(req)
         os.replace(os.path.join(self.dir, "req.tmp"), os.path.join(self.dir, "req"))
+
+    def status(self, req: str, timeout: float) -> tuple[dict | None, int]:
+        """Ask for a settled dump; restarts the process when it died.  (status, restarts)."""
+        self.ask(req)
         restarts = 0
         deadline = time.monotonic() + timeout
         path = os.path.join(self.dir, "status.json")
@@ -411,10 +517,17 @@ class Epoch:
     relay tree they read through)."""
 
     def __init__(self, work: str, index: int, moto: Moto, key_file: str, ack_timeout_s: float, seed: int,
-                 relays: bool = False, hop_timeout_s: float = 2.0, retry_after_s: float = 2.0):
+                 relays: bool = False, hop_timeout_s: float = 2.0, retry_after_s: float = 2.0,
+                 pipeline: bool = False, elastic: bool = False):
         import s3fs
 
         self.index = index
+        self.seed = seed
+        self.pipeline = pipeline
+        self.elastic = elastic
+        self.incarnation = 1  # trainer starts (pipelined epochs resume it after a kill)
+        self.joins = 0  # receivers started with --join so far (named j1, j2, ...)
+        self.dead: dict[str, ReceiverProc] = {}  # receivers killed for good (receiver_dies)
         self.ack_timeout_s = ack_timeout_s
         self.hop_timeout_s = hop_timeout_s
         self.retry_after_s = retry_after_s
@@ -433,18 +546,12 @@ class Epoch:
                         PYTHONUNBUFFERED="1")
         self.trainer_log = os.path.join(self.dir, "trainer.log")
         t0 = time.monotonic()
-        self.trainer = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "-m", "nemo_dcr.testbed.campaign_trainer", "--dir", self.dir, "--store", self.uri,
-             "--ack-timeout-s", str(ack_timeout_s), "--seed", str(seed + index)],
-            stdout=open(self.trainer_log, "w"), stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
-            start_new_session=True)
         self.receivers: dict[str, ReceiverProc] = {}
-        ready = os.path.join(self.dir, "ready.json")
-        while not os.path.exists(ready):
-            if self.trainer.poll() is not None or time.monotonic() - t0 > 300:
-                raise RuntimeError(f"campaign trainer did not start:\n{_tail(self.trainer_log)}")
-            time.sleep(0.1)
+        ready = self.start_trainer()
+        if ready.get("refused"):
+            raise RuntimeError(f"campaign trainer refused to start: {ready}")
+        self.run_id = ready["run_id"]
+        self.members = set(RECEIVERS)  # as the last signed decision read names them
         from nemo_dcr.integrations.hf_export import download_checkpoint
         from nemo_dcr.transport.store import open_store
 
@@ -459,17 +566,75 @@ class Epoch:
                 relay.wait_ready()
         self.receivers = {rid: ReceiverProc(self, rid) for rid in RECEIVERS}
         for rx in self.receivers.values():  # the first version must not race their start
-            while rx.log_count('"ready": true') < 1:
-                if not rx.alive() or time.monotonic() - t0 > 300:
-                    raise RuntimeError(f"receiver {rx.rid} did not start:\n"
-                                       f"{_tail(os.path.join(rx.dir, 'log-1.txt'))}")
-                time.sleep(0.1)
+            self.wait_ready(rx, t0)
         self.version = 0
         self.committed = 0
         self.heads: dict[int, bytes] = {}  # HEAD.json bytes after each trial (genuine, signed)
         self.aborted: set[int] = set()
         self.rows_seen = 0
         self.setup_s = time.monotonic() - t0
+
+    @staticmethod
+    def wait_ready(rx: "ReceiverProc", t0: float, timeout: float = 300.0) -> None:
+        while rx.log_count('"ready": true') < 1:
+            if not rx.alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"receiver {rx.rid} did not start:\n"
+                                   f"{_tail(os.path.join(rx.dir, f'log-{rx.incarnation}.txt'))}")
+            time.sleep(0.1)
+
+    def start_trainer(self, resume: bool = False) -> dict:
+        """Start the trainer ranks (a pipelined epoch's resume: from its last checkpoint) and
+        wait until they are ready; returns the ready file (pipelined: the next version) or
+        ``{"refused": ...}`` when a resume was refused."""
+        self.launch_trainer(resume)
+        return self.wait_trainer()
+
+    def launch_trainer(self, resume: bool = False) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "nemo_dcr.testbed.campaign_trainer", "--dir", self.dir, "--store", self.uri,
+               "--ack-timeout-s", str(self.ack_timeout_s), "--seed", str(self.seed + self.index)]
+        if self.pipeline:
+            cmd += ["--pipeline", "--incarnation", str(self.incarnation)]
+            if self.elastic:
+                cmd += ["--membership", "elastic", "--min-receivers", str(MIN_RECEIVERS),
+                        "--evict-after", str(EVICT_AFTER)]
+            if resume:
+                cmd.append("--resume")
+        self.trainer_t0 = time.monotonic()
+        self.trainer = subprocess.Popen(cmd, stdout=open(self.trainer_log, "a"), stderr=subprocess.STDOUT,
+                                        env=self.env, cwd=ROOT, start_new_session=True)
+
+    def wait_trainer(self) -> dict:
+        t0 = self.trainer_t0
+        ready = os.path.join(self.dir, f"ready-{self.incarnation}.json" if self.pipeline else "ready.json")
+        refused = os.path.join(self.dir, f"refused-{self.incarnation}.json")
+        while not os.path.exists(ready):
+            if os.path.exists(refused):
+                with open(refused) as f:
+                    return {"refused": json.load(f)}
+            if self.trainer.poll() is not None or time.monotonic() - t0 > 300:
+                if os.path.exists(refused):
+                    continue
+                raise RuntimeError(f"campaign trainer did not start:\n{_tail(self.trainer_log)}")
+            time.sleep(0.1)
+        with open(ready) as f:
+            return json.load(f)
+
+    def kill_trainer(self) -> list[int]:
+        """SIGKILL every trainer rank, then torchrun (the ranks run in sessions of their own,
+        out of torchrun's process group).  Returns the ranks' pids still alive after it
+        (must be none)."""
+        ranks = _descendants(self.trainer.pid) if self.trainer.poll() is None else []
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _kill(self.trainer)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_pid_alive(p) for p in ranks):
+            time.sleep(0.05)
+        return [p for p in ranks if _pid_alive(p)]
 
     def store_uri(self, rid: str) -> str:
         """The store URI a receiver reads: the origin, or its relays then the origin."""
@@ -502,6 +667,10 @@ class Epoch:
         except FileNotFoundError:
             return []
 
+    def row(self, version: int) -> dict | None:
+        """The trainer's row of ``version`` (versions skip numbers after a resume)."""
+        return next((r for r in self.rows() if r["version"] == version), None)
+
     def dense(self, version: int) -> dict:
         from safetensors.torch import load_file
 
@@ -517,7 +686,7 @@ class Epoch:
             self.trainer.wait(timeout=20)
         except subprocess.TimeoutExpired:
             pass
-        _kill(self.trainer)
+        self.kill_trainer()
 
 
 def _tail(path: str, n: int = 40) -> str:
@@ -737,11 +906,8 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     row = None
     deadline = time.monotonic() + 180
     while row is None:
-        rows = ep.rows()
-        if len(rows) >= v:
-            row = rows[v - 1]
-            break
-        if ep.trainer.poll() is not None or time.monotonic() > deadline:
+        row = ep.row(v)
+        if row is not None or ep.trainer.poll() is not None or time.monotonic() > deadline:
             break
         time.sleep(0.02)
     if staller:
@@ -792,14 +958,30 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     else:
         ep.aborted.add(v)
     # ---- every receiver settles, then its served bits are compared
-    rec["receivers"] = {}
-    dense_cache: dict[int, dict] = {}
     planned_kill = {f["target"] for f in plan["faults"] if f["kind"] == "kill"}
+    end_epoch = check_receivers(ep, rec, v, expect_committed, allowed_tentative, planned_kill) or end_epoch
+    return _finish_trial(ep, rec, v, end_epoch, ignored_before, refused_before, left_before, switches_before,
+                         flips_before)
+
+
+def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed_tentative: set,
+                    planned_kill: set = frozenset()) -> bool:
+    """Every receiver of ``ep`` settles after the decision on ``v``; its committed version
+    must be ``expect_committed``, it may hold no tentative version outside
+    ``allowed_tentative``, and the bits it serves must equal the trainer's dense state of
+    the version it holds (integer views).  Violations go to ``rec``; returns whether the
+    epoch must end (a receiver that never settled)."""
     from safetensors.torch import load_file
 
-    for rid, rx in ep.receivers.items():
+    end_epoch = False
+    rec.setdefault("receivers", {})
+    dense_cache: dict[int, dict] = {}
+    reqs = {rid: f"{v}-{uuid.uuid4().hex[:6]}" for rid in ep.receivers}
+    for rid, rx in ep.receivers.items():  # every receiver settles at once
+        rx.ask(reqs[rid])
+    for rid, rx in list(ep.receivers.items()):
         was_dead = not rx.alive()
-        st, restarts = rx.status(f"{v}-{uuid.uuid4().hex[:6]}", timeout=120)
+        st, restarts = rx.status(reqs[rid], timeout=120)
         dead_restarts = restarts + 0
         if rid in planned_kill:
             rec["planned_restarts"] += min(dead_restarts, 1)
@@ -812,7 +994,7 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
             rec["violations"].append(f"{rid}: no settled state within 120s (was_dead={was_dead})")
             end_epoch = True
             continue
-        info = {k: st[k] for k in ("committed", "tentative", "awaiting", "handled", "held_version")}
+        info = {k: st.get(k) for k in ("committed", "tentative", "awaiting", "handled", "held_version", "member")}
         rec["receivers"][rid] = info
         if st["committed"] != expect_committed:
             rec["violations"].append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
@@ -832,6 +1014,11 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
                 if os.path.exists(os.path.join(ep.dir, "dense", f"v{k}.safetensors")) \
                         and not compare_state(served, ep.dense(k)):
                     info["bits_of"] = k
+    return end_epoch
+
+
+def _finish_trial(ep: Epoch, rec: dict, v: int, end_epoch: bool, ignored_before: int, refused_before: int,
+                  left_before: dict, switches_before: dict, flips_before: int) -> tuple[dict, bool]:
     if ep.relays:
         t_heal = time.monotonic()
         ep.wait_healed()  # the next trial starts on the whole tree
@@ -860,10 +1047,386 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
     rec["detected"] = bool(not rec["committed"] or rec["receiver_ignored"] or rec["receiver_refused"]
                            or rec["planned_restarts"] or rec["unplanned_restarts"] or end_epoch
                            or rec.get("reparents"))
-    rec["duration_s"] = round(time.time() - t_go, 3)
+    rec["duration_s"] = round(time.time() - rec["t_go"], 3)
     rec["silent"] = bool(rec["violations"]) and not rec["hang"]
     # after a violation the run's state is not trusted: the next trial starts a fresh run
     return rec, end_epoch or bool(rec["violations"])
+
+
+# ----------------------------------------------------------------------------- pipelined epochs
+def _sealer():
+    from nemo_dcr.protocol.signing import Sealer, load_key
+
+    return Sealer(load_key(os.environ.get("NEMO_DCR_KEY_FILE")))
+
+
+def _decision(ep: Epoch, v: int):
+    """The signed decision of ``v`` on the store (None: none written)."""
+    from nemo_dcr.protocol.manifest import Decision, decision_key
+
+    try:
+        return Decision.from_json(ep.store.get(decision_key(v)), _sealer())
+    except KeyError:
+        return None
+
+
+def _moment(ep: Epoch, v: int, at: str, timeout: float = 60.0) -> bool:
+    """Wait until ``at`` of version ``v`` is on the store (False: the trainer died or it
+    never came)."""
+    from nemo_dcr.protocol.manifest import ack_key, decision_key, manifest_key
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and ep.trainer.poll() is None:
+        try:
+            if at == "before_go" \
+                    or (at == "chunks" and ep.store.list(f"v/{v:08d}/chunks/")) \
+                    or (at == "manifest" and ep.store.exists(manifest_key(v))) \
+                    or (at == "acks" and all(ep.store.exists(ack_key(r, v)) for r in ep.receivers)) \
+                    or (at == "decision" and ep.store.exists(decision_key(v))):
+                return True
+        except Exception:  # noqa: BLE001 - the store is not faulted here; look again
+            pass
+        time.sleep(0.01)
+    return False
+
+
+def _go(ep: Epoch, plan: dict) -> int:
+    v = ep.version + 1
+    ep.version = v
+    with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as f:
+        json.dump(plan, f)
+    open(os.path.join(ep.dir, "go", str(v)), "w").close()
+    return v
+
+
+def _wait_row(ep: Epoch, v: int, timeout: float = 180.0) -> dict | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = ep.row(v)
+        if row is not None or ep.trainer.poll() is not None:
+            return row
+        time.sleep(0.02)
+    return None
+
+
+def _pstep(ep: Epoch, plan: dict, rec: dict, during=None) -> tuple[int, dict | None, object]:
+    """One version of a pipelined epoch: plan, go, ``during(v)`` (the driver's hand at a
+    moment of ``v``, in a thread), the trainer's row once ``v`` is decided, the signed
+    decision, then every live receiver checked bit for bit against the version it must
+    hold.  Returns (v, row, decision)."""
+    v = _go(ep, plan)
+    th = None
+    if during is not None:
+        th = threading.Thread(target=during, args=(v,), daemon=True)
+        th.start()
+    row = _wait_row(ep, v)
+    if th is not None:
+        th.join(timeout=300)
+    d = _decision(ep, v) if row is not None else None
+    entry = {"version": v, "committed": row["committed"] if row else None}
+    if d is not None:
+        entry.update(members=list(d.receivers), joined=list(d.joined), evicted=list(d.evicted))
+    rec["versions"].append(entry)
+    if row is None:
+        rec["hang"] = ep.trainer.poll() is None
+        rec["violations"].append(f"v{v}: the trainer {'did not decide within 180s' if rec['hang'] else 'exited'}: "
+                                 + _tail(ep.trainer_log, 3))
+        return v, None, None
+    if d is None or d.commit != row["committed"]:
+        rec["violations"].append(f"v{v}: the trainer's row says committed={row['committed']}, the signed decision "
+                                 f"{'is missing' if d is None else f'says {d.commit}'}")
+    if row["base_version"] != ep.committed:
+        rec["violations"].append(f"v{v}: trainer base {row['base_version']}, driver expected {ep.committed}")
+    if row["committed"]:
+        ep.committed = v
+    else:
+        ep.aborted.add(v)
+    if d is not None:
+        ep.members = set(d.receivers)
+    rec["t_decided"] = row["t_decided"]
+    rec["committed"] = row["committed"]
+    if check_receivers(ep, rec, v, ep.committed, {None}):
+        rec["end_epoch"] = True
+    return v, row, d
+
+
+def _new_record(ep: Epoch, plan: dict, seed: int) -> dict:
+    return {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
+            "topology": "pipeline", "membership": "elastic" if ep.elastic else "static",
+            "ack_timeout_s": ep.ack_timeout_s, "epoch": ep.index, "version": ep.version + 1,
+            "base_version": ep.committed, "violations": [], "failures": [], "hang": False,
+            "unplanned_restarts": 0, "planned_restarts": 0, "versions": [], "t_go": time.time(),
+            "committed": False, "t_decided": time.time()}
+
+
+def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
+    """One trial of a pipelined epoch (``--classes pipeline``); it may span several versions.
+    Returns (record, epoch_must_end).  ``violations`` are broken safety checks (counted as
+    silent corruptions); ``failures`` are liveness checks that did not hold (a resumed run
+    or an eviction that did not commit in its bound), recorded apart."""
+    rec = _new_record(ep, plan, seed)
+    cls = plan["cls"]
+    if cls in ELASTIC_CLASSES and not ep.elastic:
+        raise ValueError(f"{cls} needs an elastic epoch")
+    if cls == "receiver_dies" and len(ep.receivers) < 2:
+        # keep at least one member: a death with one live receiver becomes a join
+        rec["redrawn_from"], cls = cls, "receiver_joins_midversion"
+        plan = {**plan, "cls": cls, "faults": [{"kind": "join", "target": "driver", "at": "manifest"}]}
+        rec.update(cls=cls, faults=plan["faults"])
+    elif cls == "receiver_joins_midversion" and len(ep.receivers) >= 4:
+        rec["redrawn_from"], cls = cls, "receiver_dies"
+        plan = {**plan, "cls": cls, "faults": [{"kind": "receiver_dies", "target": "driver", "at": "manifest",
+                                                "pick": 0.5}]}
+        rec.update(cls=cls, faults=plan["faults"])
+    end = False
+    if cls == "none":
+        _, row, _ = _pstep(ep, plan, rec)
+        if row is not None and not row["committed"]:
+            rec["failures"].append("the control version did not commit")
+        rec["detected"] = False
+    elif cls == "trainer_kill_inflight":
+        end = _trial_trainer_kill(ep, plan, rec)
+    elif cls == "receiver_dies":
+        _trial_receiver_dies(ep, plan, rec)
+    elif cls == "receiver_joins_midversion":
+        _trial_join(ep, plan, rec)
+    elif cls == "join_forged":
+        _trial_join_forged(ep, plan, rec)
+    else:
+        raise ValueError(f"{cls} does not run in a pipelined epoch")
+    rec["duration_s"] = round(time.time() - rec["t_go"], 3)
+    rec["silent"] = bool(rec["violations"]) and not rec["hang"]
+    rec.setdefault("detected", True)
+    end = end or rec.pop("end_epoch", False) or bool(rec["violations"]) or rec["hang"] or ep.trainer.poll() is not None
+    return rec, end
+
+
+def _listed_versions(ep: Epoch) -> list[int]:
+    return sorted({int(k.split("/")[1]) for k in ep.store.list("v/") if k.count("/") >= 2})
+
+
+def _trial_trainer_kill(ep: Epoch, plan: dict, rec: dict) -> bool:
+    """SIGKILL the trainer ranks while version v is in flight, then resume the run from the
+    last checkpoint; returns whether the epoch must end (a resume refused as documented)."""
+    from nemo_dcr.protocol.manifest import manifest_key
+
+    f = next(x for x in plan["faults"] if x["kind"] == "trainer_sigkill")
+    fate: dict = {"at": f["at"]}
+    base = ep.committed
+    with open(os.path.join(ep.dir, "ckpt", "LATEST")) as fh:
+        fate["checkpoint_before"] = json.load(fh)["version"]
+    v = _go(ep, plan)
+    fate["moment_seen"] = _moment(ep, v, f["at"])
+    time.sleep(f["delay_s"])
+    fate["row_before_kill"] = ep.row(v) is not None
+    fate["alive_at_kill"] = ep.trainer.poll() is None
+    survivors = ep.kill_trainer()
+    if survivors:
+        rec["violations"].append(f"trainer ranks {survivors} survived the SIGKILL (the check would be void)")
+        rec["end_epoch"] = True
+        return True
+    rec["t_kill"] = time.time()
+    d = _decision(ep, v)
+    with open(os.path.join(ep.dir, "ckpt", "LATEST")) as fh:
+        ckpt = json.load(fh)["version"]
+    fate.update(chunks=len(ep.store.list(f"v/{v:08d}/chunks/")), manifest=ep.store.exists(manifest_key(v)),
+                decision=None if d is None else ("commit" if d.commit else "abort"), checkpoint=ckpt)
+    rec["fate"] = fate
+    if fate["row_before_kill"] and f["at"] != "decision":
+        rec["failures"].append(f"v{v} was decided before the kill at {f['at']} (the hold did not keep it in flight)")
+    # the resumed trainer starts while the receivers settle on what the killed one left
+    ep.incarnation += 1
+    ep.launch_trainer(resume=True)
+    expect = v if d is not None and d.commit else base
+    if check_receivers(ep, rec, v, expect, {None} if d is not None else {None, v}):
+        rec["end_epoch"] = True
+    fate["receivers_tentative"] = sorted(r for r, i in rec["receivers"].items() if i.get("tentative") == v)
+    if d is not None and d.commit:
+        ep.committed = v
+    ready = ep.wait_trainer()
+    if "refused" in ready:
+        fate["resume"] = "refused"
+        fate["refusal"] = ready["refused"]["error"][:300]
+        # documented (docs/protocol.md, "Run state"): a checkpoint older than the store's
+        # committed version is refused; any other refusal is a failure of the resume
+        if not (d is not None and d.commit and ckpt < v):
+            rec["failures"].append(f"resume from checkpoint v{ckpt} refused: {fate['refusal']}")
+        elif f"committed v{v} after it" not in fate["refusal"]:
+            rec["failures"].append(f"resume refused with an unexpected message: {fate['refusal']}")
+        rec["t_decided"] = rec["t_kill"]
+        return True
+    in_use = max([v, *_listed_versions(ep)])
+    fate.update(resume="ok", resumed_committed=ready["committed"], next_version=ready["next_version"],
+                in_use=in_use)
+    if ready["committed"] != ep.committed:
+        rec["violations"].append(f"resumed at committed v{ready['committed']}, the store's run committed "
+                                 f"v{ep.committed}")
+    if ready["next_version"] <= in_use:
+        rec["violations"].append(f"resumed trainer's next version {ready['next_version']} reuses a number in use "
+                                 f"(<= {in_use})")
+    ep.version = ready["next_version"] - 1
+    for _ in range(3):  # the resumed run must commit (an abort under load is retried, bounded)
+        w, row, _ = _pstep(ep, {"trial": plan["trial"], "cls": plan["cls"], "faults": []}, rec)
+        if row is None or row["committed"] or rec["violations"]:
+            break
+    fate["resumed_versions"] = [e["version"] for e in rec["versions"]]
+    if not rec["committed"]:
+        rec["failures"].append("the resumed run did not commit within 3 versions")
+    return False
+
+
+def _trial_receiver_dies(ep: Epoch, plan: dict, rec: dict) -> None:
+    """SIGKILL a member for good; it must be evicted after EVICT_AFTER versions without
+    its ack, no version it did not ack may commit while it is a member, and the next
+    version commits with the rest."""
+    from nemo_dcr.protocol.manifest import ack_key
+
+    f = plan["faults"][0]
+    live = sorted(ep.receivers)
+    target = live[min(int(f["pick"] * len(live)), len(live) - 1)]
+    rx = ep.receivers.pop(target)
+    ep.dead[target] = rx
+    rec["target"] = target
+    acked: set[int] = set()
+
+    def kill(v: int) -> None:
+        if f["at"] == "manifest":
+            _moment(ep, v, "manifest")
+        elif f["at"] == "after_ack":
+            deadline = time.monotonic() + 60
+            while not ep.store.exists(ack_key(target, v)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if ep.store.exists(ack_key(target, v)):
+            acked.add(v)
+        _kill(rx.proc)
+
+    if f["at"] == "before_go":
+        _kill(rx.proc)
+    evicted_at = None
+    first = True
+    for _ in range(EVICT_AFTER + 2):
+        v, row, d = _pstep(ep, plan if first else {**plan, "faults": []}, rec,
+                           during=kill if first and f["at"] != "before_go" else None)
+        first = False
+        if row is None or d is None:
+            return
+        if target in d.receivers and d.commit and v not in acked:
+            rec["violations"].append(f"v{v} committed while {target} was a member and had not acked it")
+        if target in d.evicted:
+            evicted_at = v
+            if target in d.receivers:
+                rec["violations"].append(f"v{v} evicts {target} and still names it a member")
+            break
+    rec["evicted_at"] = evicted_at
+    if evicted_at is None:
+        rec["failures"].append(f"{target} not evicted within {EVICT_AFTER + 2} versions")
+        return
+    if not rec["committed"]:  # the eviction version aborted (e.g. another slow ack): one more
+        _pstep(ep, {**plan, "faults": []}, rec)
+    v, row, d = _pstep(ep, {**plan, "faults": []}, rec)  # a later version commits with the rest
+    if row is not None and not row["committed"]:
+        rec["failures"].append(f"v{v} after the eviction did not commit")
+    if d is not None and target in d.receivers:
+        rec["violations"].append(f"v{v}: evicted {target} is a member again")
+
+
+def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
+    """Start a fresh receiver with --join while version v is in flight; it must be admitted
+    at a later version, which commits, and serve that version's bits (checked with the
+    others after every version)."""
+    f = plan["faults"][0]
+    ep.joins += 1
+    rid = f"j{ep.joins}"
+    rec["target"] = rid
+
+    def start(v: int) -> None:
+        _moment(ep, v, f["at"])
+        rec["started_in_flight"] = ep.row(v) is None
+        ep.receivers[rid] = ReceiverProc(ep, rid, join=True)
+
+    v, row, d = _pstep(ep, plan, rec, during=start)
+    admitted = None
+    if row is not None and rid in ep.receivers:
+        Epoch.wait_ready(ep.receivers[rid], time.monotonic(), timeout=240)
+        for _ in range(4):
+            w, row, d = _pstep(ep, {**plan, "faults": []}, rec)
+            if row is None or d is None:
+                return
+            if rid in d.joined:
+                admitted = w
+                if rid not in d.receivers:
+                    rec["violations"].append(f"v{w} admits {rid} and does not name it a member")
+                if d.commit and row["committed"] is False:
+                    rec["violations"].append(f"v{w}: decision and row disagree")
+                break
+    rec["admitted_at"] = admitted
+    if admitted is None:
+        rec["failures"].append(f"{rid} not admitted within 4 versions after the one it started in")
+        return
+    if not rec["committed"]:
+        _pstep(ep, {**plan, "faults": []}, rec)
+    w, row, d = _pstep(ep, {**plan, "faults": []}, rec)  # its ack counts now: commits with it
+    if row is not None and not row["committed"]:
+        rec["failures"].append(f"v{w} after {rid}'s admission did not commit")
+    if d is not None and rid not in d.receivers:
+        rec["violations"].append(f"v{w}: admitted {rid} is no longer a member")
+
+
+def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
+    """A store writer without the key plants a join request; it must admit nobody and change
+    nothing: the next two versions name the same members and commit."""
+    import secrets as _secrets
+
+    from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, JOIN_PREFIX, JoinRequest, decision_key, doc_digest, \
+        join_key
+    from nemo_dcr.protocol.signing import Sealer
+
+    f = plan["faults"][0]
+    who = f["who"]
+    pool = {"ghost": [f"ghost{plan['trial']}"], "evicted": sorted(ep.dead), "member": sorted(ep.members)}[who]
+    if not pool:
+        who, pool = "ghost", [f"ghost{plan['trial']}"]
+    rid = pool[min(int(f["pick"] * len(pool)), len(pool) - 1)]
+    members_before = set(ep.members)
+    held_key = decision_key(ep.committed) if ep.committed else INIT_RECORD_KEY
+    held_digest = doc_digest(ep.store.get(held_key))
+    request = JoinRequest(run_id=ep.run_id, receiver=rid, held_version=ep.committed, held_digest=held_digest)
+    mode = f["mode"]
+    genuine = [k for k in ep.store.list(JOIN_PREFIX) if k.endswith(".json")
+               and not k.rsplit("/", 1)[1].startswith("ghost")]
+    if mode == "renamed_genuine" and not genuine:
+        mode = "wrong_key"  # no receiver has written a request yet: nothing genuine to rename
+    if mode == "wrong_key":
+        data = request.to_json(Sealer(_secrets.token_bytes(32)))
+    elif mode == "unsigned":
+        data = request.to_json(None)
+    elif mode == "renamed_genuine":  # another receiver's genuine, signed request under this name
+        data = ep.store.get(sorted(genuine)[0])
+    elif mode == "hostile":
+        data = HOSTILE_DOCS["deep_nesting"]
+    else:  # oversize: over the 64 KiB cap
+        data = b" " * (65 << 10) + request.to_json(Sealer(_secrets.token_bytes(32)))
+    rec.update(target=rid, who=who, mode_used=mode)
+
+    def plant(v: int) -> None:
+        _moment(ep, v, f["at"])
+        ep.store.put(join_key(rid), data)
+
+    if f["at"] == "before_go":
+        ep.store.put(join_key(rid), data)
+    for i in range(2):  # a request planted during v is listed at v + 1
+        v, row, d = _pstep(ep, plan if i == 0 else {**plan, "faults": []}, rec,
+                           during=plant if i == 0 and f["at"] != "before_go" else None)
+        if row is None or d is None:
+            return
+        if rid in d.joined or (rid in d.receivers and rid not in members_before):
+            rec["violations"].append(f"v{v}: the forged join request admitted {rid}")
+        if set(d.receivers) != members_before:
+            rec["violations"].append(f"v{v}: members {sorted(d.receivers)}, before the forgery "
+                                     f"{sorted(members_before)}")
+        if not row["committed"]:
+            rec["failures"].append(f"v{v} did not commit after the forgery")
+    rec["detected"] = not any(e.get("joined") for e in rec["versions"])
 
 
 # ----------------------------------------------------------------------------- report
@@ -872,6 +1435,8 @@ def _row(r: dict) -> str:
     "none" control of a relay campaign) is a row of its own, ``<class>@relay``."""
     if r.get("topology", "store") == "relay" and r["cls"] not in RELAY_CLASSES:
         return f"{r['cls']}@relay"
+    if r.get("topology", "store") == "pipeline" and r["cls"] not in PIPELINE_CLASSES:
+        return f"{r['cls']}@pipeline"
     return r["cls"]
 
 
@@ -893,13 +1458,14 @@ def summarize(records: list[dict]) -> dict:
                 r["recovery_s"] = round(later["t_decided"] - r["t_go"], 3)
                 break
     by_class = {}
-    rows = [c for c in CLASSES] + [f"{c}@relay" for c in STORE_CLASSES]
+    rows = [c for c in CLASSES] + [f"{c}@relay" for c in STORE_CLASSES] + [f"{c}@pipeline" for c in STORE_CLASSES]
     for row in rows:
         rs = [r for r in records if _row(r) == row]
         if rs:
             by_class[row] = _class_summary(rs)
     classes = {c: {"trials": b["trials"], "silent_corruptions": b["silent"]} for c, b in by_class.items()}
     relay_rs = [r for r in records if r["cls"] in RELAY_CLASSES]
+    pipe_rs = [r for r in records if r.get("topology") == "pipeline"]
     return {
         "trials": len(records),
         # class -> {"trials", "silent_corruptions"} (the rest per class is in by_class)
@@ -908,6 +1474,10 @@ def summarize(records: list[dict]) -> dict:
         "hangs": sum(1 for r in records if r["hang"]),
         "relay_trials": len(relay_rs),
         "relay_silent_corruptions": sum(1 for r in relay_rs if r["silent"]),
+        "pipeline_trials": len(pipe_rs),
+        "pipeline_silent_corruptions": sum(1 for r in pipe_rs if r["silent"]),
+        # liveness checks that did not hold (pipelined epochs): not corruptions, counted apart
+        "failures": [f"trial {r['trial']} ({r['cls']}): {x}" for r in records for x in r.get("failures", ())][:50],
         "violations": [f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
         "epochs": len({_run_of(r) for r in records}),
         "wall_s": round(sum(r["duration_s"] for r in records), 1),
@@ -930,6 +1500,11 @@ def _class_summary(rs: list[dict]) -> dict:
         "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
         "modes": _modes(rs),
     }
+    if any(r.get("topology") == "pipeline" for r in rs):
+        out["failed"] = sum(1 for r in rs if r.get("failures"))
+        out["versions"] = sum(len(r.get("versions") or ()) for r in rs)
+        out["mean_duration_s"] = round(float(np.mean([r["duration_s"] for r in rs])), 3)
+        out["outcomes"] = _outcomes(rs)
     if any(r.get("topology") == "relay" for r in rs):
         # relay epochs: nodes that re-parented, relays that died unplanned, chunks served flipped
         out["reparented"] = sum(1 for r in rs if r.get("reparents"))
@@ -938,6 +1513,35 @@ def _class_summary(rs: list[dict]) -> dict:
         out["flipped_chunks"] = sum(r.get("flipped_chunks") or 0 for r in rs)
         out["mean_duration_s"] = round(float(np.mean([r["duration_s"] for r in rs])), 3)
     return out
+
+
+def _outcomes(rs: list[dict]) -> dict:
+    """What happened in the pipelined classes, counted: the killed version's fate and the
+    resume, where a death was evicted, when a joiner was admitted, what a forgery was."""
+    out: dict[str, int] = {}
+
+    def add(k: str) -> None:
+        out[k] = out.get(k, 0) + 1
+    for r in rs:
+        fate = r.get("fate")
+        if fate:
+            add(f"killed@{fate['at']}: decision={fate['decision']}, manifest={fate['manifest']}, "
+                f"resume={fate.get('resume')}")
+            if fate.get("receivers_tentative"):
+                add("receivers held the killed version tentatively, then rolled it back")
+        if r["cls"] == "receiver_dies":
+            ev = r.get("evicted_at")
+            add("evicted" if ev is not None else "not evicted")
+            if ev is not None:
+                add(f"evicted {ev - r['version']} versions after the death's")
+        if r["cls"] == "receiver_joins_midversion":
+            a = r.get("admitted_at")
+            add(f"admitted {a - r['version']} versions after the start" if a is not None else "not admitted")
+        if r["cls"] == "join_forged":
+            add(f"{r.get('mode_used')}@{r['faults'][0]['at']} for a {r.get('who')} id")
+        if r.get("redrawn_from"):
+            add(f"redrawn from {r['redrawn_from']}")
+    return dict(sorted(out.items()))
 
 
 def _modes(rs: list[dict]) -> dict:
@@ -1034,6 +1638,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in classes:
         if c not in CLASSES:
             ap.error(f"unknown class {c!r}")
+    if any(c in PIPELINE_CLASSES for c in classes) and not set(classes) <= set(PIPELINE_CLASSES + ("none",)):
+        ap.error(f"pipelined classes run in pipelined epochs (the trainer resumes from checkpoints, membership is "
+                 f"elastic): with them only none (got {args.classes})")
     if any(c in RELAY_CLASSES for c in classes) and not set(classes) <= set(RELAY_CLASSES + RELAY_EPOCH_CLASSES):
         ap.error(f"relay classes run in relay epochs, whose receivers read the upstream list without the store "
                  f"injectors: with them only {', '.join(RELAY_EPOCH_CLASSES)} (got {args.classes})")
@@ -1095,18 +1702,23 @@ def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
                 if ep is None:
                     ep = Epoch(work, epoch_index, moto, key_file, args.ack_timeout_s, args.seed,
                                relays=any(c in RELAY_CLASSES for c in classes), hop_timeout_s=args.hop_timeout_s,
-                               retry_after_s=args.retry_after_s)
+                               retry_after_s=args.retry_after_s,
+                               pipeline=any(c in PIPELINE_CLASSES for c in classes),
+                               elastic=any(c in ELASTIC_CLASSES for c in classes))
                     print(f"epoch {epoch_index}: trainer + receivers up in {ep.setup_s:.1f}s", file=sys.stderr)
                     epoch_index += 1
                 cls = choose_class(args.seed, t, args.schedule, classes)
-                rec, end = run_trial(ep, moto, make_plan(args.seed, t, cls), args.seed)
+                plan = make_plan(args.seed, t, cls)
+                rec, end = run_pipeline_trial(ep, plan, args.seed) if ep.pipeline else run_trial(ep, moto, plan,
+                                                                                                 args.seed)
                 rec["epoch_start"] = new_epoch
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 records.append(rec)
-                print(f"trial {t:4d} {cls:16s} v{rec['version']:<4d} {'commit' if rec['committed'] else 'abort '} "
+                print(f"trial {t:4d} {rec['cls']:16s} v{rec['version']:<4d} {'commit' if rec['committed'] else 'abort '} "
                       f"{rec['duration_s']:6.2f}s detected={int(rec['detected'])} "
-                      f"{'VIOLATION ' + '; '.join(rec['violations']) if rec['violations'] else ''}",
+                      f"{'VIOLATION ' + '; '.join(rec['violations']) if rec['violations'] else ''}"
+                      f"{'FAILED ' + '; '.join(rec['failures']) if rec.get('failures') else ''}",
                       file=sys.stderr, flush=True)
                 if end:
                     ep.close()

@@ -189,6 +189,8 @@ class FaultyStore:
             k = plan["kind"]
             if k == "kill" and plan["point"] == f"{kind}_put_before" and self.plans.once(plan, "kill"):
                 die()
+            if k == "hold" and plan["key_kind"] == kind:  # a slow writer: the version stays in flight
+                time.sleep(plan["hold_s"])
             if k == "store_error" and plan["op"] == "put" and plan["key_kind"] == kind \
                     and self._count(plan, "put") <= plan["times"]:
                 if plan.get("after_write"):
@@ -318,6 +320,8 @@ def receiver_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-store-faults", action="store_true",
                     help="read the store as opened, without FaultyStore (relay epochs: the faults are the relays', "
                          "and the receiver's chunk reads must reach the upstream list's verified fetch)")
+    ap.add_argument("--join", action="store_true",
+                    help="elastic membership: ask to join (the product's Follower.join, as nemo-dcr receive --join)")
     args = ap.parse_args(argv)
 
     from nemo_dcr.protocol.manifest import HEAD_KEY, Head
@@ -351,6 +355,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
                              state_dir=args.state_dir, init_dir=args.init_dir, timeout_s=120, durable_journal=True,
                              wrap_served=wrap, before_fetch=before_fetch)
     rx, follower = session.receiver, session.follower
+    follower.join = args.join
     run_id = session.run_id
     os.makedirs(args.dir, exist_ok=True)
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
@@ -384,7 +389,8 @@ def receiver_main(argv: list[str] | None = None) -> int:
             _write_json(os.path.join(args.dir, "status.json"),
                         {"req": req, "committed": st.committed, "tentative": st.tentative,
                          "awaiting": st.awaiting, "handled": st.handled, "decided": st.decided,
-                         "held_version": rx.held_version, "journal_active": rx.journal.active, "dump": dump})
+                         "held_version": rx.held_version, "journal_active": rx.journal.active, "dump": dump,
+                         "member": follower.member})
             answered = req
             continue
         if not progressed:

@@ -1,0 +1,100 @@
+"""Pipelined-refit and elastic-membership classes of the fault campaign
+(``scripts/fault_campaign.py --classes pipeline``): the plans, the class checks, the driver's
+kill of every trainer rank, and one pipelined epoch (the real trainer under torchrun/gloo
+with ``refit.pipeline=true``, elastic membership and a checkpoint at every committed step,
+receivers that die and join, moto S3) with every new class once, checked bit for bit."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from campaign_helpers import load_campaign
+
+
+def _campaign():
+    return load_campaign()
+
+
+def test_pipeline_plans_and_class_group():
+    fc = _campaign()
+    assert set(fc.CLASS_GROUPS["pipeline"]) == {"none", *fc.PIPELINE_CLASSES}
+    seen_at = set()
+    for t in range(60):
+        for cls in fc.PIPELINE_CLASSES:
+            plan = fc.make_plan(4, t, cls)
+            assert plan == fc.make_plan(4, t, cls)
+            assert plan["faults"][0]["target"] == "driver"
+        kill = fc.make_plan(4, t, "trainer_kill_inflight")["faults"]
+        seen_at.add(kill[0]["at"])
+        # the decision is held (the version stays in flight) unless the kill waits for the decision
+        assert any(f["kind"] == "hold" and f["target"] == "rank0" for f in kill) == (kill[0]["at"] != "decision")
+    assert seen_at == set(fc.KILL_MOMENTS)
+    with pytest.raises(SystemExit):  # pipelined epochs take no store or relay class but the control
+        fc.main(["--classes", "trainer_kill_inflight,chunk_tamper", "--report-only", "--results", os.devnull])
+
+
+def test_descendants_finds_a_detached_grandchild():
+    """The trainer ranks run in sessions of their own, out of torchrun's process group: the
+    driver finds them through /proc (control: a process outside the tree is not listed)."""
+    fc = _campaign()
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while len(fc._descendants(parent.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = fc._descendants(parent.pid)
+        assert len(below) == 1 and outsider.pid not in below
+        grandchild = below[0]
+        # (caught between fork and setsid it is still in the parent's group: wait for the setsid)
+        while os.getpgid(grandchild) == os.getpgid(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.getpgid(grandchild) != os.getpgid(parent.pid)  # killpg of the parent would miss it
+        os.kill(grandchild, 9)
+        deadline = time.monotonic() + 10
+        while fc._pid_alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not fc._pid_alive(grandchild) and fc._pid_alive(outsider.pid)
+    finally:
+        for p in (parent, outsider):
+            p.kill()
+            p.wait()
+
+
+# explicit: the campaign is a script loaded at run time (tests/conftest.py's auto-marker cannot
+# follow it); it starts torchrun trainers, receivers and a moto server
+@pytest.mark.spawns
+def test_pipeline_campaign(tmp_path):
+    fc = _campaign()
+    schedule = ["trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged"]
+    results, out = tmp_path / "r.jsonl", tmp_path / "s.json"
+    rc = fc.main(["--trials", str(len(schedule)), "--seed", "3", "--schedule", "list", "--ack-timeout-s", "8",
+                  "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
+                  "--work", str(tmp_path / "work")])
+    summary = json.loads(out.read_text())
+    assert summary["violations"] == [], summary["violations"]
+    assert summary["failures"] == [], summary["failures"]
+    assert summary["silent_corruptions"] == 0 and summary["hangs"] == 0 and rc == 0
+    assert summary["pipeline_trials"] == 4
+    assert summary["classes"] == {c: {"trials": 1, "silent_corruptions": 0} for c in schedule}
+    recs = {r["cls"]: r for r in map(json.loads, results.read_text().splitlines())}
+    kill = recs["trainer_kill_inflight"]
+    # seed 3, trial 0: killed once every receiver's ack of v is out, its decision held: v was in flight
+    assert kill["fate"]["at"] == "acks" and kill["fate"]["decision"] is None and kill["fate"]["manifest"]
+    assert kill["fate"]["resume"] == "ok" and kill["fate"]["next_version"] > kill["fate"]["in_use"] >= kill["version"]
+    assert kill["committed"] and kill["versions"][-1]["version"] >= kill["fate"]["next_version"]
+    dies = recs["receiver_dies"]
+    assert dies["evicted_at"] is not None
+    evicting = next(e for e in dies["versions"] if e["version"] == dies["evicted_at"])
+    assert evicting["evicted"] == [dies["target"]] and dies["target"] not in evicting["members"]
+    assert dies["versions"][-1]["committed"]
+    join = recs["receiver_joins_midversion"]
+    assert join["started_in_flight"] and join["admitted_at"] > join["version"]
+    assert join["target"] in join["versions"][-1]["members"] and join["versions"][-1]["committed"]
+    forged = recs["join_forged"]
+    assert not any(e["joined"] for e in forged["versions"]) and all(e["committed"] for e in forged["versions"])
