@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--name", default="join", help="output files OUT/NAME.json and OUT/NAME.png")
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT/NAME.png from OUT/NAME.json")
     a = ap.parse_args(argv)
     a.versions = _ints(a.versions, "--versions")
     a.patterns = [p for p in a.patterns.split(",") if p]
@@ -369,7 +370,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     for pattern, marker in zip(PATTERNS, ("o", "s")):
         rs = [r for r in rows if r["pattern"] == pattern]
         if not rs:
@@ -378,12 +379,15 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         axes[0].plot(ns, [r["total_s"] for r in rs], marker + "-", label=f"{pattern}: total")
         axes[0].plot(ns, [r["start_s"] for r in rs], marker + ":", label=f"{pattern}: start (v0 loaded)")
         axes[1].plot(ns, [r["catchup_s"] for r in rs], marker + "-", label=pattern)
+        axes[2].plot(ns, [r["cpu_s"] for r in rs], marker + "-", label=pattern)
     first = [r for r in rows if r["versions"] == rows[0]["versions"]]
     if first:
         goal = 1.5 * statistics.median(r["total_s"] for r in first)
         axes[0].axhline(goal, color="grey", lw=0.8, ls="--", label="1.5x total at first N")
     axes[0].set_ylabel("seconds (median)")
     axes[1].set_ylabel("catch-up seconds (median)")
+    axes[2].set_ylabel("receiver process CPU seconds (median)")
+    axes[2].set_ylim(bottom=0)
     for ax in axes:
         ax.set_xlabel("committed version N at join")
         ax.legend(fontsize=7)
@@ -395,10 +399,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parse_args(argv)
-        return run(a)
+        return replot(a) if a.replot else run(a)
     except BenchError as e:
         print(f"bench_join: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+def title(out: dict) -> str:
+    return (f"fresh receiver joining at version N, {out['params'] / 1e6:.0f}M params, "
+            f"{out['changed_per_version']:.0%} changed/version")
+
+
+def replot(a: argparse.Namespace) -> int:
+    with open(os.path.join(a.out, f"{a.name}.json")) as f:
+        out = json.load(f)
+    plot(out["rows"], os.path.join(a.out, f"{a.name}.png"), title(out))
+    return 0
 
 
 def run(a: argparse.Namespace) -> int:
@@ -448,8 +464,7 @@ def run(a: argparse.Namespace) -> int:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
             json.dump(out, f, indent=1)
-        plot(rows, os.path.join(a.out, f"{a.name}.png"),
-             f"fresh receiver joining at version N, {numel / 1e6:.0f}M params, {a.changed:.0%} changed/version")
+        plot(rows, os.path.join(a.out, f"{a.name}.png"), title(out))
         ok = all(r["bit_exact"] and r["negative_control_detected"] for r in rows)
         return 0 if ok else 1
     finally:

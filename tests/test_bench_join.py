@@ -79,3 +79,11 @@ def test_tiny_run_writes_its_json_with_the_check(bench, tmp_path):
     assert 0.03 < row["union_changed_frac"] < 0.2
     assert row["bit_exact"] is True and row["negative_control_detected"] is True and row["mismatched"] == []
     assert row["tensors"] > 0 and row["total_vs_first"] == 1.0
+
+
+def test_replot_redraws_from_the_json(bench, tmp_path):
+    rows = [{"pattern": p, "versions": n, "start_s": 10.0, "catchup_s": 0.3 * n, "total_s": 10 + 0.3 * n,
+             "cpu_s": 8 + 0.2 * n} for p in ("independent", "concentrated") for n in (1, 10)]
+    (tmp_path / "join.json").write_text(json.dumps({"params": 1000, "changed_per_version": 0.03, "rows": rows}))
+    assert bench.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "join.png").stat().st_size > 0
