@@ -1,8 +1,8 @@
 """The trainer's pause with the refit off, synchronous and pipelined, over a rate-limited
 link and unshaped (issue 18).
 
-    sudo .venv/bin/python scripts/bench_pipeline.py [--links 50,unshaped] [--steps 4]
-        [--lr 2.4e-6] [--micro-batches 4] [--model link|small|tiny] [--out-dir benchmarks/results]
+    sudo .venv/bin/python scripts/bench_pipeline.py [--links 50,unshaped] [--steps 3]
+        [--lr 2.4e-6] [--micro-batches 1] [--model link|small|tiny] [--out-dir benchmarks/results]
         [hydra overrides for nemo_dcr/configs/demo.yaml ...]
 
 Needs root (network namespace, ``tc``); refuses to run otherwise.  The topology is
@@ -107,10 +107,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--links", default="50,unshaped", help="link rates in Mbit/s (each direction) or 'unshaped'")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per phase (after one lead-in step)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per phase (after one lead-in step)")
     ap.add_argument("--lr", type=float, default=2.4e-6, help="learning rate (~3%% of BF16 elements change per "
                     "step on the link model)")
-    ap.add_argument("--micro-batches", type=int, default=4, help="train.num_microbatches: the compute per step")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="train.num_microbatches: the compute per step (on CPU one BF16 micro-batch of the link "
+                         "model already takes tens of seconds)")
     ap.add_argument("--model", choices=sorted(MODELS), default="link")
     ap.add_argument("--setup-mbit", type=float, default=10000.0,
                     help="link rate for version 0, the verification and 'unshaped'")
@@ -118,6 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-timeout-s", type=float, default=900.0, help="limit on any one phase")
     ap.add_argument("--out-dir", default=RESULTS, help="where pipeline.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and phase rows (default runs/pipeline/<date-time>)")
+    ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR",
+                    help="run nothing: write the results of the phases a run in RUN_DIR finished")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml")
     args = ap.parse_args(argv)
     args.links = parse_links(args.links)
@@ -401,7 +405,36 @@ def _main(args) -> int:
             run.cleanup()
         finally:
             restore()
+    link = {"namespace": run.link.ns, "host_if": run.link.host_if, "ns_if": run.link.ns_if,
+            "host_addr": run.link.host_addr, "ns_addr": run.link.ns_addr}
+    return write_results(args, cfg, out, {"git": git, "loadavg_start": load0, "link": link, "run_dir": run_dir})
 
+
+def summarize_run(args) -> int:
+    """``--summarize-run DIR``: the results of a run from its directory (config, go/ plans,
+    phases.jsonl), e.g. of a run stopped before its last phase: the phases it finished."""
+    from nemo_dcr.testbed.config import DemoConfig
+
+    run_dir = os.path.abspath(args.summarize_run)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = DemoConfig.from_dict(json.load(f))
+    rows = _read_rows(os.path.join(run_dir, "phases.jsonl"))
+    if not any(r["kind"] == "run" for r in rows):
+        raise BenchError(f"{run_dir}: no finished phase in phases.jsonl", 2)
+    plan = []
+    for n in range(len(rows)):
+        with open(os.path.join(run_dir, "go", f"{n}.json")) as f:
+            plan.append(json.load(f))
+    args.lr = next(p["lr"] for p in plan if p["kind"] == "run")
+    args.steps = next(p["steps"] for p in plan if p["kind"] == "run") - 1
+    out = {"rows": rows, "plan": plan, "probes": None, "wall_s": None}
+    return write_results(args, cfg, out, {"git": _git_state(), "loadavg_start": None, "link": None,
+                                          "run_dir": run_dir, "summarized_from_run_dir": True})
+
+
+def write_results(args, cfg, out: dict, extra: dict) -> int:
+    """``pipeline.{json,png}`` and the table, from the phase rows of a run."""
+    load0 = extra["loadavg_start"]
     cases, verification = [], []
     for p, row in zip(out["plan"], out["rows"]):
         if row["kind"] == "run":
@@ -417,13 +450,13 @@ def _main(args) -> int:
         "meta": {
             "command": shlex.join([sys.executable, *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "git": git,
-            "machine": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load0],
+            "git": extra["git"],
+            "summarized_from_run_dir": extra.get("summarized_from_run_dir", False),
+            "machine": {"cpus": os.cpu_count(), "loadavg_start": load0 and [round(x, 2) for x in load0],
                         "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
             "topology": "scripts/bench_refit_link.py's: moto_server in a network namespace behind a veth pair "
                         "shaped with htb on both ends; trainer (TP=2, gloo on lo) and receiver in the root namespace",
-            "link": {"namespace": run.link.ns, "host_if": run.link.host_if, "ns_if": run.link.ns_if,
-                     "host_addr": run.link.host_addr, "ns_addr": run.link.ns_addr},
+            "link": extra["link"],
             "link_probe": out["probes"],
             "unshaped_means": f"link_mbit null: htb left at --setup-mbit={args.setup_mbit:g} Mbit/s",
             "model": {**cfg.to_dict()["model"], "canonical_params": numel},
@@ -432,7 +465,7 @@ def _main(args) -> int:
             "tp": cfg.parallel.tensor_model_parallel_size, "receivers": cfg.refit.receivers,
             "upload_workers": cfg.refit.upload_workers, "chunk_bytes": cfg.refit.chunk_bytes,
             "timed_steps_per_case": args.steps, "lead_in_steps_per_case": 1, "overrides": args.overrides,
-            "wall_s": round(out["wall_s"], 1), "run_dir": run_dir, "goal": f"pipelined pause_s <= {GOAL:g} x "
+            "wall_s": out["wall_s"] and round(out["wall_s"], 1), "run_dir": extra["run_dir"], "goal": f"pipelined pause_s <= {GOAL:g} x "
                                                                           "diff_project_s where the link is slow",
             "verification": {
                 "bit_exact": f"{sum(v['bit_exact'] for v in verification)}/{len(verification)}",
@@ -465,7 +498,7 @@ def _main(args) -> int:
         json.dump(result, f, indent=1)
     print_table(cases)
     plot(cases, os.path.join(args.out_dir, "pipeline.png"))
-    _progress(f"wrote {json_path} and pipeline.png ({out['wall_s']:.0f}s)")
+    _progress(f"wrote {json_path} and pipeline.png" + (f" ({out['wall_s']:.0f}s)" if out["wall_s"] else ""))
     return 0
 
 
@@ -474,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parse_args(argv)
-        return _main(args)
+        return summarize_run(args) if args.summarize_run else _main(args)
     except BenchError as e:
         _progress(f"error: {e}")
         return e.exit_code

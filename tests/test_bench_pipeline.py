@@ -36,7 +36,7 @@ def bench():
 
 def test_defaults(bench):
     a = bench.parse_args([])
-    assert a.links == [50.0, None] and a.steps == 4 and a.model == "link" and a.micro_batches == 4
+    assert a.links == [50.0, None] and a.steps == 3 and a.model == "link" and a.micro_batches == 1
 
 
 def test_links(bench):

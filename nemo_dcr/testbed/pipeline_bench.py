@@ -73,6 +73,9 @@ def _run_phase(trainer, hook, plan: dict, state: dict) -> dict:
         t1 = time.monotonic()
         local.append({"step": result.step, "loss": result.loss, "t_start": t0, "step_s": t1 - t0,
                       "hook_s": state["hook_s"], "version": state["published"]})
+        if dist.get_rank() == 0:  # progress in the trainer's log
+            print(f"pipeline_bench: {mode} step {result.step}: {t1 - t0:.2f}s, hook {state['hook_s']:.2f}s",
+                  file=sys.stderr, flush=True)
     t0 = time.monotonic()
     if mode == "pipelined":
         last = hook.finish()
