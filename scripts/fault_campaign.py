@@ -1339,15 +1339,25 @@ def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
     rid = f"j{ep.joins}"
     rec["target"] = rid
 
+    started: list[ReceiverProc] = []
+
     def start(v: int) -> None:
         _moment(ep, v, f["at"])
         rec["started_in_flight"] = ep.row(v) is None
-        ep.receivers[rid] = ReceiverProc(ep, rid, join=True)
+        started.append(ReceiverProc(ep, rid, join=True))
 
     v, row, d = _pstep(ep, plan, rec, during=start)
     admitted = None
-    if row is not None and rid in ep.receivers:
-        Epoch.wait_ready(ep.receivers[rid], time.monotonic(), timeout=240)
+    if row is not None and started:
+        # checked with the others once it is up (its start takes minutes on a loaded machine,
+        # longer than a settle may take)
+        try:
+            Epoch.wait_ready(started[0], time.monotonic(), timeout=300)
+        except RuntimeError as e:
+            started[0].close()
+            rec["failures"].append(f"{rid} did not start: {str(e)[:200]}")
+            return
+        ep.receivers[rid] = started[0]
         for _ in range(4):
             w, row, d = _pstep(ep, {**plan, "faults": []}, rec)
             if row is None or d is None:
