@@ -9,7 +9,10 @@ to and act only when the plan names this process (``target``: ``r0``, ``r1``,
 ``rank0``, ``rank1``); in a relay epoch the receivers read their upstream list without
 :class:`FaultyStore` (``--no-store-faults``: the faults are the relays', see
 ``nemo_dcr/testbed/relay_faults.py``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
-(at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``.
+(at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``
+(``hold``: a trainer rank sleeps before a put, so a pipelined version stays in flight
+while the driver kills the ranks).  ``--join`` makes a receiver ask to become a member
+(elastic membership: the product's ``Follower.join``, as ``nemo-dcr receive --join``).
 
 :func:`receiver_main` (``python -m nemo_dcr.testbed.faults``) is ``nemo-dcr receive`` for
 the transformers runtime, built by the product's ``build_receiver`` with both wrappers
