@@ -1400,8 +1400,13 @@ def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
     held_digest = doc_digest(ep.store.get(held_key))
     request = JoinRequest(run_id=ep.run_id, receiver=rid, held_version=ep.committed, held_digest=held_digest)
     mode = f["mode"]
-    genuine = [k for k in ep.store.list(JOIN_PREFIX) if k.endswith(".json")
-               and not k.rsplit("/", 1)[1].startswith("ghost")]
+    genuine = []  # requests that open with the key (earlier forgeries may sit under join.d/ too)
+    for k in ep.store.list(JOIN_PREFIX):
+        try:
+            if JoinRequest.from_json(ep.store.get(k), _sealer()).receiver != rid:
+                genuine.append(k)
+        except Exception:  # noqa: BLE001 - a forgery or a hostile document: not genuine
+            pass
     if mode == "renamed_genuine" and not genuine:
         mode = "wrong_key"  # no receiver has written a request yet: nothing genuine to rename
     if mode == "wrong_key":
