@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-timeout-s", type=float, default=900.0, help="limit on any one phase")
     ap.add_argument("--out-dir", default=RESULTS, help="where pipeline.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and phase rows (default runs/pipeline/<date-time>)")
-    ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR",
-                    help="run nothing: write the results of the phases a run in RUN_DIR finished")
+    ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR[,RUN_DIR...]",
+                    help="run nothing: write the results of the phases the runs in RUN_DIR finished")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml")
     args = ap.parse_args(argv)
     args.links = parse_links(args.links)
@@ -411,25 +411,33 @@ def _main(args) -> int:
 
 
 def summarize_run(args) -> int:
-    """``--summarize-run DIR``: the results of a run from its directory (config, go/ plans,
-    phases.jsonl), e.g. of a run stopped before its last phase: the phases it finished."""
+    """``--summarize-run DIR[,DIR...]``: the results of runs from their directories (config,
+    go/ plans, phases.jsonl) -- the phases each finished, e.g. of a run stopped before its
+    last phase -- as one set of cases, in the order given (same model and settings)."""
     from nemo_dcr.testbed.config import DemoConfig
 
-    run_dir = os.path.abspath(args.summarize_run)
-    with open(os.path.join(run_dir, "config.json")) as f:
+    run_dirs = [os.path.abspath(d) for d in args.summarize_run.split(",") if d.strip()]
+    rows, plan, cfgs = [], [], []
+    for run_dir in run_dirs:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            raw = json.load(f)
+        cfgs.append({k: raw[k] for k in ("model", "train", "parallel")})
+        mine = _read_rows(os.path.join(run_dir, "phases.jsonl"))
+        if not any(r["kind"] == "run" for r in mine):
+            raise BenchError(f"{run_dir}: no finished phase in phases.jsonl", 2)
+        for n in range(len(mine)):
+            with open(os.path.join(run_dir, "go", f"{n}.json")) as f:
+                plan.append(json.load(f))
+        rows += mine
+    if any(c != cfgs[0] for c in cfgs):
+        raise BenchError("--summarize-run: the runs differ in model, train or parallel settings", 2)
+    with open(os.path.join(run_dirs[0], "config.json")) as f:
         cfg = DemoConfig.from_dict(json.load(f))
-    rows = _read_rows(os.path.join(run_dir, "phases.jsonl"))
-    if not any(r["kind"] == "run" for r in rows):
-        raise BenchError(f"{run_dir}: no finished phase in phases.jsonl", 2)
-    plan = []
-    for n in range(len(rows)):
-        with open(os.path.join(run_dir, "go", f"{n}.json")) as f:
-            plan.append(json.load(f))
     args.lr = next(p["lr"] for p in plan if p["kind"] == "run")
     args.steps = next(p["steps"] for p in plan if p["kind"] == "run") - 1
     out = {"rows": rows, "plan": plan, "probes": None, "wall_s": None}
     return write_results(args, cfg, out, {"git": _git_state(), "loadavg_start": None, "link": None,
-                                          "run_dir": run_dir, "summarized_from_run_dir": True})
+                                          "run_dir": run_dirs, "summarized_from_run_dir": True})
 
 
 def write_results(args, cfg, out: dict, extra: dict) -> int:
