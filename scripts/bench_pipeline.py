@@ -200,9 +200,9 @@ def plot(cases: list[dict], path: str) -> None:
         mine = {link_label(c["link_mbit"]): c for c in cases if c["mode"] == mode}
         xs = [i + (j - 1) * width for i in range(len(links))]
         for ax, key in zip(axes, ("step_s", "pause_s")):
-            vals = [(mine[lk][key] or 0.0) if lk in mine else 0.0 for lk in links]
-            ax.bar(xs, vals, width, color=f"C{j}", label=mode)
-            for x, v in zip(xs, vals):
+            pts = [(x, mine[lk][key] or 0.0) for x, lk in zip(xs, links) if lk in mine]  # a case not run: no bar
+            ax.bar([x for x, _ in pts], [v for _, v in pts], width, color=f"C{j}", label=mode)
+            for x, v in pts:
                 ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=7)
     for i, lk in enumerate(links):
         dp = [c["diff_project_s"] for c in cases if link_label(c["link_mbit"]) == lk and c["mode"] == "pipelined"]
