@@ -81,7 +81,9 @@ class PublishStats:
     evicted: tuple[str, ...] = ()
     """Receivers evicted at this version (elastic membership; rank 0)."""
     pause_s: float = 0.0
-    """How long the hook call that published this version held this rank's training loop."""
+    """How long the call that published this version held the training loop: pipelined
+    (``submit``), its settle of the previous version plus the diff and projection, the
+    slowest rank's on rank 0; synchronous (``refit``), the whole refit, this rank's."""
     refit_s: float = 0.0
     """Wall time from the start of the diff to the decision, on this rank."""
 
@@ -421,9 +423,12 @@ class RefitSender:
         while uploading, a crash in encoding) aborts the version on every rank instead of
         leaving peers in a collective.  The returned stats are totals on rank 0.
         """
+        t0 = time.perf_counter()
         self.submit(version, before_manifest=before_manifest)
         stats = self.settle()
         assert stats is not None
+        # the loop was held until the decision (every rank waits for the same broadcast)
+        stats.pause_s = time.perf_counter() - t0
         return stats
 
     def submit(self, version: int, *, before_manifest=None) -> PublishStats | None:

@@ -162,3 +162,17 @@ def test_the_background_work_runs_while_the_loop_goes_on(tmp_path, key):
     assert sender.finish().committed
     rx.join()
     assert _bit_exact(rx.runtime.bits["canon.w"], w)
+
+
+def test_a_synchronous_refit_reports_the_whole_refit_as_its_pause(tmp_path, key):
+    rng = np.random.default_rng(7)
+    w = torch.randn(16, 16).to(torch.bfloat16)
+    sender, store = _sender(tmp_path, {"w": w}, key)
+    rx = Rx("r0", store, key, sender.run_id, w)
+    gate = threading.Timer(0.5, lambda: rx.start(until=1))  # the ack cannot come before 0.5 s
+    gate.start()
+    _step(w, rng)
+    stats = sender.refit(1)
+    gate.join()
+    rx.join()
+    assert stats.committed and stats.pause_s >= 0.5 and stats.pause_s >= stats.commit_wait_s
