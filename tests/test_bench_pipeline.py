@@ -122,3 +122,34 @@ def test_tiniest_run_writes_every_case_and_checks_bit_exactness(tmp_path):
     assert meta["link"]["namespace"] not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                            text=True).stdout
     assert subprocess.run(["ip", "link", "show", meta["link"]["host_if"]], capture_output=True).returncode != 0
+
+
+def test_summarize_run_writes_the_finished_phases(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "_git_state", lambda: None)  # no `git` subprocess here
+    from nemo_dcr.testbed.config import load_demo_config
+
+    run = tmp_path / "run"
+    (run / "go").mkdir(parents=True)
+    cfg = load_demo_config(["model.num_layers=1", f"run_dir={run}", "refit.verify_dense=false"])
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    steps = [{"step": s, "loss": 1.0, "t_start": float(s), "version": s, "step_s": 2.0, "pause_s": 0.3,
+              "step_s_ranks": [2.0, 1.9], "pause_s_ranks": [0.3, 0.2], "stats": _stats(s, 0.1, 0.1)} for s in (1, 2)]
+    plans = [{"kind": "run", "mode": "pipelined", "steps": 2, "lr": 1e-5, "link_mbit": 50.0},
+             {"kind": "verify", "link_mbit": 50.0}, {"kind": "run", "mode": "off", "steps": 2, "lr": 1e-5,
+                                                     "link_mbit": None}]
+    rows = [{"kind": "run", "plan": plans[0], "mode": "pipelined", "steps": steps, "finish_s": 0.5,
+             "canonical_numel": 1000, "committed_version": 2},
+            {"kind": "verify", "plan": plans[1], "version": 2, "dense": {"verify": [
+                {"receiver": "r0", "bit_exact": True, "compared": 3, "summary": "3 tensors bit-identical",
+                 "negative_control": "detected"}]}}]
+    for n, p in enumerate(plans):  # the third phase was started but never finished
+        (run / "go" / f"{n}.json").write_text(json.dumps(p))
+    (run / "phases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert bench.main(["--summarize-run", str(run), "--out-dir", str(out)]) == 0
+    d = json.loads((out / "pipeline.json").read_text())
+    (case,) = d["cases"]
+    assert case["mode"] == "pipelined" and case["link_mbit"] == 50.0 and case["steps_n"] == 1
+    assert d["meta"]["summarized_from_run_dir"] and d["meta"]["verification"]["bit_exact"] == "1/1"
+    assert d["meta"]["timed_steps_per_case"] == 1 and (out / "pipeline.png").stat().st_size > 0
+    assert bench.main(["--summarize-run", str(tmp_path / "missing"), "--out-dir", str(out)]) != 0
