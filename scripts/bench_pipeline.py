@@ -422,7 +422,7 @@ def summarize_run(args) -> int:
         with open(os.path.join(run_dir, "config.json")) as f:
             raw = json.load(f)
         cfgs.append({k: raw[k] for k in ("model", "train", "parallel")})
-        mine = _read_rows(os.path.join(run_dir, "phases.jsonl"))
+        mine = [{**r, "run_dir": run_dir} for r in _read_rows(os.path.join(run_dir, "phases.jsonl"))]
         if not any(r["kind"] == "run" for r in mine):
             raise BenchError(f"{run_dir}: no finished phase in phases.jsonl", 2)
         for n in range(len(mine)):
@@ -447,8 +447,10 @@ def write_results(args, cfg, out: dict, extra: dict) -> int:
     for p, row in zip(out["plan"], out["rows"]):
         if row["kind"] == "run":
             cases.append(case_entry(row, p["link_mbit"]))
+            if "run_dir" in row:  # --summarize-run: which run a case comes from (the plot shows the last)
+                cases[-1]["run_dir"] = row["run_dir"]
         else:
-            verification.append({"link_mbit": p["link_mbit"], "version": row["version"],
+            verification.append({"link_mbit": p["link_mbit"], "version": row["version"], "run_dir": row.get("run_dir"),
                                  "bit_exact": all(v["bit_exact"] for v in row["dense"]["verify"]),
                                  "receivers": [{k: v.get(k) for k in ("receiver", "bit_exact", "compared", "summary",
                                                                       "negative_control")}
