@@ -110,7 +110,7 @@ def test_tiniest_run_writes_every_case_and_checks_bit_exactness(tmp_path):
     off, sync, pipe = d["cases"]
     assert off["pause_s"] == 0.0 and off["diff_project_s"] is None
     for c in (sync, pipe):
-        assert c["committed"] == "2/2" and c["pause_s"] > 0 and c["diff_project_s"] > 0
+        assert c["committed"] == "1/1" and c["pause_s"] > 0 and c["diff_project_s"] > 0  # the timed refit
         assert c["pause_over_diff_project"] == pytest.approx(c["steps"][1]["pause_s"] / c["steps"][1]["diff_project_s"])
     assert isinstance(pipe["goal_met"], bool)
     v = meta["verification"]
