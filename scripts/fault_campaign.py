@@ -1460,7 +1460,8 @@ def _run_of(r: dict) -> tuple[str, int]:
 
 
 def summarize(records: list[dict]) -> dict:
-    records = sorted(records, key=lambda r: (r.get("topology", "store") == "relay", r["trial"]))
+    # grouped by campaign (each numbers its trials from 0), so a fault's recovery is looked for in its own run
+    records = sorted(records, key=lambda r: (r.get("topology", "store"), r["trial"]))
     # recovery: fault -> the next committed version of the same epoch (this one included)
     for i, r in enumerate(records):
         r["recovery_s"] = None
