@@ -28,6 +28,20 @@ class Baseline:
         self._staged: dict[str, XorDiff] = {}
         self.version = version
 
+    def reset(self, params: Mapping[str, torch.Tensor], *, version: int) -> None:
+        """Take the committed bits from ``params`` again (into the same host buffers) and
+        drop anything staged: a run starts, or resumes, from the weights the parameters hold
+        at that moment, not from whatever they held when the baseline was built."""
+        if list(params) != list(self._bits):
+            raise ValidationError(f"reset with other parameters: {sorted(set(params) ^ set(self._bits))[:4]}")
+        for name, p in params.items():
+            host = self._bits[name]
+            if p.dtype != host.dtype or tuple(p.shape) != tuple(host.shape):
+                raise ValidationError(f"{name}: {p.dtype}{tuple(p.shape)} vs baseline {host.dtype}{tuple(host.shape)}")
+            host.copy_(p.detach())
+        self._staged.clear()
+        self.version = version
+
     def names(self) -> list[str]:
         return list(self._bits)
 

@@ -252,7 +252,11 @@ class RefitSender:
         if error is not None:
             raise ProtocolError(f"cannot start the run: {error}")
         self.run_id = run_id
-        self.baseline.version = committed
+        # the committed bits are what the parameters hold now: a new run's version 0 is
+        # exported from them, a resumed run's weights were restored into them (possibly after
+        # this sender was built, e.g. a framework loading its checkpoint after the callback
+        # attached): a baseline kept from construction would diff against the wrong bits
+        self.baseline.reset(self.params, version=committed)
         self.committed_digest = digest
         self._floor = floor
         if _rank() == 0:

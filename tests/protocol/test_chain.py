@@ -198,3 +198,29 @@ def test_a_head_that_does_not_extend_the_receivers_commit_is_refused_and_it_serv
     ack = Ack.from_json(store.get(ack_key("r0", 8)), sealer)
     assert not ack.ok and "is another v3" in ack.error
     np.testing.assert_array_equal(rx.w, held)
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_a_resume_takes_the_baseline_from_the_weights_restored_after_construction(tmp_path, key, context):
+    """A framework may build the refit before it restores the checkpoint's weights: the
+    resumed run must diff against the restored (committed) bits, not the initial ones.
+    (Found by the fault campaign: context-free records then committed wrong bits silently.)"""
+    rng = np.random.default_rng(0)
+    w0 = torch.randn(64, 32).to(torch.bfloat16)
+    w = w0.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=512, context=context)
+    rx = Rx("r0", store, key, sender.run_id, w0).start(until=2)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    state, ckpt = sender.run_state(), w.clone()
+    w2 = w0.clone()  # a restarted job: fresh-init weights, the refit built on them...
+    again = RefitSender({"w": w2}, sender.views, sender.projector, store, sender.cfg)
+    w2.copy_(ckpt)  # ...then the checkpoint restored into them
+    again.claim(resume=state)
+    _step(w2, rng)
+    stats = again.refit(2)
+    rx.join()
+    assert stats.committed and np.array_equal(rx.runtime.bits["canon.w"], bits_of(w2))
+    flipped = rx.runtime.bits["canon.w"].copy()
+    flipped[0] ^= 1  # control
+    assert not np.array_equal(flipped, bits_of(w2))
