@@ -4,28 +4,19 @@ joining at version 6 through a composed catch-up) whose JSON must have its shape
 the check ran and caught the flipped bit."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from script_module import script_module
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_join.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_join", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("bench_join") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_defaults(bench):

@@ -6,7 +6,6 @@ without them; it checks the JSON's shape and that the bit-exact check (with its 
 control) ran and passed."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from script_module import script_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_pipeline.py"
@@ -24,14 +24,8 @@ CASE_FIELDS = ("mode", "link_mbit", "pause_s", "step_s", "diff_project_s", "paus
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("bench_pipeline") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_defaults(bench):

@@ -3,28 +3,19 @@ counters, the stats deltas, the hop summary and the bit-exact check with its neg
 control.  The benchmark itself needs root and network namespaces and is not run here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
+from script_module import script_module
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_relay_link.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_relay_link", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("bench_relay_link") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 # ---------------------------------------------------------------- arguments
