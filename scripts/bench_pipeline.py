@@ -37,13 +37,12 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-from nemo_dcr.testbed.linkbench import BenchError, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 from nemo_dcr.testbed.linkbench import sh as _sh
 from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
@@ -353,26 +352,9 @@ def _run_class():
     return Run
 
 
-def _git_state() -> dict | None:
-    try:
-        head = _sh("git", "-C", ROOT, "rev-parse", "--short", "HEAD").strip()
-        status = _sh("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
-    except (BenchError, OSError):
-        return None
-    return {"head": head, "modified": [ln[3:] for ln in status.splitlines()]}
-
-
 def _main(args) -> int:
-    if os.geteuid() != 0:
-        raise BenchError("needs root (network namespace, veth pair, tc shaping); run it with sudo", 2)
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise BenchError(f"`{tool}` (iproute2) not found on PATH", 2)
-    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "moto_server")):
-        raise BenchError(f"moto_server not found next to {sys.executable} (pip install 'moto[server]')", 2)
-    run_dir = os.path.abspath(args.run_dir or os.path.join(ROOT, "runs", "pipeline", time.strftime("%Y%m%d-%H%M%S")))
-    if os.path.exists(run_dir) and os.listdir(run_dir):
-        raise BenchError(f"run dir {run_dir} is not empty; choose another --run-dir", 2)
+    check_prerequisites()
+    run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "pipeline", time.strftime("%Y%m%d-%H%M%S")))
 
     from nemo_dcr.testbed.config import describe_config_error, load_demo_config
 
@@ -394,7 +376,7 @@ def _main(args) -> int:
     from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = os.getloadavg()
-    git = _git_state()
+    git = git_state(ROOT)
     run = _run_class()(args, cfg, run_dir)
     atexit.register(run.cleanup)
     restore = _interrupt_on_sigterm()
@@ -436,7 +418,7 @@ def summarize_run(args) -> int:
     args.lr = next(p["lr"] for p in plan if p["kind"] == "run")
     args.steps = next(p["steps"] for p in plan if p["kind"] == "run") - 1
     out = {"rows": rows, "plan": plan, "probes": None, "wall_s": None}
-    return write_results(args, cfg, out, {"git": _git_state(), "loadavg_start": None, "link": None,
+    return write_results(args, cfg, out, {"git": git_state(ROOT), "loadavg_start": None, "link": None,
                                           "run_dir": run_dirs, "summarized_from_run_dir": True})
 
 

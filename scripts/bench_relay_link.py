@@ -58,7 +58,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
 import statistics
 import subprocess
@@ -68,7 +67,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from nemo_dcr.testbed.linkbench import BenchError, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
 from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
@@ -961,26 +960,9 @@ class Run:
         return {"records": records, "probe": probe, "tree": tree, "wall_s": time.monotonic() - t_start}
 
 
-def _git_state() -> dict | None:
-    try:
-        head = _sh("git", "-C", ROOT, "rev-parse", "--short", "HEAD").strip()
-        status = _sh("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
-    except (BenchError, OSError):
-        return None
-    return {"head": head, "modified": [ln[3:] for ln in status.splitlines()]}
-
-
 def _main(args) -> int:
-    if os.geteuid() != 0:
-        raise BenchError("needs root (network namespace, veth pair, tc shaping); run it with sudo", 2)
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise BenchError(f"`{tool}` (iproute2) not found on PATH", 2)
-    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "moto_server")):
-        raise BenchError(f"moto_server not found next to {sys.executable} (pip install 'moto[server]')", 2)
-    run_dir = os.path.abspath(args.run_dir or os.path.join(ROOT, "runs", "relay-link", time.strftime("%Y%m%d-%H%M%S")))
-    if os.path.exists(run_dir) and os.listdir(run_dir):
-        raise BenchError(f"run dir {run_dir} is not empty; choose another --run-dir", 2)
+    check_prerequisites()
+    run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "relay-link", time.strftime("%Y%m%d-%H%M%S")))
     from nemo_dcr.testbed.config import describe_config_error, load_demo_config
 
     rids = [f"rx{i}" for i in range(args.receivers)]
@@ -1001,7 +983,7 @@ def _main(args) -> int:
     from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = os.getloadavg()
-    git = _git_state()
+    git = git_state(ROOT)
     run = Run(args, cfg, run_dir)
     atexit.register(run.cleanup)
     restore = _interrupt_on_sigterm()

@@ -1,6 +1,7 @@
 """Plumbing shared by the shaped-link benchmarks (``scripts/bench_refit_link.py``,
-``scripts/bench_relay_link.py``): one-line failures, shell calls, stale network namespaces
-of a killed run, argument parsing and the JSON files they write.  Test bed, not product."""
+``scripts/bench_relay_link.py``, ``scripts/bench_pipeline.py``): one-line failures, their
+prerequisites and run directory, shell calls, stale network namespaces of a killed run,
+argument parsing, the git state and the JSON files they write.  Test bed, not product."""
 from __future__ import annotations
 
 import json
@@ -86,3 +87,36 @@ def read_rows(path: str) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def check_prerequisites() -> None:
+    """What every shaped-link run needs before it creates anything: root (network namespace,
+    veth pair, tc shaping), iproute2, and moto_server next to this interpreter."""
+    import shutil
+
+    if os.geteuid() != 0:
+        raise BenchError("needs root (network namespace, veth pair, tc shaping); run it with sudo", 2)
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise BenchError(f"`{tool}` (iproute2) not found on PATH", 2)
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "moto_server")):
+        raise BenchError(f"moto_server not found next to {sys.executable} (pip install 'moto[server]')", 2)
+
+
+def fresh_run_dir(given: str | None, default: str) -> str:
+    """The run's directory (``given``, else ``default``), refused unless absent or empty."""
+    run_dir = os.path.abspath(given or default)
+    if os.path.exists(run_dir) and os.listdir(run_dir):
+        raise BenchError(f"run dir {run_dir} is not empty; choose another --run-dir", 2)
+    return run_dir
+
+
+def git_state(root: str) -> dict | None:
+    """HEAD and the paths changed against it when the run started (others may be changing
+    the tree concurrently; the numbers belong to this state)."""
+    try:
+        head = sh("git", "-C", root, "rev-parse", "--short", "HEAD").strip()
+        status = sh("git", "-C", root, "status", "--porcelain", "--untracked-files=no")
+    except (BenchError, OSError):
+        return None
+    return {"head": head, "modified": [ln[3:] for ln in status.splitlines()]}
