@@ -36,7 +36,8 @@ from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
 from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
-from nemo_dcr.integrations.sender import PublishStats, RefitSender, SenderConfig, from_rank0  # noqa: F401 - re-exported
+from nemo_dcr.integrations.sender import (  # noqa: F401 - from_rank0 re-exported
+    PublishStats, RefitSender, SenderConfig, all_gather, from_rank0)
 from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_family
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
 from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
@@ -64,19 +65,10 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
-def _all_gather(obj) -> list:
-    """Collective: every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:
     """Collective: raise the same ``exc`` on EVERY rank if any rank reports an ``error``
     (a rank that raised alone would leave the others waiting in the next collective)."""
-    errors = _all_gather(error)
+    errors = all_gather(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         r, e = failed[0]
@@ -85,7 +77,7 @@ def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelErr
 
 def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
     mine = [v.spec for vs in views.values() for v in vs if v.spec.is_main_replica]
-    check_tiling([s for rank_specs in _all_gather(mine) for s in rank_specs])
+    check_tiling([s for rank_specs in all_gather(mine) for s in rank_specs])
 
 
 class MegatronRefitHook:

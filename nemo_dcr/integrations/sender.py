@@ -110,13 +110,14 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def from_rank0(obj):
-    """Collective: rank 0's ``obj`` on every rank (``obj`` itself without a process group).
-    For small plain values only (it travels pickled between this job's own ranks)."""
+def from_rank0(obj, group=None):
+    """Collective over ``group`` (default: the default group): rank 0's ``obj`` on every rank
+    (``obj`` itself without a process group).  For small plain values only (it travels
+    pickled between this job's own ranks)."""
     if _world() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -124,8 +125,9 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _all_gather(obj) -> list:
-    """Collective (the default group): every rank's ``obj``, in rank order."""
+def all_gather(obj) -> list:
+    """Collective (the default group): every rank's ``obj``, in rank order (``[obj]``
+    without a process group)."""
     if _world() == 1:
         return [obj]
     out = [None] * _world()
@@ -140,15 +142,6 @@ def _gather_to0(obj, group) -> list | None:
     out = [None] * _world() if _rank() == 0 else None
     dist.gather_object(obj, out, dst=0, group=group)
     return out
-
-
-def _from0(obj, group):
-    """Collective over ``group``: rank 0's ``obj`` on every rank."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 @dataclass(eq=False)
@@ -203,10 +196,7 @@ class RefitSender:
         # canonical inventory (union over ranks): what a dense refit would send
         mine = {c.name: c for vs in views.values() for v in vs if v.spec.is_main_replica
                 for c in projector.canonical_specs(v.spec)}
-        allspecs: list[dict[str, CanonicalSpec]] = [mine]
-        if _world() > 1:
-            allspecs = [None] * _world()  # type: ignore[list-item]
-            dist.all_gather_object(allspecs, mine)
+        allspecs: list[dict[str, CanonicalSpec]] = all_gather(mine)
         self.canonical: dict[str, CanonicalSpec] = {}
         for d in allspecs:
             for name, c in d.items():
@@ -469,7 +459,7 @@ class RefitSender:
             return None
         self._join(flight)
         self._inflight = None
-        outcomes = _all_gather((flight.version, flight.commit, flight.digest, flight.failure))
+        outcomes = all_gather((flight.version, flight.commit, flight.digest, flight.failure))
         failed = [(r, o[3]) for r, o in enumerate(outcomes) if o[3]]
         if failed:
             r, why = failed[0]
@@ -541,7 +531,7 @@ class RefitSender:
                     decision = self._decide(flight.version, stats, gathered, before_manifest)
                 except BaseException as e:  # noqa: BLE001 - every rank waits for rank 0's word: send it
                     decision = f"rank 0: {type(e).__name__}: {e}"
-            decision = _from0(decision, self._group)
+            decision = from_rank0(decision, self._group)
             if isinstance(decision, str):
                 raise ProtocolError(decision)
             flight.commit, flight.reason, flight.stop, flight.digest = decision
