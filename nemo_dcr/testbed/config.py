@@ -113,6 +113,10 @@ class RefitConfig(RefitOptions):
     shows an admission however slow the machine is (a scenario aid; a real trainer never
     waits for a joiner)."""
 
+    def late_receiver_ids(self) -> list[str]:
+        """The ids of the ``late_receivers`` (``late0``, ``late1``, ...)."""
+        return [f"late{i}" for i in range(self.late_receivers)]
+
     def __post_init__(self) -> None:
         super().__post_init__()  # checks every field's type, these two included
         if self.late_receivers < 0:

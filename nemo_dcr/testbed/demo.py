@@ -492,7 +492,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     receivers: list = []
     for rid, store_uri in zip(cfg.refit.receivers, reads_from):
         start_receiver(rid, store_uri)
-    late = [f"late{i}" for i in range(cfg.refit.late_receivers)]  # run_trainer.late_receiver_ids
+    late = cfg.refit.late_receiver_ids()
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []

@@ -37,10 +37,6 @@ def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
     return trainer, hook
 
 
-def late_receiver_ids(cfg: DemoConfig) -> list[str]:
-    return [f"late{i}" for i in range(cfg.refit.late_receivers)]
-
-
 def wait_for_joins(store, cfg: DemoConfig, rank: int) -> None:
     """Collective, a scenario aid of the demo (``refit.late_after``): hold this step until
     every late receiver has written its join request, so the next version admits them."""
@@ -48,7 +44,7 @@ def wait_for_joins(store, cfg: DemoConfig, rank: int) -> None:
 
     error = None
     if rank == 0:
-        missing = late_receiver_ids(cfg)
+        missing = cfg.refit.late_receiver_ids()
         deadline = time.monotonic() + cfg.refit.ack_timeout_s
         while missing and time.monotonic() < deadline:
             missing = [rid for rid in missing if not store.exists(join_key(rid))]
