@@ -332,21 +332,7 @@ def _run_class():
                                                               for s in c["steps"]):
                         raise BenchError(f"{what}: a version was not committed -- logs in {self.run_dir}")
             _write_json_atomic(os.path.join(go_dir, f"{len(plan)}.json"), {"kind": "stop"})
-            trainer, log = self.procs["trainer"]
-            try:
-                trainer.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                raise BenchError(f"trainer still running 120s after its last phase -- log: {log}") from None
-            self._check_alive(["trainer"])
-            for d in rdirs.values():
-                open(os.path.join(d, "stop"), "w").close()
-            for rid in rdirs:
-                p, log = self.procs[f"receiver-{rid}"]
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
-                self._check_alive([f"receiver-{rid}"])
+            self._stop_all(rdirs, "phase")
             return {"rows": rows, "plan": plan, "probes": probes, "wall_s": time.monotonic() - t_start}
 
     return Run

@@ -360,6 +360,25 @@ class Run:
             if (names is None or name in names) and p.poll() is not None and (p.returncode != 0 or name == "moto"):
                 raise BenchError(f"{name} exited ({p.returncode}): {_last_error(log)} -- log: {log}")
 
+    def _stop_all(self, rdirs: dict[str, str], last: str) -> None:
+        """After the trainer's ``last`` step (or phase): wait for it to exit, then stop every
+        receiver (``rdirs``: receiver id -> its directory)."""
+        trainer, log = self.procs["trainer"]
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"trainer still running 120s after its last {last} -- log: {log}") from None
+        self._check_alive(["trainer"])
+        for d in rdirs.values():
+            open(os.path.join(d, "stop"), "w").close()
+        for rid in rdirs:
+            p, log = self.procs[f"receiver-{rid}"]
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
+            self._check_alive([f"receiver-{rid}"])
+
     def execute(self) -> dict:
         args, cfg = self.args, self.cfg
         from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
@@ -451,21 +470,7 @@ class Run:
             if not (r["committed"] and r["bit_exact"]):
                 raise BenchError(f"step {step}: refit committed={r['committed']} bit_exact={r['bit_exact']} "
                                  f"({r['verify']}) -- logs in {self.run_dir}")
-        trainer, log = self.procs["trainer"]
-        try:
-            trainer.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"trainer still running 120s after its last step -- log: {log}") from None
-        self._check_alive(["trainer"])
-        for d in rdirs.values():
-            open(os.path.join(d, "stop"), "w").close()
-        for rid in rdirs:
-            p, log = self.procs[f"receiver-{rid}"]
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
-            self._check_alive([f"receiver-{rid}"])
+        self._stop_all(rdirs, "step")
         return {"records": [refit_record(row) for row in rows], "plan": plan, "link_checks": link_checks,
                 "wall_s": time.monotonic() - t_start}
 
