@@ -35,23 +35,13 @@ def _model(hidden: int, layers: int):
 
 
 def _sender(store, state, key):
-    from nemo_dcr.integrations.sender import RefitSender, SenderConfig
-    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-    from nemo_dcr.layout.shards import ParamView, ShardSpec
+    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.testbed.flat_sender import flat_sender
 
     params = {n: t.clone() for n, t in state.items()}
-    views, rules = {}, []
-    for n, t in params.items():
-        shape = tuple(t.shape)
-        spec = ShardSpec(key=n, local_shape=shape, global_shape=shape, global_offset=(0,) * len(shape),
-                         prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-        views[n] = [ParamView(n, 0, spec)]
-        rules.append(Rule(n, {"": n}))
-    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                     ffn_hidden_size=8, vocab_size=8)
     cfg = SenderConfig(model_id="bench", receivers=("r0",), key_file=key, ack_timeout_s=0.05, ack_poll_s=0.01,
                        max_consecutive_failures=10**6)
-    return RefitSender(params, views, CanonicalProjector(tuple(rules), dims), store, cfg), params
+    return flat_sender(params, store, cfg), params
 
 
 def _step(params, rng, frac):

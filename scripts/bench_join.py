@@ -150,12 +150,11 @@ class Trainer:
 
     def __init__(self, a: argparse.Namespace, pattern: str, workdir: str):
         from nemo_dcr.integrations.hf_export import write_checkpoint
-        from nemo_dcr.integrations.sender import RefitSender, SenderConfig
-        from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-        from nemo_dcr.layout.shards import ParamView, ShardSpec
+        from nemo_dcr.integrations.sender import SenderConfig
         from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
         from nemo_dcr.receiver.bootstrap import build_receiver
         from nemo_dcr.receiver.engine import ReceiverConfig
+        from nemo_dcr.testbed.flat_sender import flat_sender
         from nemo_dcr.transport.store import LocalDirStore
 
         os.makedirs(workdir, exist_ok=True)
@@ -167,19 +166,10 @@ class Trainer:
         self.config = model.config.to_dict()
         del model
         self.params = {n: t.clone() for n, t in state.items()}
-        views, rules = {}, []
-        for n, t in self.params.items():
-            shape = tuple(t.shape)
-            spec = ShardSpec(key=n, local_shape=shape, global_shape=shape, global_offset=(0,) * len(shape),
-                             prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-            views[n] = [ParamView(n, 0, spec)]
-            rules.append(Rule(n, {"": n}))
-        dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                         ffn_hidden_size=8, vocab_size=8)  # unused by identity rules
         cfg = SenderConfig(model_id=MODEL_ID, receivers=("r0",), key_file=self.key, ack_timeout_s=a.timeout_s,
                            ack_poll_s=0.01, pipeline=False)
         self.store = LocalDirStore(self.store_dir)
-        self.sender = RefitSender(self.params, views, CanonicalProjector(tuple(rules), dims), self.store, cfg)
+        self.sender = flat_sender(self.params, self.store, cfg)
         run_id = self.sender.claim()
         self.sender.set_root(write_checkpoint(self.store, self.config, state, sealer=sealer, run_id=run_id))
         self.numel = sum(t.numel() for t in state.values())
