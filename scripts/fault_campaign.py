@@ -110,7 +110,8 @@ RELAY_CLASSES = ("relay_kill", "relay_stop", "relay_flip", "relay_restart_empty"
 # faults of the pipelined refit and of elastic membership: they need a pipelined epoch
 # (--classes pipeline), whose trainer runs refit.pipeline=true, checkpoints every committed
 # step and, with an elastic class, refit.membership=elastic
-PIPELINE_CLASSES = ("trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged")
+PIPELINE_CLASSES = ("trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged",
+                    "store_stall_inflight")
 ELASTIC_CLASSES = ("receiver_dies", "receiver_joins_midversion", "join_forged")
 CLASSES = STORE_CLASSES + RELAY_CLASSES + PIPELINE_CLASSES
 # store classes that also run in a relay epoch (they need no store injector in the receivers)
@@ -122,13 +123,18 @@ WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill"
            "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
            "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8,
            "relay_kill": 24, "relay_stop": 24, "relay_flip": 24, "relay_restart_empty": 24,
-           "trainer_kill_inflight": 6, "receiver_dies": 6, "receiver_joins_midversion": 6, "join_forged": 6}
+           "trainer_kill_inflight": 6, "receiver_dies": 6, "receiver_joins_midversion": 6, "join_forged": 6,
+           "store_stall_inflight": 6}
 # trainer_kill_inflight: when the driver SIGKILLs the trainer ranks, version v being in flight:
 # once its first chunk is on the store (uploads running), once its manifest is (receivers
 # fetching), once every live receiver's ack is (the decision due), or once its decision is
 # (the checkpoint being written; the only moment where v may be decided before the kill).
 # Before "decision", rank 0 holds v's decision put hold_s seconds, so that v is in flight
 KILL_MOMENTS = ("chunks", "manifest", "acks", "decision")
+# store_stall_inflight: the store (moto_server) SIGSTOPped while version v is in flight in the
+# background, once its first chunk, its manifest or every receiver's ack is on the store;
+# "short" (1-4 s) or "long" (the ack timeout plus 1-5 s: v's acks cannot all be read in time)
+STALL_MOMENTS = ("chunks", "manifest", "acks")
 # join_forged: what a store writer without the key plants under acks/join.d/
 FORGED_JOINS = ("wrong_key", "unsigned", "renamed_genuine", "hostile", "oversize")
 # receiver_dies: killed before the go, once v's manifest is out, or once it acked v
@@ -246,6 +252,12 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
         f = [{"kind": "join_forged", "target": "driver", "mode": rng.choice(FORGED_JOINS),
               "at": rng.choice(("before_go", "manifest")), "who": rng.choice(("ghost", "evicted", "member")),
               "pick": rng.random()}]
+    elif cls == "store_stall_inflight":
+        length = rng.choice(("short", "long"))
+        f = [{"kind": "stall_inflight", "target": "driver", "at": rng.choice(STALL_MOMENTS),
+              "delay_s": round(rng.uniform(0.0, 0.3), 2), "length": length,
+              "stall_s": round(rng.uniform(1.0, 4.0), 2) if length == "short" else None,
+              "over_ack_timeout_s": round(rng.uniform(1.0, 5.0), 2) if length == "long" else None}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -523,6 +535,7 @@ class Epoch:
 
         self.index = index
         self.seed = seed
+        self.moto = moto  # store_stall_inflight stops it
         self.pipeline = pipeline
         self.elastic = elastic
         self.incarnation = 1  # trainer starts (pipelined epochs resume it after a kill)
@@ -1192,6 +1205,8 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
         _trial_join(ep, plan, rec)
     elif cls == "join_forged":
         _trial_join_forged(ep, plan, rec)
+    elif cls == "store_stall_inflight":
+        _trial_stall_inflight(ep, plan, rec)
     else:
         raise ValueError(f"{cls} does not run in a pipelined epoch")
     rec["duration_s"] = round(time.time() - rec["t_go"], 3)
@@ -1378,6 +1393,39 @@ def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
         rec["failures"].append(f"v{w} after {rid}'s admission did not commit")
     if d is not None and rid not in d.receivers:
         rec["violations"].append(f"v{w}: admitted {rid} is no longer a member")
+
+
+def _trial_stall_inflight(ep: Epoch, plan: dict, rec: dict) -> None:
+    """Stop the store while version v is in flight (the training loop goes on; the next hook
+    call waits in settle); v may commit or abort, never half of each: every live receiver is
+    checked bit for bit as after any version.  Then the run must go on: no member evicted by
+    one stalled version, and a later version commits with the same members (3 tries)."""
+    f = plan["faults"][0]
+    stall_s = f["stall_s"] if f["length"] == "short" else ep.ack_timeout_s + f["over_ack_timeout_s"]
+    members_before = set(ep.members)
+    seen: dict = {}
+
+    def stall(v: int) -> None:
+        seen["moment_seen"] = _moment(ep, v, f["at"])
+        time.sleep(f["delay_s"])
+        seen["decided_before_stall"] = ep.row(v) is not None
+        ep.moto.stall(stall_s)
+
+    v, row, d = _pstep(ep, plan, rec, during=stall)
+    rec["stall"] = {"stall_s": round(stall_s, 2), **seen,
+                    "outcome": None if row is None else ("commit" if row["committed"] else "abort")}
+    if row is None:
+        return
+    if d is not None and d.evicted:
+        rec["failures"].append(f"v{v}: one stalled version evicted {list(d.evicted)}")
+    for _ in range(3):
+        w, row, d = _pstep(ep, {**plan, "faults": []}, rec)
+        if row is None or row["committed"] or rec["violations"]:
+            break
+    if row is not None and not row["committed"]:
+        rec["failures"].append("no version committed within 3 versions after the stall")
+    if d is not None and d.commit and set(d.receivers) != members_before:
+        rec["failures"].append(f"members changed across the stall: {sorted(members_before)} -> {sorted(d.receivers)}")
 
 
 def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:

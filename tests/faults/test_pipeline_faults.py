@@ -31,6 +31,10 @@ def test_pipeline_plans_and_class_group():
         # the decision is held (the version stays in flight) unless the kill waits for the decision
         assert any(f["kind"] == "hold" and f["target"] == "rank0" for f in kill) == (kill[0]["at"] != "decision")
     assert seen_at == set(fc.KILL_MOMENTS)
+    stalls = [fc.make_plan(4, t, "store_stall_inflight")["faults"][0] for t in range(60)]
+    assert {s["at"] for s in stalls} == set(fc.STALL_MOMENTS) and {s["length"] for s in stalls} == {"short", "long"}
+    # a short stall has its length, a long one its excess over the ack timeout (known to the epoch)
+    assert all((s["stall_s"] is None) == (s["length"] == "long") != (s["over_ack_timeout_s"] is None) for s in stalls)
     with pytest.raises(SystemExit):  # pipelined epochs take no store or relay class but the control
         fc.main(["--classes", "trainer_kill_inflight,chunk_tamper", "--report-only", "--results", os.devnull])
 
@@ -71,7 +75,8 @@ def test_descendants_finds_a_detached_grandchild():
 @pytest.mark.spawns
 def test_pipeline_campaign(tmp_path):
     fc = _campaign()
-    schedule = ["trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged"]
+    schedule = ["trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged",
+                "store_stall_inflight"]
     results, out = tmp_path / "r.jsonl", tmp_path / "s.json"
     rc = fc.main(["--trials", str(len(schedule)), "--seed", "3", "--schedule", "list", "--ack-timeout-s", "8",
                   "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
@@ -80,7 +85,7 @@ def test_pipeline_campaign(tmp_path):
     assert summary["violations"] == [], summary["violations"]
     assert summary["failures"] == [], summary["failures"]
     assert summary["silent_corruptions"] == 0 and summary["hangs"] == 0 and rc == 0
-    assert summary["pipeline_trials"] == 4
+    assert summary["pipeline_trials"] == len(schedule)
     assert summary["classes"] == {c: {"trials": 1, "silent_corruptions": 0} for c in schedule}
     recs = {r["cls"]: r for r in map(json.loads, results.read_text().splitlines())}
     kill = recs["trainer_kill_inflight"]
@@ -98,3 +103,7 @@ def test_pipeline_campaign(tmp_path):
     assert join["target"] in join["versions"][-1]["members"] and join["versions"][-1]["committed"]
     forged = recs["join_forged"]
     assert not any(e["joined"] for e in forged["versions"]) and all(e["committed"] for e in forged["versions"])
+    stall = recs["store_stall_inflight"]
+    # the store stopped while v was in flight: v decided one way, then a version commits, members unchanged
+    assert stall["stall"]["moment_seen"] and stall["stall"]["outcome"] in ("commit", "abort")
+    assert stall["versions"][-1]["committed"] and not any(e.get("evicted") for e in stall["versions"])
