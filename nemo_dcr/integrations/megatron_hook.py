@@ -105,7 +105,8 @@ class MegatronRefitHook:
             _check_global_tiling(self.views)
         except ValueError as e:
             raise UnsupportedModelError(f"sharded_state_dict() over all ranks: {e}") from None
-        self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg)
+        self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg,
+                                  snapshot_state=self.committed_state)
         self.last_stats: PublishStats | None = None
         self._reference_s: dict[int, float] = {}  # verify_dense: gather time per version in flight
         self._published = self.sender.baseline.version
@@ -148,6 +149,13 @@ class MegatronRefitHook:
     def dense_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full canonical state on rank 0 (None elsewhere)."""
         return gather_canonical_state(self.params, self.views, self.projector)
+
+    def committed_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the full canonical state of the COMMITTED version on rank 0 (None
+        elsewhere), gathered like version 0 but from the sender's baseline, not the live
+        parameters (which already hold the next step): a committed-version snapshot
+        (``refit.snapshot_every``), taken by the sender right after it settles a commit."""
+        return gather_canonical_state(self.sender.committed_bits(), self.views, self.projector)
 
     @property
     def run_id(self) -> str | None:

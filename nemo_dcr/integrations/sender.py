@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,6 +38,7 @@ from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
 from nemo_dcr.protocol.manifest import ChunkRef, Manifest, chunk_key
 from nemo_dcr.protocol.run import RunState, claim_store, resume_position
 from nemo_dcr.protocol.signing import Sealer, load_key
+from nemo_dcr.protocol.snapshot import prune_snapshots, write_snapshot
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -86,6 +88,9 @@ class PublishStats:
     slowest rank's on rank 0; synchronous (``refit``), the whole refit, this rank's."""
     refit_s: float = 0.0
     """Wall time from the start of the diff to the decision, on this rank."""
+    snapshot_s: float = 0.0
+    """Gathering this committed version's snapshot (``refit.snapshot_every``), in the call
+    that settled it (its upload runs in the background on rank 0); 0 when none was taken."""
 
 
 def _split(delta: TensorDelta, chunk_bytes: int):
@@ -144,6 +149,27 @@ def _gather_to0(obj, group) -> list | None:
     return out
 
 
+class CommittedBits(Mapping):
+    """The committed baseline as tensors of the parameters' dtypes and shapes, one copy per
+    lookup (``params[name]``): what a snapshot gathers instead of the live parameters, which
+    already hold the next step.  A copy, so nothing downstream can write the baseline."""
+
+    def __init__(self, params: dict[str, torch.Tensor], baseline: Baseline):
+        self._params, self._baseline = params, baseline
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        bits = self._baseline.bits(name)
+        signed = bits.view(np.dtype(f"i{bits.itemsize}")).copy()
+        return torch.from_numpy(signed).view(p.dtype).reshape(p.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 @dataclass(eq=False)
 class _InFlight:
     """A version between its hook call and the settling of its decision on this rank."""
@@ -173,8 +199,15 @@ class RefitSender:
         cfg: SenderConfig,
         *,
         committed_version: int = 0,
+        snapshot_state: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
     ):
+        """``snapshot_state``: collective, the canonical dense state of the committed
+        baseline (:meth:`committed_bits`) on rank 0, None on the other ranks; called after a
+        settle that committed a multiple of ``cfg.snapshot_interval``.  None: no snapshots."""
         self.params = params
+        self.snapshot_state = snapshot_state
+        self._snapshot_pool: ThreadPoolExecutor | None = None  # rank 0: serialize + upload
+        self._snapshot_upload: Future | None = None
         self.views = views
         self.projector = projector
         self.store = store
@@ -474,12 +507,77 @@ class RefitSender:
         if not flight.commit and _rank() == 0:
             _log(f"nemo_dcr: version {flight.version} aborted, training continues and the next version is diffed "
                  f"against version {self.baseline.version}: {flight.reason}")
+        if flight.commit:
+            self._maybe_snapshot(flight.version, stats)
         return stats
 
     def finish(self) -> PublishStats | None:
         """Collective: drain the pipeline at the end of training (the last version is decided
-        and reported); the callbacks call it at train end.  Same as :meth:`settle`."""
-        return self.settle()
+        and reported, and a snapshot upload still running is waited for); the callbacks call
+        it at train end.  Otherwise the same as :meth:`settle`."""
+        try:
+            return self.settle()
+        finally:
+            self.wait_snapshot()
+
+    # ------------------------------------------------------------------ snapshots
+    def committed_bits(self) -> CommittedBits:
+        """The committed baseline as this rank's parameters (dtype, shape), copied per lookup."""
+        return CommittedBits(self.params, self.baseline)
+
+    def _maybe_snapshot(self, version: int, stats: PublishStats) -> None:
+        """Collective, right after every rank applied the commit of ``version``: if it is a
+        multiple of ``snapshot_interval``, gather the committed state (``snapshot_state``)
+        and hand its serialization and upload to rank 0's snapshot worker.  Skipped (logged)
+        while the previous upload still runs; a failure is logged, never raised: a snapshot
+        only speeds up joins, training does not depend on it."""
+        every = self.cfg.snapshot_interval
+        if not every or version % every or self.snapshot_state is None:
+            return
+        busy = from_rank0(self._snapshot_upload is not None and not self._snapshot_upload.done())
+        if busy:
+            if _rank() == 0:
+                _log(f"nemo_dcr: snapshot of v{version} skipped: the previous one is still uploading")
+            return
+        t0 = time.perf_counter()
+        try:
+            state = self.snapshot_state()
+        except Exception as e:  # noqa: BLE001 - a snapshot never stops training
+            _log(f"nemo_dcr: snapshot of v{version} not taken on rank {_rank()}: {type(e).__name__}: {e}")
+            return
+        stats.snapshot_s = time.perf_counter() - t0
+        if _rank() != 0 or state is None:
+            return
+        if self._snapshot_pool is None:
+            self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-snapshot")
+        self._snapshot_upload = self._snapshot_pool.submit(self._upload_snapshot, version, self.committed_digest,
+                                                           state)
+
+    def _upload_snapshot(self, version: int, decision_digest: str, state: Mapping[str, torch.Tensor]) -> bool:
+        """Rank 0, the snapshot worker: serialize, upload (record last), prune the old ones."""
+        from safetensors.torch import save as save_safetensors
+
+        t0 = time.perf_counter()
+        try:
+            blob = save_safetensors({k: v.contiguous() for k, v in sorted(state.items())})
+            del state
+            write_snapshot(self.store, self.sealer, self.run_id, version, decision_digest,
+                           {"model.safetensors": blob})
+        except Exception as e:  # noqa: BLE001 - logged, training goes on; no record was written
+            _log(f"nemo_dcr: snapshot of v{version} failed, skipped: {type(e).__name__}: {e}")
+            return False
+        _log(f"nemo_dcr: snapshot of v{version} written ({len(blob)} bytes, {time.perf_counter() - t0:.1f} s)")
+        try:
+            prune_snapshots(self.store)
+        except Exception as e:  # noqa: BLE001 - best effort
+            _log(f"nemo_dcr: deleting old snapshots failed (kept): {type(e).__name__}: {e}")
+        return True
+
+    def wait_snapshot(self) -> bool | None:
+        """This rank: wait for the snapshot upload in progress, if any; True/False: whether it
+        was written, None: none was pending."""
+        upload, self._snapshot_upload = self._snapshot_upload, None
+        return None if upload is None else upload.result()
 
     @property
     def published_version(self) -> int:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 MEMBERSHIPS = ("static", "elastic")
+ELASTIC_SNAPSHOT_EVERY = 20
+"""``refit.snapshot_every`` when not set, under elastic membership (receivers join mid-run)."""
 
 
 class RefitSetupError(ValidationError):
@@ -81,6 +83,12 @@ class RefitOptions:
     """Elastic membership: a version commits only with at least this many members acking it."""
     evict_after: int = 3
     """Elastic membership: evict a member after this many consecutive versions without its ack."""
+    snapshot_every: int | None = None
+    """Every committed version that is a multiple of this, the trainer also writes that
+    version's dense canonical state to ``snapshots/`` (``protocol/snapshot.py``, in the
+    background on rank 0; the newest 2 are kept), so a receiver joining later loads it instead
+    of version 0 and replaying every version since.  None: 20 with ``membership=elastic``, 0
+    with ``static``; 0: off."""
 
     def __post_init__(self) -> None:
         from nemo_dcr.protocol.commit import FailureBudget
@@ -104,6 +112,11 @@ class RefitOptions:
             FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
         except ValueError as e:
             raise RefitSetupError(f"refit.{e}") from None
+        if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool)
+                                                or not isinstance(self.snapshot_every, int)
+                                                or self.snapshot_every < 0):
+            raise RefitSetupError(f"refit.snapshot_every must be an int >= 0 (0 = off) or null (20 with elastic "
+                                  f"membership, else off), got {self.snapshot_every!r}")
         if self.membership == "elastic":
             budget = 1 if self.on_refusal == "fail" else self.max_consecutive_failures
             if self.evict_after > budget:
@@ -111,6 +124,13 @@ class RefitOptions:
                     f"refit.evict_after={self.evict_after} exceeds the aborted versions training survives "
                     f"(refit.on_refusal={self.on_refusal}, refit.max_consecutive_failures="
                     f"{self.max_consecutive_failures}): training would stop before a silent member is evicted")
+
+    @property
+    def snapshot_interval(self) -> int:
+        """``snapshot_every`` resolved: 0 = no snapshots."""
+        if self.snapshot_every is None:
+            return ELASTIC_SNAPSHOT_EVERY if self.membership == "elastic" else 0
+        return self.snapshot_every
 
     def sender_config(self) -> SenderConfig:
         """The schema's fields of this (possibly larger) settings object, as the sender's

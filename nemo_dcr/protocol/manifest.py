@@ -13,6 +13,8 @@ Store layout (all keys relative to the store URI)::
     acks/join.d/<receiver>.json                a receiver's request to join (elastic membership)
     v/00000003/DECISION.json                   the trainer's decision on v3: commit or abort
     COMMITTED.json                             the latest committed version
+    snapshots/v00000040/model.safetensors      committed v40's canonical state (refit.snapshot_every)
+    snapshots/v00000040/SNAPSHOT.json          its file digests + v40's decision digest (written last)
 
 A manifest says: applying these chunks to base version ``base_version`` gives version
 ``version``.  Every chunk is listed with its size and sha256; a receiver downloads and
@@ -38,7 +40,7 @@ FORMAT_VERSION = 3
 signatures but no chain; 1 had neither; both refused)."""
 MAX_JSON_BYTES = 64 << 20
 DOC_LIMITS = {"run": 64 << 10, "init": 64 << 10, "head": 64 << 10, "ack": 1 << 20, "decision": 1 << 20,
-              "committed": 1 << 20, "join": 64 << 10, "manifest": MAX_JSON_BYTES}
+              "committed": 1 << 20, "join": 64 << 10, "snapshot": 64 << 10, "manifest": MAX_JSON_BYTES}
 """Byte cap per document kind, known before an object is read (``get(max_bytes=...)``) and
 checked again by the parser: what a key-less writer plants under a document's key can
 cost a reader at most this much memory."""
@@ -101,6 +103,13 @@ HEAD_KEY = "HEAD.json"
 RUN_KEY = "RUN.json"
 INIT_PREFIX = "init"
 INIT_RECORD_KEY = f"{INIT_PREFIX}/INIT.json"
+SNAPSHOT_PREFIX = "snapshots/"
+SNAPSHOT_RECORD = "SNAPSHOT.json"
+
+
+def snapshot_key(version: int, name: str) -> str:
+    """A file of the committed-version snapshot of ``version`` (``protocol/snapshot.py``)."""
+    return f"{SNAPSHOT_PREFIX}v{version:08d}/{name}"
 
 
 def check_receiver_id(rid: str) -> str:

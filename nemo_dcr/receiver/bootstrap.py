@@ -6,8 +6,12 @@ test bed's fault and link receivers, benchmarks that follow a store):
 1. the runtime options are checked against the registry (``receiver/registry.py``) before
    anything is waited for, downloaded or loaded;
 2. the run: the store's signed ``RUN.json`` (waiting for it);
-3. version 0: a given checkpoint directory, or a download of the store's ``init/``, either
-   way checked against the run's signed ``init/INIT.json`` (:func:`fetch_version_zero`);
+3. the starting point: a receiver starting fresh (no ``init_dir`` given, weights that die
+   with the process) loads the newest committed-version snapshot that checks out
+   (``protocol/snapshot.py``: signed record of this run, the signed commit decision it
+   names, file digests) with ``init/config.json``; otherwise, or when none does, version 0:
+   a given checkpoint directory, or a download of the store's ``init/``, either way checked
+   against the run's signed ``init/INIT.json`` (:func:`fetch_version_zero`);
 4. the runtime, by name, through its registry factory;
 5. the engine (``receiver/engine.py``) and the protocol's ``Follower``; over weights that
    outlive the process (``persistent``) the committed-version record
@@ -19,16 +23,19 @@ The result, :class:`ReceiverSession`, holds the pieces; ``run`` follows the run,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from nemo_dcr.errors import ProtocolError, ValidationError
+from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
-from nemo_dcr.protocol.manifest import Manifest
+from nemo_dcr.protocol.manifest import DOC_LIMITS, INIT_PREFIX, INIT_RECORD_KEY, InitRecord, Manifest
 from nemo_dcr.protocol.run import verify_init_dir
 from nemo_dcr.protocol.signing import Sealer
+from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.journal import read_committed
 from nemo_dcr.receiver.registry import RuntimeOptions, RuntimeRequest, ServedRuntime, check_options, start_runtime
@@ -44,14 +51,54 @@ def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     from nemo_dcr.integrations.hf_export import download_checkpoint
     from nemo_dcr.protocol.manifest import INIT_RECORD_KEY
 
+    _wait_for_init(store, timeout_s)
+    if init_dir is None:
+        init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
+    return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
+
+
+def _wait_for_init(store: ObjectStore, timeout_s: float | None) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not store.exists(INIT_RECORD_KEY):
         if deadline is not None and time.monotonic() > deadline:
             raise ProtocolError(f"store {store.uri}: version 0 ({INIT_RECORD_KEY}) not published within {timeout_s}s")
         time.sleep(0.1)
-    if init_dir is None:
-        init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
-    return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fetch_snapshot_dir(store: ObjectStore, sealer: Sealer, run_id: str, *, state_dir: str,
+                       timeout_s: float | None = None, log: Callable[[str], None] = _stderr) -> Snapshot | None:
+    """The newest usable committed-version snapshot (``protocol/snapshot.find_snapshot``)
+    under ``state_dir/snapshots``, completed with version 0's other files (``config.json``:
+    a snapshot holds only the weights), each checked against the run's signed
+    ``init/INIT.json``; None (one line in ``log``) when there is none or any check fails:
+    the caller then starts from version 0."""
+    from nemo_dcr.integrations.hf_export import MAX_INIT_BYTES
+
+    _wait_for_init(store, timeout_s)
+    snap = find_snapshot(store, sealer, run_id, os.path.join(state_dir, "snapshots"), log=log)
+    if snap is None:
+        return None
+    try:
+        record = InitRecord.from_json(store.get(INIT_RECORD_KEY, max_bytes=DOC_LIMITS["init"]), sealer)
+        if record.run_id != run_id:
+            raise ProtocolError(f"{INIT_RECORD_KEY} is for run {record.run_id}, not {run_id}")
+        for name, digest in sorted(record.files.items()):
+            if name in snap.files:
+                continue
+            blob = store.get(f"{INIT_PREFIX}/{name}", max_bytes=MAX_INIT_BYTES)
+            if "sha256:" + hashlib.sha256(blob).hexdigest() != digest:
+                raise ProtocolError(f"{INIT_PREFIX}/{name} is not the file {INIT_RECORD_KEY} lists")
+            with open(os.path.join(snap.directory, name), "wb") as f:
+                f.write(blob)
+    except (DcrError, OSError) as e:
+        log(f"nemo_dcr: snapshot v{snap.version} not used (version 0's files: {type(e).__name__}: {e}); "
+            "starting from version 0")
+        return None
+    return snap
 
 
 @dataclass(kw_only=True)
@@ -63,11 +110,16 @@ class ReceiverSession:
     runtime: ServedRuntime
     run_id: str
     init_dir: str
-    """The version-0 checkpoint the runtime was built from."""
+    """The checkpoint directory the runtime was built from: version 0's, or a committed-version
+    snapshot's (``bootstrap["from"] == "snapshot"``: it holds version ``committed``)."""
     committed: int
-    """The version held when the session starts (non-zero only over persistent weights)."""
+    """The version held when the session starts (non-zero over persistent weights or when
+    started from a snapshot)."""
     recovered: dict | None = None
     """What the restart repair did (``Receiver.recover``), or None."""
+    bootstrap: dict = field(default_factory=lambda: {"from": "init"})
+    """Where the weights came from: ``{"from": "init"}`` (version 0, or persistent weights
+    over it) or ``{"from": "snapshot", "version": N}``."""
 
     def run(self, *, until_version: int | None = None, timeout_s: float | None = None) -> None:
         """Follow the run (``Follower.run``) at the receiver's poll interval."""
@@ -88,7 +140,8 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
                    init_dir: str | None = None, timeout_s: float | None = None, allow_unverified: bool = False,
                    durable_journal: bool = False, dump_dir: str | None = None,
                    wrap_served: Callable[[object], object] | None = None,
-                   before_fetch: Callable[[Manifest], None] | None = None) -> ReceiverSession:
+                   before_fetch: Callable[[Manifest], None] | None = None, snapshot: bool = True,
+                   log: Callable[[str], None] = _stderr) -> ReceiverSession:
     """Assemble a receiver of ``runtime`` (a registry name) following ``store``.
 
     ``state_dir``: this receiver's local directory (a downloaded version 0, and with
@@ -100,7 +153,10 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
     ``state_dir/journal`` even over weights that die with the process (implied by
     ``options.persistent``); a journal an earlier process left there is dropped when the
     weights were reloaded from version 0.  ``dump_dir``: after each applied version the
-    runtime writes its state to ``dump_dir/v<version>.safetensors``.
+    runtime writes its state to ``dump_dir/v<version>.safetensors``.  ``snapshot``: a receiver
+    starting fresh (no ``init_dir``, not ``options.persistent``) starts from the newest
+    committed-version snapshot that checks out (:func:`fetch_snapshot_dir`) instead of
+    version 0; ``False``: always version 0.  ``log``: one line per snapshot refused.
 
     Injection points (the test bed's faults use them; nothing else needs patching):
     ``wrap_served(served) -> served``, a ``ServedModel`` wrapping the runtime's, and
@@ -113,8 +169,16 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
     if options.persistent and not state_dir:
         raise ValidationError("persistent weights need a state directory")
     run_id = wait_for_run(store, sealer, run_id=run_id, timeout_s=timeout_s, allow_unverified=allow_unverified)
-    init_dir, root = fetch_version_zero(store, sealer, run_id, state_dir=state_dir, init_dir=init_dir,
-                                        timeout_s=timeout_s)
+    snap = None
+    if snapshot and init_dir is None and not options.persistent:
+        snap = fetch_snapshot_dir(store, sealer, run_id, state_dir=state_dir, timeout_s=timeout_s, log=log)
+    if snap is None:
+        init_dir, root = fetch_version_zero(store, sealer, run_id, state_dir=state_dir, init_dir=init_dir,
+                                            timeout_s=timeout_s)
+        start, boot = (0, root), {"from": "init"}
+    else:  # the chain continues from the snapshot's commit decision
+        init_dir, root = snap.directory, snap.decision_digest
+        start, boot = (snap.version, snap.decision_digest), {"from": "snapshot", "version": snap.version}
     built = start_runtime(runtime, RuntimeRequest(init_dir=init_dir, run_id=run_id, state_dir=state_dir,
                                                   options=options))
     try:
@@ -127,10 +191,10 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
             committed_file = os.path.join(state_dir, "committed.json")
         served = built.served if wrap_served is None else wrap_served(built.served)
         rx = Receiver(served, store, cfg, journal_dir=journal_dir, committed_file=committed_file,
-                      before_fetch=before_fetch)
+                      before_fetch=before_fetch, held_version=start[0])
         if dump_dir:
             rx.on_applied = lambda version: built.dump(os.path.join(dump_dir, f"v{version}.safetensors"))
-        committed, digest, recovered = 0, root, None
+        (committed, digest), recovered = start, None
         if built.restored:  # weights of an earlier process: committed + maybe a half-applied version
             committed, digest = read_committed(committed_file)
             digest = digest or root
@@ -143,4 +207,4 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
         built.close()
         raise
     return ReceiverSession(receiver=rx, follower=follower, runtime=built, run_id=run_id, init_dir=init_dir,
-                           committed=committed, recovered=recovered)
+                           committed=committed, recovered=recovered, bootstrap=boot)

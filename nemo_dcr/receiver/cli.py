@@ -55,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-dir", default=None,
                     help="local copy of the initial HF checkpoint (checked against the run's init/INIT.json; "
                          "default: download it from the store)")
+    ap.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                    help="start from version 0 and replay every committed version, even where the run wrote "
+                         "committed-version snapshots (refit.snapshot_every; by default a fresh receiver without "
+                         "--init-dir or --persistent-weights starts from the newest one that checks out)")
     names = runtime_names()
     ap.add_argument("--runtime", choices=names, default=names[0],
                     help="serving runtime kept current (hf: a transformers model in this process; vllm: a "
@@ -142,8 +146,9 @@ def _serve(args, store, sealer, cfg, options) -> int:
     state_dir = args.state_dir or tempfile.mkdtemp(prefix=f"dcr-{args.receiver_id}-")
     session = build_receiver(store, sealer, cfg, state_dir=state_dir, runtime=args.runtime, options=options,
                              run_id=args.run_id, init_dir=args.init_dir, timeout_s=args.timeout_s,
-                             allow_unverified=args.insecure_no_key, dump_dir=args.dump_dir)
+                             allow_unverified=args.insecure_no_key, dump_dir=args.dump_dir, snapshot=args.snapshot)
     with session:
+        print(json.dumps({"receiver": args.receiver_id, "bootstrap": session.bootstrap}), flush=True)
         session.follower.join = args.join
         if session.recovered is not None:
             print(json.dumps({"receiver": args.receiver_id, **session.recovered, "held": session.committed}),

@@ -74,8 +74,8 @@ class RuntimeRequest:
     """What a runtime factory is given."""
 
     init_dir: str
-    """The version-0 checkpoint directory (HF layout), already checked against the run's
-    signed ``init/INIT.json``."""
+    """The checkpoint directory (HF layout) to load, already checked against the run's signed
+    records: version 0 (``init/INIT.json``) or a committed-version snapshot (``SNAPSHOT.json``)."""
     run_id: str
     """The run being followed (persistent weights are bound to it)."""
     state_dir: str

@@ -17,7 +17,8 @@ _DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_
 
 
 def flat_sender(params: dict[str, torch.Tensor], store: ObjectStore, cfg: SenderConfig) -> RefitSender:
-    """``params`` (BF16, updated in place by the caller between versions) refitted as they are."""
+    """``params`` (BF16, updated in place by the caller between versions) refitted as they are;
+    committed-version snapshots (``cfg.snapshot_every``) are the committed baseline itself."""
     views, rules = {}, []
     for n, t in params.items():
         shape = tuple(t.shape)
@@ -25,4 +26,7 @@ def flat_sender(params: dict[str, torch.Tensor], store: ObjectStore, cfg: Sender
                          prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
         views[n] = [ParamView(n, 0, spec)]
         rules.append(Rule(n, {"": n}))
-    return RefitSender(params, views, CanonicalProjector(tuple(rules), _DIMS), store, cfg)
+    sender = RefitSender(params, views, CanonicalProjector(tuple(rules), _DIMS), store, cfg)
+    # each tensor is its own canonical tensor: the canonical committed state is the baseline
+    sender.snapshot_state = sender.committed_bits
+    return sender
