@@ -1,19 +1,22 @@
 """Join time of a fresh receiver at committed version N (issue 18): is it flat in N?
 
-    .venv/bin/python scripts/bench_join.py [--versions 1,10,50 --repeats 3 --changed 0.03]
+    .venv/bin/python scripts/bench_join.py [--versions 1,10,50 --repeats 3 --changed 0.03 --snapshot-every 20]
 
 A trainer (the real ``RefitSender`` over a transformers Llama's BF16 tensors, context-mode
 chunks, signed documents) commits versions 1..N with one in-process hf receiver acking
-them, so every version on the store is a genuine signed commit.  At each N of
-``--versions`` a fresh receiver joins the way a user starts one: ``nemo-dcr receive`` as a
-subprocess (hf runtime, its own state directory, version 0 downloaded from the store,
-``--until-version N``).  It catches up to N-1 (replayed, or one composed delta when more
+them, so every version on the store is a genuine signed commit.  With ``--snapshot-every
+K`` (default 20, the elastic-membership default of ``refit.snapshot_every``; 0 = none, the
+measurement before snapshots) the trainer also writes a committed-version snapshot at every
+K-th version (``protocol/snapshot.py``).  At each N of ``--versions`` a fresh receiver joins
+the way a user starts one: ``nemo-dcr receive`` as a subprocess (hf runtime, its own state
+directory, ``--until-version N``), which loads the newest snapshot <= N (or version 0)
+from the store.  It catches up from there to N-1 (replayed, or one composed delta when more
 than ``compose_after`` = 4 versions behind: ``receiver/catchup.py``), then applies
 version N, whose commit decision it reads.  Timed from the parent, on the receiver's
 flushed JSON lines:
 
-* ``start_s``: process start to its ``ready`` line (imports, run record, version-0
-  download and check, model load, prewarm): version 0 loaded;
+* ``start_s``: process start to its ``ready`` line (imports, run record, snapshot or
+  version-0 download and check, model load, prewarm): its starting version loaded;
 * ``catchup_s``: ``ready`` to the commit of N (chain walk, downloads, decodes, compose,
   apply; the follower's poll interval is 0.01 s);
 * ``total_s``: process start to the commit of N.
@@ -90,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed joins per (pattern, N); medians reported")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="bound on one join")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--snapshot-every", type=int, default=None,
+                    help="the trainer's refit.snapshot_every (default: its elastic-membership default, 20); "
+                         "0 = no snapshots (every joiner starts from version 0)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--name", default="join", help="output files OUT/NAME.json and OUT/NAME.png")
     ap.add_argument("--replot", action="store_true", help="only redraw OUT/NAME.png from OUT/NAME.json")
@@ -104,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise BenchError("--repeats must be >= 1", 2)
     if a.hidden % 64:
         raise BenchError("--hidden must be a multiple of 64 (heads of 64)", 2)
+    if a.snapshot_every is None:
+        from nemo_dcr.integrations.settings import ELASTIC_SNAPSHOT_EVERY
+
+        a.snapshot_every = ELASTIC_SNAPSHOT_EVERY
+    if a.snapshot_every < 0:
+        raise BenchError(f"--snapshot-every must be >= 0 (0 = off), got {a.snapshot_every}", 2)
     return a
 
 
@@ -167,7 +179,7 @@ class Trainer:
         del model
         self.params = {n: t.clone() for n, t in state.items()}
         cfg = SenderConfig(model_id=MODEL_ID, receivers=("r0",), key_file=self.key, ack_timeout_s=a.timeout_s,
-                           ack_poll_s=0.01, pipeline=False)
+                           ack_poll_s=0.01, pipeline=False, snapshot_every=a.snapshot_every)
         self.store = LocalDirStore(self.store_dir)
         self.sender = flat_sender(self.params, self.store, cfg)
         run_id = self.sender.claim()
@@ -205,6 +217,8 @@ class Trainer:
             th.join(timeout=300)
         if error:
             raise error[0]
+        if self.sender.wait_snapshot() is False:  # the joiners must find the snapshot at N (if any)
+            raise BenchError(f"trainer: the snapshot upload before v{n} failed")
         self.version = n
 
     def committed_bits(self) -> dict[str, torch.Tensor]:
@@ -227,6 +241,8 @@ class Join:
     exit_s: float
     cpu_s: float
     """The receiver process's user + system CPU seconds (less sensitive to a shared machine)."""
+    bootstrap: dict = field(default_factory=dict)
+    """The receiver's ``bootstrap`` line: ``{"from": "init"}`` or ``{"from": "snapshot", "version": S}``."""
     catchup: dict = field(default_factory=dict)
     """The follower's ``caught up`` event (mode, versions, seconds, changed, wire bytes); empty at N = 1."""
     last: dict = field(default_factory=dict)
@@ -252,7 +268,7 @@ def join_once(store_dir: str, key: str, n: int, rid: str, state_dir: str, timeou
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
     ready = committed = None
-    catchup, last = {}, {}
+    catchup, last, boot = {}, {}, {}
     timer = threading.Timer(timeout_s + 60, proc.kill)
     timer.start()
     try:
@@ -262,8 +278,12 @@ def join_once(store_dir: str, key: str, n: int, rid: str, state_dir: str, timeou
                 ev = json.loads(line)
             except ValueError:
                 continue
-            if ev.get("ready"):
+            if "bootstrap" in ev:
+                boot = ev["bootstrap"]
+            elif ev.get("ready"):
                 ready = now
+                if boot.get("version") == n:  # started from the snapshot of N itself: nothing to decide
+                    committed = now
             elif ev.get("event") == "caught up":
                 catchup = ev
             elif ev.get("version") == n and "ok" in ev:
@@ -281,7 +301,7 @@ def join_once(store_dir: str, key: str, n: int, rid: str, state_dir: str, timeou
             tail = f.read()[-2000:]
         raise BenchError(f"join of {rid} at v{n}: exit {rc}, ready={ready}, committed={committed}; stderr: {tail}")
     return Join(start_s=ready, catchup_s=committed - ready, total_s=committed, exit_s=exit_s, cpu_s=cpu_s,
-                catchup=catchup, last=last)
+                bootstrap=boot, catchup=catchup, last=last)
 
 
 # ---------------------------------------------------------------- bit-exactness
@@ -330,6 +350,7 @@ def summarize(pattern: str, n: int, joins: list[Join], check: dict, union_frac: 
         "exit_s": median([j.exit_s for j in joins]),
         "cpu_s": median([j.cpu_s for j in joins]),
         "runs": [{k: round(v, 3) for k, v in asdict(j).items() if isinstance(v, float)} for j in joins],
+        "bootstrap": first.bootstrap,
         "catchup_mode": first.catchup.get("mode", "none"),
         "catchup_versions": len(first.catchup.get("versions", [])),
         "catchup_event_s": median([j.catchup.get("seconds", 0.0) for j in joins]),
@@ -343,12 +364,14 @@ def summarize(pattern: str, n: int, joins: list[Join], check: dict, union_frac: 
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| pattern | N | start s | catch-up s | total s | receiver CPU s | catch-up mode | changed 0->N % "
-          "| total / first N | catch-up / first N | bit-exact | control |", flush=True)
-    print("|:--|--:|--:|--:|--:|--:|:--|--:|--:|--:|:-:|:-:|")
+    print("| pattern | N | starts from | start s | catch-up s | total s | receiver CPU s | catch-up mode "
+          "| changed 0->N % | total / first N | catch-up / first N | bit-exact | control |", flush=True)
+    print("|:--|--:|:--|--:|--:|--:|--:|:--|--:|--:|--:|:-:|:-:|")
     for r in rows:
-        print(f"| {r['pattern']} | {r['versions']} | {r['start_s']:.2f} | {r['catchup_s']:.2f} | {r['total_s']:.2f} "
-              f"| {r['cpu_s']:.1f} | {r['catchup_mode']} ({r['catchup_versions']}) + 1 "
+        boot = r.get("bootstrap", {})
+        start = f"snapshot v{boot['version']}" if boot.get("from") == "snapshot" else "v0"
+        print(f"| {r['pattern']} | {r['versions']} | {start} | {r['start_s']:.2f} | {r['catchup_s']:.2f} "
+              f"| {r['total_s']:.2f} | {r['cpu_s']:.1f} | {r['catchup_mode']} ({r['catchup_versions']}) + 1 "
               f"| {100 * r['union_changed_frac']:.1f} "
               f"| {r['total_vs_first']:.2f}x | {r['catchup_vs_first']:.2f}x | "
               f"{'yes' if r['bit_exact'] else 'NO'} | {'caught' if r['negative_control_detected'] else 'MISSED'} |")
@@ -367,7 +390,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             continue
         ns = [r["versions"] for r in rs]
         axes[0].plot(ns, [r["total_s"] for r in rs], marker + "-", label=f"{pattern}: total")
-        axes[0].plot(ns, [r["start_s"] for r in rs], marker + ":", label=f"{pattern}: start (v0 loaded)")
+        axes[0].plot(ns, [r["start_s"] for r in rs], marker + ":", label=f"{pattern}: start (snapshot or v0 loaded)")
         axes[1].plot(ns, [r["catchup_s"] for r in rs], marker + "-", label=pattern)
         axes[2].plot(ns, [r["cpu_s"] for r in rs], marker + "-", label=pattern)
     first = [r for r in rows if r["versions"] == rows[0]["versions"]]
@@ -396,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def title(out: dict) -> str:
+    every = out.get("snapshot_every", 0)
     return (f"fresh receiver joining at version N, {out['params'] / 1e6:.0f}M params, "
-            f"{out['changed_per_version']:.0%} changed/version")
+            f"{out['changed_per_version']:.0%} changed/version, "
+            + (f"snapshot every {every} versions" if every else "no snapshots"))
 
 
 def replot(a: argparse.Namespace) -> int:
@@ -447,6 +472,7 @@ def run(a: argparse.Namespace) -> int:
         print_table(rows)
         out = {"params": numel, "hidden": a.hidden, "layers": a.layers, "ffn": a.ffn, "vocab": a.vocab,
                "changed_per_version": a.changed, "hot": a.hot, "versions": a.versions, "repeats": a.repeats,
+               "snapshot_every": a.snapshot_every,
                "receiver": "nemo-dcr receive (subprocess, hf runtime, --poll-s 0.01)", "compose_after": 4,
                "goal": "total at max N within 1.5x of total at min N",
                "wire_bytes_per_version_median": wire, "dense_bytes": 2 * numel,

@@ -22,11 +22,12 @@ def bench():
 def test_defaults(bench):
     a = bench.parse_args([])
     assert a.versions == [1, 10, 50] and a.changed == 0.03 and a.patterns == ["independent", "concentrated"]
+    assert a.snapshot_every == 20 and bench.parse_args(["--snapshot-every", "0"]).snapshot_every == 0
 
 
 @pytest.mark.parametrize("argv", [["--versions", "0,5"], ["--versions", "x"], ["--versions", "3,3"],
                                   ["--patterns", "random"], ["--changed", "0.2", "--hot", "0.1"],
-                                  ["--repeats", "0"], ["--hidden", "100"]])
+                                  ["--repeats", "0"], ["--hidden", "100"], ["--snapshot-every", "-1"]])
 def test_bad_arguments_are_exit_2(bench, argv):
     with pytest.raises(bench.BenchError) as e:
         bench.parse_args(argv)
@@ -70,6 +71,20 @@ def test_tiny_run_writes_its_json_with_the_check(bench, tmp_path):
     assert 0.03 < row["union_changed_frac"] < 0.2
     assert row["bit_exact"] is True and row["negative_control_detected"] is True and row["mismatched"] == []
     assert row["tensors"] > 0 and row["total_vs_first"] == 1.0
+
+
+@pytest.mark.slow  # starts `nemo-dcr receive` processes
+def test_tiny_run_with_snapshots_joins_from_the_newest_one(bench, tmp_path):
+    """Snapshots every 3 versions, a join at 7: it loads the snapshot of v6 and applies v7,
+    bit-exact (the dumped state against the trainer's committed bits, with the control)."""
+    argv = ["--hidden", "64", "--layers", "1", "--ffn", "128", "--vocab", "256", "--versions", "7",
+            "--repeats", "1", "--patterns", "independent", "--timeout-s", "120", "--out", str(tmp_path),
+            "--snapshot-every", "3"]
+    assert bench.main(argv) == 0
+    out = json.loads((tmp_path / "join.json").read_text())
+    (row,) = out["rows"]
+    assert out["snapshot_every"] == 3 and row["bootstrap"] == {"from": "snapshot", "version": 6}
+    assert row["catchup_mode"] == "none" and row["bit_exact"] is True and row["negative_control_detected"] is True
 
 
 def test_replot_redraws_from_the_json(bench, tmp_path):
