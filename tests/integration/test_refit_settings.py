@@ -27,7 +27,7 @@ NON_DEFAULT = {
     "model_id": "m-x", "receivers": ("ra", "rb"), "chunk_bytes": 12345, "upload_workers": 3,
     "context": False, "ack_timeout_s": 7.5, "ack_poll_s": 0.25, "key_file": "/keys/k",
     "on_refusal": "fail", "max_consecutive_failures": 5, "pipeline": False, "pipeline_max_staged_bytes": 4096,
-    "membership": "elastic", "min_receivers": 2, "evict_after": 1,
+    "membership": "elastic", "min_receivers": 2, "evict_after": 1, "snapshot_every": 7,
 }
 
 
@@ -120,7 +120,7 @@ def test_a_hand_mapping_that_forgets_a_field_is_caught():
                            key_file=s.key_file, on_refusal=s.on_refusal,
                            max_consecutive_failures=s.max_consecutive_failures)
     assert sorted(_lost(by_hand)) == sorted(["ack_poll_s", "pipeline", "pipeline_max_staged_bytes", "membership",
-                                             "min_receivers", "evict_after"])  # the fields it never named
+                                             "min_receivers", "evict_after", "snapshot_every"])  # never named
     assert _lost(s.sender_config()) == []
 
 
