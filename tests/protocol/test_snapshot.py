@@ -350,3 +350,92 @@ def test_snapshot_record_parsing_is_strict(key):
     doc["extra"] = 1
     with pytest.raises(ManifestError, match="unknown fields"):
         SnapshotRecord.from_json(json.dumps(doc).encode(), None)
+
+
+# ---------------------------------------------------------------- the megatron hook, two ranks
+@pytest.mark.spawns
+def test_the_hook_snapshots_the_committed_state_gathered_over_two_tensor_parallel_ranks(tmp_path):
+    """A real megatron-core model, TP=2 (gloo), the pipelined hook with snapshot_every=2:
+    the snapshots of v2 and v4 are gathered from both ranks' committed baselines while the
+    live parameters already hold the next step; each equals the dense state of its version
+    (integer views, every tensor), not the next step's, and a flipped bit is seen.  The
+    worker is this file run under torchrun (``_hook_worker``)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           str(tmp_path), str(tmp_path / "store")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-6000:]
+    store = LocalDirStore(str(tmp_path / "store"))
+    assert listed_versions(store) == [4, 2]
+    for v in (2, 4):
+        got = load(store.get(snapshot_key(v, MODEL)))
+        want, after = load_file(str(tmp_path / f"dense{v}.safetensors")), load_file(str(tmp_path / f"dense{v + 1}"
+                                                                                                 ".safetensors"))
+        assert sorted(got) == sorted(want) and len(want) > 3
+        for name in want:
+            assert got[name].dtype == want[name].dtype == torch.bfloat16
+            assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16)), name
+        assert any(not torch.equal(got[n].view(torch.int16), after[n].view(torch.int16)) for n in want)
+        name = max(want, key=lambda n: want[n].numel())
+        flipped = got[name].clone()
+        flipped.view(torch.int16).reshape(-1)[7] ^= 1
+        assert not torch.equal(flipped.view(torch.int16), want[name].view(torch.int16))
+        rec = SnapshotRecord.from_json(store.get(snapshot_key(v, SNAPSHOT_RECORD)),
+                                       Sealer(load_key(str(tmp_path / "key"))))
+        assert rec.decision_digest == doc_digest(store.get(decision_key(v)))
+
+
+def _hook_worker(out_dir: str, store_dir: str) -> int:
+    import sys
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+    from pipeline_worker import stamp_acks  # a signed stand-in receiver acking every manifest
+
+    import threading
+
+    from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
+    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.testbed.model import ModelConfig
+    from nemo_dcr.testbed.train import TrainConfig, Trainer
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
+                      ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)
+    trainer = Trainer(cfg, TrainConfig(lr=3e-4), tp=2)
+    rank = dist.get_rank()
+    key_path = os.path.join(out_dir, "key")
+    if rank == 0:
+        new_key_file(key_path)
+    dist.barrier()
+    store = LocalDirStore(store_dir)
+    sender_cfg = SenderConfig(model_id="snap", receivers=("r0",), key_file=key_path, ack_timeout_s=20,
+                              ack_poll_s=0.01, pipeline=True, snapshot_every=2)
+    hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg, vocab_size=256)
+    run_id = hook.export_initial()
+    stop = threading.Event()
+    if rank == 0:
+        threading.Thread(target=stamp_acks, args=(store, hook.sender.sealer, run_id, stop), daemon=True).start()
+    for step in range(1, 6):
+        trainer.train_step()
+        dense = hook.dense_state()  # the live parameters after this step: version `step`'s content
+        if rank == 0:
+            save_file(dense, os.path.join(out_dir, f"dense{step}.safetensors"))
+        settled = hook(step=step)
+        assert settled is None or settled.committed, settled.reason
+    assert hook.finish().committed
+    stop.set()
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_hook_worker(sys.argv[1], sys.argv[2]))
