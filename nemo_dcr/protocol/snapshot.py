@@ -215,7 +215,12 @@ def find_snapshot(store: ObjectStore, sealer: Sealer, run_id: str, directory: st
     """The newest usable snapshot (of the :data:`MAX_CANDIDATES` newest listed), downloaded
     into ``directory/v<N>``; None when there is none.  Each one refused costs one line in
     ``log`` and falls back to the next older."""
-    for version in listed_versions(store)[:MAX_CANDIDATES]:
+    try:
+        versions = listed_versions(store)[:MAX_CANDIDATES]
+    except DcrError as e:  # a store (or relay) that cannot list: version 0 it is
+        log(f"nemo_dcr: snapshots not listed, starting from version 0: {type(e).__name__}: {e}")
+        return None
+    for version in versions:
         where = os.path.join(directory, f"v{version:08d}")
         try:
             return fetch_snapshot(store, sealer, run_id, version, where)
