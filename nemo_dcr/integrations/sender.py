@@ -130,13 +130,13 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def all_gather(obj) -> list:
-    """Collective (the default group): every rank's ``obj``, in rank order (``[obj]``
-    without a process group)."""
+def all_gather(obj, group=None) -> list:
+    """Collective over ``group`` (default: the default group): every rank's ``obj``, in rank
+    order (``[obj]`` without a process group)."""
     if _world() == 1:
         return [obj]
     out = [None] * _world()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -184,6 +184,9 @@ class _InFlight:
     digest: str = ""
     failure: str = ""
     """The background work itself failed on this rank (not an abort: a lost collective, a bug)."""
+    outcomes: list | None = None
+    """Every rank's (version, commit, digest, failure), gathered by the background work once
+    the decision is known; None if that gather itself failed on this rank."""
     applied: bool = False
 
 
@@ -483,16 +486,22 @@ class RefitSender:
         return settled
 
     def settle(self) -> PublishStats | None:
-        """Collective: wait for the version in flight (if any), apply its decision on this
-        rank and check that every rank applied the same one; returns its stats (None if no
-        version was in flight).  A failure of the background work on any rank, or a
-        decision the refusal policy stops on, raises the same error on every rank."""
+        """Every rank calls it at the same point: wait for the version in flight (if any),
+        apply its decision on this rank and check that every rank reached the same one;
+        returns its stats (None if no version was in flight).  A failure of the background
+        work on any rank, or a decision the refusal policy stops on, raises the same error on
+        every rank.  It holds no collective of its own (the ranks' outcomes were gathered by
+        the background work), so a rank never waits here for a slower one to arrive; the one
+        collective is the snapshot gather every ``snapshot_interval`` committed versions."""
         flight = self._inflight
         if flight is None:
             return None
         self._join(flight)
         self._inflight = None
-        outcomes = all_gather((flight.version, flight.commit, flight.digest, flight.failure))
+        outcomes = flight.outcomes
+        if outcomes is None:  # the outcome gather itself failed here: the group is broken
+            raise ProtocolError(f"version {flight.version}: the background refit failed on rank {_rank()}: "
+                                f"{flight.failure}")
         failed = [(r, o[3]) for r, o in enumerate(outcomes) if o[3]]
         if failed:
             r, why = failed[0]
@@ -637,6 +646,13 @@ class RefitSender:
         except BaseException as e:  # noqa: BLE001 - kept for settle(), which raises it on every rank
             flight.failure = f"{type(e).__name__}: {e}"
             flight.commit, flight.stop = False, False
+        # every rank learns every rank's outcome here, off the training loop, so that settle()
+        # needs no collective: the hook never waits for a slower rank to reach it
+        try:
+            flight.outcomes = all_gather((flight.version, flight.commit, flight.digest, flight.failure), self._group)
+        except BaseException as e:  # noqa: BLE001 - settle() raises it on this rank
+            flight.failure = flight.failure or f"{type(e).__name__}: {e}"
+            flight.outcomes = None
 
     def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool, str]:
         """Rank 0: totals, manifest, acks, decision record.  Never raises: any failure is
