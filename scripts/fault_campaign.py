@@ -133,7 +133,8 @@ WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill"
 KILL_MOMENTS = ("chunks", "manifest", "acks", "decision")
 # store_stall_inflight: the store (moto_server) SIGSTOPped while version v is in flight in the
 # background, once its first chunk, its manifest or every receiver's ack is on the store;
-# "short" (1-4 s) or "long" (the ack timeout plus 1-5 s: v's acks cannot all be read in time)
+# "short" (1-4 s) or "long" (the ack timeout plus 1-5 s: v's acks cannot all be read in time);
+# rank 0 holds v's decision put 1.5-3 s so that v is not decided before the stall
 STALL_MOMENTS = ("chunks", "manifest", "acks")
 # join_forged: what a store writer without the key plants under acks/join.d/
 FORGED_JOINS = ("wrong_key", "unsigned", "renamed_genuine", "hostile", "oversize")
@@ -257,7 +258,9 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
         f = [{"kind": "stall_inflight", "target": "driver", "at": rng.choice(STALL_MOMENTS),
               "delay_s": round(rng.uniform(0.0, 0.3), 2), "length": length,
               "stall_s": round(rng.uniform(1.0, 4.0), 2) if length == "short" else None,
-              "over_ack_timeout_s": round(rng.uniform(1.0, 5.0), 2) if length == "long" else None}]
+              "over_ack_timeout_s": round(rng.uniform(1.0, 5.0), 2) if length == "long" else None},
+             # rank 0 holds v's decision put, so that v is still in flight when the stall starts
+             {"kind": "hold", "target": "rank0", "key_kind": "decision", "hold_s": round(rng.uniform(1.5, 3.0), 2)}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}

@@ -35,6 +35,8 @@ def test_pipeline_plans_and_class_group():
     assert {s["at"] for s in stalls} == set(fc.STALL_MOMENTS) and {s["length"] for s in stalls} == {"short", "long"}
     # a short stall has its length, a long one its excess over the ack timeout (known to the epoch)
     assert all((s["stall_s"] is None) == (s["length"] == "long") != (s["over_ack_timeout_s"] is None) for s in stalls)
+    assert all(f[1]["kind"] == "hold" and f[1]["target"] == "rank0"
+               for f in (fc.make_plan(4, t, "store_stall_inflight")["faults"] for t in range(60)))
     with pytest.raises(SystemExit):  # pipelined epochs take no store or relay class but the control
         fc.main(["--classes", "trainer_kill_inflight,chunk_tamper", "--report-only", "--results", os.devnull])
 
