@@ -105,8 +105,10 @@ class RefitConfig(RefitOptions):
 
     late_receivers: int = 0
     """With ``membership=elastic``: receivers (``late0``, ``late1``, ...) the demo starts
-    once version ``late_after`` is decided; each catches up, asks to join (``nemo-dcr receive
-    --join``) and is admitted at a later version."""
+    once version ``late_after`` is decided (and, with snapshots on, once the newest snapshot
+    at or below it is complete, or 60 s later); each bootstraps from the store (that
+    snapshot, else version 0), catches up, asks to join (``nemo-dcr receive --join``) and is
+    admitted at a later version."""
     late_after: int = 2
     """With ``late_receivers``: the version whose decision starts them.  The test bed's
     trainer holds the step after the next one until they have asked to join, so the demo

@@ -225,12 +225,17 @@ def _row(r: dict) -> dict[str, str]:
     }
 
 
-def _receiver_cmd(cfg: DemoConfig, rid: str, store_uri: str, init_dir: str) -> list[str]:
+def _receiver_cmd(cfg: DemoConfig, rid: str, store_uri: str, init_dir: str | None) -> list[str]:
+    """``init_dir`` None: the receiver bootstraps from the store (the newest committed-version
+    snapshot it can verify, else a download of version 0), as a replica added to a running
+    job would."""
     from nemo_dcr.receiver.registry import supported_options
 
     cmd = [sys.executable, "-m", "nemo_dcr.receiver.cli", "--store", store_uri,
            "--receiver-id", rid, "--model-id", cfg.refit.model_id, "--until-version", str(cfg.steps),
-           "--init-dir", init_dir, "--timeout-s", str(cfg.refit.ack_timeout_s)]
+           "--timeout-s", str(cfg.refit.ack_timeout_s)]
+    if init_dir is not None:
+        cmd += ["--init-dir", init_dir]
     if cfg.refit.membership == "elastic":
         cmd.append("--join")  # (re)join: after the initial catch-up, and whenever evicted
     if cfg.refit.verify_dense:
@@ -485,27 +490,40 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         relays = _start_relays(cfg, tree, children, env)
         reads_from = [_upstreams(tree, p, relays, cfg.store.uri) for p in tree.receiver_parents]
 
-    def start_receiver(rid: str, store_uri: str) -> None:
+    def start_receiver(rid: str, store_uri: str, *, local_init: bool = True) -> None:
         log = open(os.path.join(cfg.run_dir, f"receiver-{rid}.log"), "w")
-        receivers.append((rid, children.start(_receiver_cmd(cfg, rid, store_uri, init_dir), log, env), log))
+        cmd = _receiver_cmd(cfg, rid, store_uri, init_dir if local_init else None)
+        receivers.append((rid, children.start(cmd, log, env), log))
 
     receivers: list = []
     for rid, store_uri in zip(cfg.refit.receivers, reads_from):
         start_receiver(rid, store_uri)
     late = cfg.refit.late_receiver_ids()
+    # late receivers start once version late_after is decided and, with snapshots on, once the
+    # newest snapshot at or below it is complete (or 60 s later: a skipped or failed snapshot
+    # upload only means they start from version 0), so the demo shows a join from a snapshot
+    every = cfg.refit.snapshot_interval
+    late_snapshot = (every * (cfg.refit.late_after // every)) if every else 0
+    late_decided_at: float | None = None
 
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
     cells: list[dict[str, str]] = []
     seen = 0
-    from nemo_dcr.protocol.manifest import decision_key
+    from nemo_dcr.protocol.manifest import SNAPSHOT_RECORD, decision_key, snapshot_key
 
     while True:
         done = trainer.poll() is not None
-        if late and store.exists(decision_key(cfg.refit.late_after)):
-            _err(f"version {cfg.refit.late_after} decided: starting late receiver(s) {', '.join(late)} (--join)")
+        if late and late_decided_at is None and store.exists(decision_key(cfg.refit.late_after)):
+            late_decided_at = time.monotonic()
+        if late and late_decided_at is not None and (
+                not late_snapshot or store.exists(snapshot_key(late_snapshot, SNAPSHOT_RECORD))
+                or time.monotonic() - late_decided_at > 60):
+            snap = f", snapshot v{late_snapshot} complete" if late_snapshot else ""
+            _err(f"version {cfg.refit.late_after} decided{snap}: starting late receiver(s) {', '.join(late)} "
+                 f"(--join, bootstrapping from the store)")
             for rid in late:
-                start_receiver(rid, cfg.store.uri)
+                start_receiver(rid, cfg.store.uri, local_init=False)
             late = []
         if os.path.exists(steps_path):
             with open(steps_path) as f:

@@ -1,5 +1,6 @@
 """The demo with elastic membership (``refit.membership=elastic refit.late_receivers=1``):
-a receiver started after version 2's decision catches up, asks to join and is admitted at a
+a receiver started after version 2's decision boots from that version's committed-version
+snapshot (``refit.snapshot_every=2``), catches up, asks to join and is admitted at a
 later version; every version commits with every member's ack, each receiver bit-exact
 (the receivers compare integer views against the dense reference), and the final JSON
 names who joined.  The settings' refusals are one line each, nothing written."""
@@ -40,7 +41,7 @@ def test_a_late_receiver_joins_the_running_demo(tmp_path):
     summary = demo.run(load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store",
                                          *[o for o in SMALL if not o.startswith("steps=")], "steps=6",
                                          "refit.receivers=2", "refit.membership=elastic",
-                                         "refit.late_receivers=1"]))
+                                         "refit.late_receivers=1", "refit.snapshot_every=2"]))
     print(json.dumps({k: summary[k] for k in ("membership", "joined", "evicted", "committed", "bit_exact")}))
     assert summary["membership"] == "elastic" and summary["joined"] == ["late0"] and summary["evicted"] == []
     assert (summary["refits"], summary["committed"], summary["bit_exact"]) == (6, 6, 6)
@@ -54,5 +55,9 @@ def test_a_late_receiver_joins_the_running_demo(tmp_path):
     # the joiner's own log: it asked, was admitted, and verified every version it applied
     events = [json.loads(x) for x in (tmp_path / "run" / "receiver-late0.log").read_text().splitlines()
               if x.startswith("{")]
+    # it started from the store, not version 0: the committed-version snapshot of v2 (the demo
+    # starts it once v2 is decided and that snapshot is complete), then caught up and joined
+    boot = [e["bootstrap"] for e in events if "bootstrap" in e]
+    assert boot == [{"from": "snapshot", "version": 2}], boot
     assert any(e.get("event") == "join requested" for e in events)
     assert any(e.get("event") == "joined" and e.get("version") == admitted for e in events)
