@@ -34,7 +34,8 @@ def available() -> bool:
 
 
 def simd() -> str:
-    """The block-scan path the native coder uses here (``avx512bw`` or ``scalar``)."""
+    """The block-scan path the native coder uses here (``avx512bw``, ``avx2`` or ``scalar``;
+    ``NEMO_DCR_NO_SIMD=1`` at import forces ``scalar``)."""
     return _crans.simd() if _crans is not None else "unavailable"
 
 

@@ -44,8 +44,9 @@
  * padded to a byte), all little-endian.  The decoder checks both final states are the
  * encoder's initial 2^16, that every rANS and raw byte is consumed and that padding is zero.
  *
- * Both entry points release the GIL; a scan over base bits uses AVX-512BW where the CPU has
- * it (2- and 4-byte dtypes), a scalar loop otherwise: both produce the same bytes.
+ * Both entry points release the GIL; a scan over base bits uses AVX-512BW or else AVX2 where
+ * the CPU has it (2- and 4-byte float dtypes), a scalar loop otherwise: all produce the same
+ * bytes (set_simd picks one, for tests and benchmarks).
  */
 #include "record.h"
 #include <stdint.h>
@@ -96,7 +97,7 @@ typedef struct {
 
 static uint64_t RCP_M[PTOT + 1];
 static uint8_t RCP_S[PTOT + 1];
-static int HAVE_AVX512 = 0;
+static int HAVE_AVX512 = 0, HAVE_AVX2 = 0;
 
 /* j-th (0-based) set bit of m; m has more than j set bits.  Branch-free: an event's
  * place in its mask is as good as random, so a branchy search mispredicts. */
@@ -121,6 +122,24 @@ __attribute__((target("bmi2"))) static int select_bit_bmi2(uint64_t m, int64_t j
 
 static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
 
+/* The CPU paths: level 0 scalar everywhere (and the portable bit select), 1 at most AVX2,
+ * 2 the best this CPU has.  Every path produces the same bytes and arrays (tests/codec/
+ * test_simd_paths.py); NEMO_DCR_NO_SIMD=1 (or the older NEMO_DCR_NO_AVX512=1) at import
+ * starts at level 0. */
+static void set_paths(int level) {
+    HAVE_AVX512 = HAVE_AVX2 = 0;
+    select_bit = select_bit_portable;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (level <= 0) return;
+    HAVE_AVX512 = level >= 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+    HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    if (__builtin_cpu_supports("bmi2")) select_bit = select_bit_bmi2;
+#else
+    (void)level;
+#endif
+}
+
 static void init_tables(void) {
     for (uint32_t f = 1; f <= PTOT; f++) {
         uint32_t l = 0;
@@ -129,12 +148,7 @@ static void init_tables(void) {
         RCP_M[f] = (uint64_t)((((__uint128_t)1) << (32 + l)) / f) + 1;
         RCP_S[f] = (uint8_t)(32 + l);
     }
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    HAVE_AVX512 = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f") &&
-                  !getenv("NEMO_DCR_NO_AVX512");
-    if (__builtin_cpu_supports("bmi2") && !getenv("NEMO_DCR_NO_AVX512")) select_bit = select_bit_bmi2;
-#endif
+    set_paths(getenv("NEMO_DCR_NO_SIMD") || getenv("NEMO_DCR_NO_AVX512") ? 0 : 2);
 }
 
 /* ------------------------------------------------------------------ adaptive contexts */
@@ -219,26 +233,31 @@ static inline int bucket_of(const Params *P, uint64_t b) {
  * cost work: a block of 64 typically holds 6-9 of the 20-30 active buckets. */
 #define SEGB 64 /* blocks per segment */
 
+/* Block k of a segment (n <= 64 elements from s), element by element. */
+static inline void blk_scalar(const Params *P, int64_t s, int n, int k, uint32_t active, uint64_t *bm,
+                              uint64_t *words) {
+    uint64_t m[NB];
+    uint32_t present = 0;
+    for (int j = 0; j < n; j++) {
+        int b = bucket_of(P, load(P->base, P->width, s + j));
+        uint64_t bit = 1ull << j;
+        m[b] = (present >> b & 1) ? (m[b] | bit) : bit;
+        present |= 1u << b;
+    }
+    present &= active;
+    while (present) {
+        int b = __builtin_ctz(present);
+        bm[b * SEGB + k] = m[b];
+        words[b] |= 1ull << k;
+        present &= present - 1;
+    }
+}
+
 static void seg_scalar(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
     memset(words, 0, NB * sizeof(uint64_t));
     for (int k = 0; k < nblk; k++) {
-        uint64_t m[NB];
-        uint32_t present = 0;
         int64_t s = start + (int64_t)k * BLK;
-        int n = (int)(P->hi - s < BLK ? P->hi - s : BLK);
-        for (int j = 0; j < n; j++) {
-            int b = bucket_of(P, load(P->base, P->width, s + j));
-            uint64_t bit = 1ull << j;
-            m[b] = (present >> b & 1) ? (m[b] | bit) : bit;
-            present |= 1u << b;
-        }
-        present &= active;
-        while (present) {
-            int b = __builtin_ctz(present);
-            bm[b * SEGB + k] = m[b];
-            words[b] |= 1ull << k;
-            present &= present - 1;
-        }
+        blk_scalar(P, s, (int)(P->hi - s < BLK ? P->hi - s : BLK), k, active, bm, words);
     }
 }
 
@@ -321,6 +340,92 @@ AVX512 static void seg_avx512_w4(const Params *P, int64_t start, int nblk, uint3
         }
     }
 }
+
+/* AVX2 (no AVX-512): a full block's 64 bucket ids become two vectors of 32 bytes; the
+ * buckets between the block's least and greatest id are each one byte compare, and every
+ * bucket in that range gets its word written (0 where the block does not hold it: only
+ * words named by words[] are ever read, so the result is the scalar scan's).  A partial
+ * last block goes through blk_scalar. */
+#define AVX2 __attribute__((target("avx2,popcnt")))
+
+/* 32 -> bytes: packus interleaves the 128-bit lanes, permute4x64 restores element order */
+AVX2 static inline __m256i pack16_8(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+}
+
+AVX2 static inline void blk_ids_avx2(__m256i b0, __m256i b1, int k, uint32_t active, uint64_t *bm,
+                                     uint64_t *words) {
+    /* least id in the low lane, 255 - greatest in the high lane, then reduce both lanes */
+    __m256i mn = _mm256_min_epu8(b0, b1);
+    __m256i nx = _mm256_xor_si256(_mm256_max_epu8(b0, b1), _mm256_set1_epi8(-1));
+    __m128i l = _mm_min_epu8(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+    __m128i h = _mm_min_epu8(_mm256_castsi256_si128(nx), _mm256_extracti128_si256(nx, 1));
+    __m256i r = _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
+    r = _mm256_min_epu8(r, _mm256_srli_si256(r, 8));
+    r = _mm256_min_epu8(r, _mm256_srli_si256(r, 4));
+    r = _mm256_min_epu8(r, _mm256_srli_si256(r, 2));
+    r = _mm256_min_epu8(r, _mm256_srli_si256(r, 1));
+    int lo = _mm256_extract_epi8(r, 0) & 0xFF, hi = 255 - (_mm256_extract_epi8(r, 16) & 0xFF);
+    __m256i bv = _mm256_set1_epi8((char)lo);
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int b = lo; b <= hi; b++, bv = _mm256_add_epi8(bv, one)) {
+        uint64_t m = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b0, bv)) |
+                     (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b1, bv)) << 32;
+        bm[b * SEGB + k] = m;
+        words[b] |= (uint64_t)((m != 0) & (active >> b)) << k;
+    }
+}
+
+AVX2 static void seg_avx2_w2(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
+                             uint64_t *words) {
+    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
+    const __m256i emask = _mm256_set1_epi16((short)((1u << P->ebits) - 1));
+    const __m256i elo = _mm256_set1_epi16((short)P->e_lo);
+    const __m256i top = _mm256_set1_epi16(NB - 1);
+    const uint16_t *base = (const uint16_t *)P->base;
+    memset(words, 0, NB * sizeof(uint64_t));
+    for (int k = 0; k < nblk; k++) {
+        int64_t s = start + (int64_t)k * BLK;
+        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words); continue; }
+        __m256i b[4];
+        for (int q = 0; q < 4; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 16 * q));
+            __m256i e = _mm256_and_si256(_mm256_srl_epi16(v, sh), emask);
+            b[q] = _mm256_min_epu16(_mm256_subs_epu16(e, elo), top);
+        }
+        blk_ids_avx2(pack16_8(b[0], b[1]), pack16_8(b[2], b[3]), k, active, bm, words);
+    }
+}
+
+AVX2 static void seg_avx2_w4(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
+                             uint64_t *words) {
+    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
+    const __m256i emask = _mm256_set1_epi32((int)((1u << P->ebits) - 1));
+    const __m256i elo = _mm256_set1_epi32(P->e_lo);
+    const __m256i top = _mm256_set1_epi32(NB - 1);
+    const __m256i zero = _mm256_setzero_si256();
+    /* packus_epi32 then packus_epi16 leave dwords in the order 0 2 4 6 1 3 5 7 */
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const uint32_t *base = (const uint32_t *)P->base;
+    memset(words, 0, NB * sizeof(uint64_t));
+    for (int k = 0; k < nblk; k++) {
+        int64_t s = start + (int64_t)k * BLK;
+        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words); continue; }
+        __m256i b[8];
+        for (int q = 0; q < 8; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 8 * q));
+            __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srl_epi32(v, sh), emask), elo);
+            b[q] = _mm256_min_epi32(_mm256_max_epi32(e, zero), top);
+        }
+        __m256i x[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(b[4 * h], b[4 * h + 1]),
+                                            _mm256_packus_epi32(b[4 * h + 2], b[4 * h + 3]));
+            x[h] = _mm256_permutevar8x32_epi32(w, perm);
+        }
+        blk_ids_avx2(x[0], x[1], k, active, bm, words);
+    }
+}
 #endif
 
 static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
@@ -328,6 +433,10 @@ static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active,
     if (HAVE_AVX512 && P->ebits) {
         if (P->width == 2) { seg_avx512_w2(P, start, nblk, active, bm, words); return; }
         if (P->width == 4) { seg_avx512_w4(P, start, nblk, active, bm, words); return; }
+    }
+    if (HAVE_AVX2 && P->ebits) {
+        if (P->width == 2) { seg_avx2_w2(P, start, nblk, active, bm, words); return; }
+        if (P->width == 4) { seg_avx2_w4(P, start, nblk, active, bm, words); return; }
     }
 #endif
     seg_scalar(P, start, nblk, active, bm, words);
@@ -1025,7 +1134,15 @@ static PyObject *py_choose_e_lo(PyObject *self, PyObject *args) {
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(HAVE_AVX512 ? "avx512bw" : "scalar");
+    return PyUnicode_FromString(HAVE_AVX512 ? "avx512bw" : HAVE_AVX2 ? "avx2" : "scalar");
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *args) {
+    (void)self;
+    int level;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    set_paths(level);
+    return py_simd(NULL, NULL);
 }
 
 static PyMethodDef methods[] = {
@@ -1037,7 +1154,10 @@ static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS,
      "decode(state, payload, nnz, base_or_None, lo, hi, width, eshift, ebits, e_lo, op, positions_out, "
      "values_out) -> None; updates state; ValueError if the payload is not a valid coding"},
-    {"simd", py_simd, METH_NOARGS, "simd() -> the block-scan path in use"},
+    {"simd", py_simd, METH_NOARGS, "simd() -> the block-scan path in use: avx512bw, avx2 or scalar"},
+    {"set_simd", py_set_simd, METH_VARARGS,
+     "set_simd(level) -> simd(): 0 scalar (and the portable bit select), 1 at most AVX2, 2 the best the "
+     "CPU has; every path gives the same bytes (not thread-safe: for tests and benchmarks)"},
     {"choose_e_lo", py_choose_e_lo, METH_VARARGS, "choose_e_lo(base, lo, hi, width, eshift, ebits) -> e_lo"},
     {NULL, NULL, 0, NULL}};
 
