@@ -152,7 +152,7 @@ class CommitCoordinator:
         """Elastic: the receivers whose join request is admitted at ``version``.
 
         Looked at: the first ``JOIN_SCAN_KEYS`` keys of the sorted listing of
-        ``acks/join.d/``, each read through a ``DocReader`` (size cap, bounded parser, the
+        ``acks/join.d/`` (a bounded listing: the store is asked for no more), each read through a ``DocReader`` (size cap, bounded parser, the
         run's key, this run; cached by object identity, a rejected object logged once).
         Admitted: a request of a receiver that is not a member, naming itself, whose held
         version and digest are a commit this coordinator knows (the published version's
@@ -162,7 +162,7 @@ class CommitCoordinator:
         if self._published is None or self._published[0] != version:
             return ()
         try:
-            keys = self.store.list(JOIN_PREFIX)
+            keys = self.store.list(JOIN_PREFIX, limit=JOIN_SCAN_KEYS)  # one bounded page, however many were planted
         except DcrError as e:  # a failing store: nobody joins at this version
             if str(e) != self._list_error:
                 self._list_error = str(e)

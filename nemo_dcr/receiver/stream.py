@@ -133,7 +133,7 @@ class StreamState:
         new: list[tuple[int, str]] = []
         for v in versions:
             prefix = f"{version_prefix(v)}/chunks/"
-            for key in store.list(prefix):
+            for key in store.list(prefix, limit=MAX_KEYS):
                 if key in self.seen or not key.startswith(prefix) or not _CHUNK_NAME.match(key[len(prefix):]):
                     continue
                 if len(self.seen) >= MAX_KEYS:

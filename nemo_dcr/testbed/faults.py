@@ -245,8 +245,8 @@ class FaultyStore:
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
 
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

@@ -105,8 +105,8 @@ class FlippingStore:
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
 
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)

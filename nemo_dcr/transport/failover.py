@@ -151,8 +151,10 @@ class FailoverStore:
     def exists(self, key: str) -> bool:
         return self._each("exists", key, lambda s: s.exists(key), lambda r: 0)
 
-    def list(self, prefix: str) -> list[str]:
-        return self._each("list", prefix, lambda s: s.list(prefix), lambda r: 0)
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        if limit is None:
+            return self._each("list", prefix, lambda s: s.list(prefix), lambda r: 0)
+        return self._each("list", prefix, lambda s: s.list(prefix, limit=limit), lambda r: 0)
 
     def put(self, key: str, data: bytes) -> None:
         self._each("put", key, lambda s: s.put(key, data), lambda r: 0)

@@ -54,7 +54,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
 from nemo_dcr.errors import DcrError, FormatError, ProtocolError, TransportError, ValidationError
-from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError, check_key
+from nemo_dcr.transport.store import (
+    ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError, check_key, check_limit,
+)
 
 PROG = "nemo-dcr relay"
 API = "/v1"
@@ -175,7 +177,7 @@ class Relay:
         self._versions: dict[int, set[str]] = {}
         self._fresh: dict[str, tuple[float, _Entry | None]] = {}  # mutable objects and not-founds
         self._fresh_stat: dict[str, tuple[float, ObjectInfo | None]] = {}
-        self._fresh_list: dict[str, tuple[float, list[str]]] = {}
+        self._fresh_list: dict[tuple[str, int | None], tuple[float, list[str]]] = {}  # (prefix, limit)
         self._flights: dict[tuple[str, str], _Flight] = {}
         self._sending: dict[int, list] = {}  # id -> [key, size, sent]
         self.mem = self.reserved = self.spool = 0
@@ -551,20 +553,22 @@ class Relay:
 
         return await self._join(self._flight("stat", key, lambda fl: fetch()))
 
-    async def list(self, prefix: str) -> list[str]:
-        hit = self._fresh_list.get(prefix)
+    async def list(self, prefix: str, limit: int | None = None) -> list[str]:
+        hit = self._fresh_list.get((prefix, limit))
         if hit is not None and hit[0] > self._loop.time():
             self.c["coalesced"] += 1
             return hit[1]
 
         async def fetch():
             self.c["upstream_lists"] += 1
-            keys = await self._up(self.store.list, prefix)
-            self._fresh_list[prefix] = (self._loop.time() + self._window, keys)
+            keys = await (self._up(self.store.list, prefix) if limit is None
+                          else self._up(self.store.list, prefix, limit=limit))
+            self._fresh_list[(prefix, limit)] = (self._loop.time() + self._window, keys)
             self._cut_through(keys)
             return keys
 
-        return await self._join(self._flight("list", prefix, lambda fl: fetch()))
+        flight_key = prefix if limit is None else f"{prefix}#limit={limit}"
+        return await self._join(self._flight("list", flight_key, lambda fl: fetch()))
 
     def _cut_through(self, keys: list[str]) -> None:
         """Start fetching every chunk a list revealed that the relay neither holds nor is
@@ -611,8 +615,8 @@ class Relay:
         if key in self._fresh:
             self._unfresh(key)
         self._fresh_stat.pop(key, None)
-        for p in [p for p in self._fresh_list if key.startswith(p + "/") or not p]:
-            del self._fresh_list[p]
+        for k in [k for k in self._fresh_list if key.startswith(k[0] + "/") or not k[0]]:
+            del self._fresh_list[k]
 
     # ================================================================== stats
     def upstreams(self) -> list[dict]:
@@ -731,7 +735,8 @@ class Relay:
         try:
             if prefix:
                 _check(prefix)
-            keys = await self.list(prefix)
+            limit = _list_limit(request.query.get("limit"))
+            keys = await self.list(prefix, limit)
         except _Answer as a:
             return a.response(self)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -817,6 +822,15 @@ def _max_bytes(request) -> int | None:
     if not raw.isdigit() or len(raw) > 20:
         raise _Answer(400, f"max_bytes must be an integer >= 0, got {raw[:40]!r}")
     return int(raw)
+
+
+def _list_limit(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        return check_limit(int(raw) if raw.isdigit() and len(raw) <= 8 else raw)
+    except ValidationError as e:
+        raise _Answer(400, str(e)) from None
 
 
 def _text(status: int, text: str, headers: dict | None = None):

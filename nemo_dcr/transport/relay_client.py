@@ -31,7 +31,7 @@ from urllib.parse import quote, urlsplit
 
 from nemo_dcr.errors import TransportError, ValidationError
 from nemo_dcr.transport.store import (
-    ObjectInfo, ObjectTooLarge, StorePolicy, _Attempt, _BoundedStore, check_key,
+    ObjectInfo, ObjectTooLarge, StorePolicy, _Attempt, _BoundedStore, check_key, check_limit,
 )
 
 API = "/v1"
@@ -192,13 +192,14 @@ class RelayStore(_BoundedStore):
     def exists(self, key: str) -> bool:
         return self._call("exists", key, self._head(key)) is not None
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         p = prefix.strip("/")
         if p:
             check_key(p)
+        fields = {"prefix": p} if check_limit(limit) is None else {"prefix": p, "limit": str(limit)}
 
         def attempt(att: _Attempt) -> list[str]:
-            resp = self._request("GET", "list", fields={"prefix": p})
+            resp = self._request("GET", "list", fields=fields)
             data = self._read(resp, att, MAX_LIST_BYTES)
             if len(data) > MAX_LIST_BYTES:
                 raise RelayRefused(f"list answer over {MAX_LIST_BYTES} bytes")
@@ -208,7 +209,7 @@ class RelayStore(_BoundedStore):
                 raise RelayUnavailable(f"unreadable list answer: {type(e).__name__}: {e}") from None
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise RelayRefused("list answer: 'keys' is not a list of strings")
-            return sorted(keys)
+            return sorted(keys) if limit is None else sorted(keys)[:limit]
 
         return self._call("list", prefix, attempt)
 

@@ -58,6 +58,7 @@ put, get, stat, exists or list reach outside it.
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import random
@@ -184,6 +185,18 @@ def check_key(key: str) -> str:
     if not _KEY.match(key) or any(part in {".", ".."} for part in key.split("/")):
         raise ValidationError(f"invalid store key {key!r}")
     return key
+
+
+MAX_LIST_LIMIT = 1 << 20
+"""Largest ``limit`` a bounded ``list`` takes."""
+
+
+def check_limit(limit: int | None) -> int | None:
+    """A ``list`` limit: None (every key) or an int in 1..``MAX_LIST_LIMIT``."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or not 1 <= limit <= MAX_LIST_LIMIT):
+        raise ValidationError(f"list limit must be an int in 1..{MAX_LIST_LIMIT} or None, got {limit!r}")
+    return limit
 
 
 # --- what is worth another attempt -----------------------------------------------------
@@ -359,8 +372,10 @@ class ObjectStore(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
-    def list(self, prefix: str) -> list[str]:
-        """Keys under ``prefix`` (a key prefix ending at a ``/`` boundary), sorted."""
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        """Keys under ``prefix`` (a key prefix ending at a ``/`` boundary), sorted; with
+        ``limit``, only the first ``limit`` of them (an object store then lists one bounded
+        page instead of every key a store writer may have planted)."""
 
     def delete(self, key: str) -> None:
         """Remove ``key`` if present."""
@@ -523,7 +538,10 @@ class LocalDirStore(_BoundedStore):
     def exists(self, key: str) -> bool:
         return self._call("exists", key, self._lstat_attempt(key)) is not None
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        """A directory is read whole (its cost grows with what was planted in it); at most
+        ``limit`` keys are kept and returned."""
+        limit = check_limit(limit)
         parts = check_key(prefix.strip("/")).split("/") if prefix.strip("/") else []
 
         def walk(fd: int, rel: list[str], out: list[str]) -> None:
@@ -555,7 +573,7 @@ class LocalDirStore(_BoundedStore):
                 walk(fd, parts, out)
             finally:
                 os.close(fd)
-            return sorted(out)
+            return sorted(out) if limit is None else heapq.nsmallest(limit, out)
 
         return self._call("list", prefix, attempt)
 
@@ -687,18 +705,28 @@ class FsspecStore(_BoundedStore):
         return self._call("exists", key, lambda att: self._fs_call(
             "exists", att, path, watchdog=not self._socket_timeouts))
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        """With ``limit`` on S3 (s3fs): one bounded listing in the store's key order (pages of
+        at most ``2 x limit`` keys, stopped after ``limit``), not every key under ``prefix``.
+        Other file systems list everything and keep the first ``limit``."""
+        limit = check_limit(limit)
         base = self._path(prefix.strip("/")) if prefix.strip("/") else self.root
+        bounded = limit is not None and self._async and hasattr(self.fs, "_iterdir")
 
         def attempt(att: _Attempt) -> list[str]:
             try:
+                if bounded:  # s3fs: a recursive listing (no delimiter) of at most `limit` keys
+                    found = self._fs_call("lsdir", att, base, max_items=limit, delimiter="",
+                                          watchdog=not self._socket_timeouts)
+                    return [f["name"] for f in found if f.get("type") != "directory"]
                 return self._fs_call("find", att, base, watchdog=not self._socket_timeouts)
             except FileNotFoundError:
                 return []
 
         found = self._call("list", prefix, attempt)
         n = len(self.root) + 1
-        return sorted(p[n:] if p.startswith(self.root + "/") else p for p in found)
+        keys = sorted(p[n:] if p.startswith(self.root + "/") else p for p in found)
+        return keys if limit is None else keys[:limit]
 
     def delete(self, key: str) -> None:
         path = self._path(key)

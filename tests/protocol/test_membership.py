@@ -427,3 +427,44 @@ def test_fewer_members_than_min_receivers_abort_until_one_joins(tmp_path, key):
     r2.join()
     for r in (r0, r2):
         _assert_bit_exact(r.w, bits_of(w), bits_of(w0))
+
+
+@pytest.mark.parametrize("junk", [0, 1100])
+def test_a_flood_of_join_keys_costs_one_bounded_listing(tmp_path, key, junk, monkeypatch):
+    """A key-less writer plants ``junk`` keys under ``acks/join.d/`` that sort before a
+    genuine request.  The trainer asks the store for at most ``JOIN_SCAN_KEYS`` keys per
+    version (one bounded page, not the whole flood) and the version still commits; with the
+    scan full of junk the genuine joiner waits (a delay, never a wrong admission).  Control
+    (junk=0): the same request is admitted."""
+    from nemo_dcr.protocol import commit as commit_mod
+
+    rng = np.random.default_rng(12)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    w0 = w.clone()
+    sender, store = _sender(tmp_path, {"w": w}, key, receivers=("r0",), membership="elastic",
+                            ack_timeout_s=10, max_consecutive_failures=10)
+    monkeypatch.setattr(commit_mod, "JOIN_SCAN_KEYS", 1000)
+    for i in range(junk):
+        store.put(f"acks/join.d/a{i:05d}.json", b"{")
+    limits = []
+    real_list = type(store).list
+
+    def spy(self, prefix, *, limit=None):
+        if prefix.startswith("acks/join.d"):
+            limits.append(limit)
+        return real_list(self, prefix, limit=limit)
+
+    monkeypatch.setattr(type(store), "list", spy)
+    r0 = Rx("r0", store, key, sender.run_id, w0.clone()).start(until=2)
+    _step(w, rng)
+    assert sender.refit(1).committed
+    r1 = Rx("r1", store, key, sender.run_id, w0.clone())
+    r1.follower.join = True
+    r1.start(until=2)
+    _wait(_requested(r1, 1), "r1's join request holding v1")
+    _step(w, rng)
+    s2 = sender.refit(2)
+    r0.join()
+    r1.join()
+    assert s2.committed and limits and set(limits) == {1000}
+    assert s2.joined == (() if junk else ("r1",))

@@ -60,6 +60,15 @@ def test_reads_fail_over_to_the_next_upstream_and_count_bytes(origin):
     assert fs.origin_chunk_bytes() == 1000  # HEAD.json is not a chunk
 
 
+def test_a_bounded_list_fails_over_with_its_limit(origin):
+    origin.put("acks/join.d/a.json", b"{}")
+    origin.put("acks/join.d/b.json", b"{}")
+    dead = Down("relay://127.0.0.1:1")
+    fs = FailoverStore([dead, origin])
+    assert fs.list("acks/join.d/", limit=1) == ["acks/join.d/a.json"] and dead.calls == 1
+    assert fs.list("acks/join.d/") == ["acks/join.d/a.json", "acks/join.d/b.json"]  # control: no limit
+
+
 def test_a_rested_upstream_is_preferred_again(origin, tmp_path):
     now = [0.0]
     first = LocalDirStore(str(tmp_path / "first"))

@@ -40,6 +40,7 @@ class CountingStore:
         self.calls: Counter = Counter()
         self.gate: threading.Event | None = None
         self.gated: set[str] | None = None
+        self.limits: list[int | None] = []  # the limit of each list call, in order
         self._lock = threading.Lock()
 
     def _count(self, op, key):
@@ -66,9 +67,10 @@ class CountingStore:
     def exists(self, key):
         return self.stat(key) is not None
 
-    def list(self, prefix):
+    def list(self, prefix, *, limit=None):
         self._count("list", prefix)
-        return self.inner.list(prefix)
+        self.limits.append(limit)
+        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
 
     def put(self, key, data):
         self._count("put", key)
@@ -125,6 +127,24 @@ def test_read_side_round_trip(origin):
         assert s["upstreams"][0]["chunk_bytes_read"] == len(payload)
         with urllib3.PoolManager() as http:
             assert http.request("GET", r.uri.replace("relay", "http") + "/v1/health").data == b"ok\n"
+
+
+def test_a_bounded_list_passes_its_limit_upstream(origin):
+    """``list(prefix, limit=n)`` through a relay: the relay asks its upstream for n keys (a
+    store writer's flood costs one bounded page at every hop), caches it apart from the
+    unbounded listing, and refuses a limit that is not an int in range (control: the
+    unbounded listing still returns every key)."""
+    for i in range(12):
+        origin.inner.put(f"acks/join.d/r{i:02d}.json", b"{}")
+    with RelayThread(origin) as r:
+        c = client(r.uri)
+        assert c.list("acks/join.d/", limit=3) == [f"acks/join.d/r{i:02d}.json" for i in range(3)]
+        assert origin.limits == [3]
+        assert len(c.list("acks/join.d/")) == 12 and origin.limits == [3, None]
+        with urllib3.PoolManager() as http:
+            base = r.uri.replace("relay", "http") + "/v1/list?prefix=acks/join.d&limit="
+            for bad in ("0", "-1", "x", "99999999999"):
+                assert http.request("GET", base + bad).status == 400, bad
 
 
 def test_single_flight(origin):

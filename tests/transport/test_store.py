@@ -49,6 +49,46 @@ def test_put_get_list_delete(store):
         store.get("acks/r0/00000001.json")
 
 
+def test_list_with_a_limit_returns_the_first_keys(store):
+    """``list(prefix, limit=n)``: the first n keys in sorted order (a join scan or a snapshot
+    search reads one bounded page, however many keys a store writer planted)."""
+    keys = [f"acks/join.d/r{i:03d}.json" for i in (7, 3, 11, 0, 5)] + ["acks/join.d/sub/x.json", "acks/other"]
+    for k in keys:
+        store.put(k, b"{}")
+    every = store.list("acks/join.d/")
+    assert every == sorted(k for k in keys if k.startswith("acks/join.d/"))
+    for n in (1, 2, 5, 6, 100):
+        assert store.list("acks/join.d/", limit=n) == every[:n], n
+    assert store.list("nothing/", limit=3) == []
+    for bad in (0, -1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="list limit"):
+            store.list("acks/join.d/", limit=bad)
+
+
+def test_s3_list_with_a_limit_reads_one_bounded_page(s3_bucket, monkeypatch):
+    """On S3 a bounded list asks for at most 2 x limit keys per page and stops after the
+    limit (control: without a limit, every page of 1000 keys is read)."""
+    from s3fs import S3FileSystem
+
+    store = open_store(s3_bucket + "/run")
+    for i in range(30):
+        store.put(f"acks/join.d/junk{i:04d}.json", b"x")
+    asked: list[dict] = []
+    real = S3FileSystem._call_s3
+
+    async def spy(self, method, *args, **kwargs):
+        if method == "list_objects_v2":
+            asked.append(kwargs)
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3FileSystem, "_call_s3", spy)
+    assert store.list("acks/join.d/", limit=4) == [f"acks/join.d/junk{i:04d}.json" for i in range(4)]
+    assert len(asked) == 1 and asked[0]["MaxKeys"] == 8
+    asked.clear()
+    assert len(store.list("acks/join.d/")) == 30
+    assert asked and all("MaxKeys" not in a for a in asked)
+
+
 @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", "", "a b", "a/../../etc"])
 def test_keys_cannot_escape_the_store(store, key):
     with pytest.raises(ValueError):
