@@ -173,3 +173,34 @@ def test_negative_controls_the_comparisons_can_fail(paths, dtype):
 
 def test_simd_names_a_path():
     assert bucket.simd() in ("avx512bw", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_choose_e_lo_is_the_same_on_every_path(paths, dtype):
+    """``choose_e_lo`` (2-byte floats have an AVX2 loop of 16 elements a step) against numpy,
+    on every path; ranges shorter than a step and with the largest exponent in the tail.
+    Control: one larger exponent in the range moves the answer."""
+    width, eshift, ebits = model.coder_params(dtype)
+    emax = (1 << ebits) - 1
+    rng = np.random.default_rng(1990 + width + ebits)
+    n = 5000
+    for trial in range(40):
+        e = rng.integers(0, emax + 1, n) if trial % 2 else rng.integers(emax // 3, emax // 2, n)
+        base = ((rng.integers(0, 2, n) << (eshift + ebits)) | (e << eshift)
+                | rng.integers(0, 1 << eshift, n)).astype(np.uint16)
+        lo = int(rng.integers(0, 40))
+        hi = lo + int(rng.integers(0, 3)) if trial < 6 else int(rng.integers(lo, n + 1))
+        if trial % 4 == 2 and hi > lo:  # the largest finite exponent is the range's last element
+            base[hi - 1] = (base[hi - 1] & ~np.uint16(emax << eshift)) | np.uint16((emax - 1) << eshift)
+        ex = (base[lo:hi].astype(np.int64) >> eshift) & emax
+        ex[ex == emax] = 0
+        want = max(int(ex.max(initial=0)) - 31, 0)
+        got = {name: (_crans.set_simd(level), _crans.choose_e_lo(base, lo, hi, width, eshift, ebits))[1]
+               for name, level in paths.items()}
+        assert set(got.values()) == {want}, (trial, lo, hi, got, want)
+        if hi > lo and want < emax - 1 - 31:  # control
+            bumped = base.copy()
+            bumped[hi - 1] = (bumped[hi - 1] & ~np.uint16(emax << eshift)) | np.uint16((want + 32) << eshift)
+            for name, level in paths.items():
+                _crans.set_simd(level)
+                assert _crans.choose_e_lo(bumped, lo, hi, width, eshift, ebits) == want + 1, name
