@@ -229,13 +229,13 @@ static inline int bucket_of(const Params *P, uint64_t b) {
 /* Bucket bitmaps of one segment (up to SEGB blocks of 64 elements from `start`): for each
  * bucket b of the bitmask `active`, words[b] has bit k set when block k holds an element of
  * b, and then bm[b * SEGB + k] has bit j set when element start + 64 k + j (< hi) is in b
- * (words of blocks that do not hold b are left unwritten).  Only the buckets a block holds
+ * (words of blocks that do not hold b may be left unwritten); tot[b] counts b's elements.  Only the buckets a block holds
  * cost work: a block of 64 typically holds 6-9 of the 20-30 active buckets. */
 #define SEGB 64 /* blocks per segment */
 
 /* Block k of a segment (n <= 64 elements from s), element by element. */
 static inline void blk_scalar(const Params *P, int64_t s, int n, int k, uint32_t active, uint64_t *bm,
-                              uint64_t *words) {
+                              uint64_t *words, int64_t *tot) {
     uint64_t m[NB];
     uint32_t present = 0;
     for (int j = 0; j < n; j++) {
@@ -249,15 +249,17 @@ static inline void blk_scalar(const Params *P, int64_t s, int n, int k, uint32_t
         int b = __builtin_ctz(present);
         bm[b * SEGB + k] = m[b];
         words[b] |= 1ull << k;
+        tot[b] += __builtin_popcountll(m[b]);
         present &= present - 1;
     }
 }
 
-static void seg_scalar(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
+static void seg_scalar(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words, int64_t *tot) {
     memset(words, 0, NB * sizeof(uint64_t));
+    memset(tot, 0, NB * sizeof(int64_t));
     for (int k = 0; k < nblk; k++) {
         int64_t s = start + (int64_t)k * BLK;
-        blk_scalar(P, s, (int)(P->hi - s < BLK ? P->hi - s : BLK), k, active, bm, words);
+        blk_scalar(P, s, (int)(P->hi - s < BLK ? P->hi - s : BLK), k, active, bm, words, tot);
     }
 }
 
@@ -277,13 +279,14 @@ AVX512 static inline __m512i onehot16(__m512i b, __mmask32 valid, __m512i one) {
 }
 
 AVX512 static void seg_avx512_w2(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
-                                 uint64_t *words) {
+                                 uint64_t *words, int64_t *tot) {
     const __m512i emask = _mm512_set1_epi16((short)((1u << P->ebits) - 1));
     const __m512i elo = _mm512_set1_epi16((short)P->e_lo);
     const __m512i top = _mm512_set1_epi16(NB - 1);
     const __m512i one = _mm512_set1_epi32(1);
     const uint16_t *base = (const uint16_t *)P->base;
     memset(words, 0, NB * sizeof(uint64_t));
+    memset(tot, 0, NB * sizeof(int64_t));
     for (int k = 0; k < nblk; k++) {
         int64_t s = start + (int64_t)k * BLK;
         int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
@@ -297,8 +300,10 @@ AVX512 static void seg_avx512_w2(const Params *P, int64_t start, int nblk, uint3
         __m512i b8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ba)), _mm512_cvtepi16_epi8(bb), 1);
         while (present) {
             int b = __builtin_ctz(present);
-            bm[b * SEGB + k] = (uint64_t)_mm512_cmpeq_epi8_mask(b8, _mm512_set1_epi8((char)b)) & valid;
+            uint64_t mb = (uint64_t)_mm512_cmpeq_epi8_mask(b8, _mm512_set1_epi8((char)b)) & valid;
+            bm[b * SEGB + k] = mb;
             words[b] |= 1ull << k;
+            tot[b] += __builtin_popcountll(mb);
             present &= present - 1;
         }
     }
@@ -310,13 +315,14 @@ AVX512 static inline __m512i bucket32(__m512i v, int eshift, __m512i emask, __m5
 }
 
 AVX512 static void seg_avx512_w4(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
-                                 uint64_t *words) {
+                                 uint64_t *words, int64_t *tot) {
     const __m512i emask = _mm512_set1_epi32((int)((1u << P->ebits) - 1));
     const __m512i elo = _mm512_set1_epi32(P->e_lo);
     const __m512i top = _mm512_set1_epi32(NB - 1);
     const __m512i one = _mm512_set1_epi32(1);
     const uint32_t *base = (const uint32_t *)P->base;
     memset(words, 0, NB * sizeof(uint64_t));
+    memset(tot, 0, NB * sizeof(int64_t));
     for (int k = 0; k < nblk; k++) {
         int64_t s = start + (int64_t)k * BLK;
         int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
@@ -336,6 +342,7 @@ AVX512 static void seg_avx512_w4(const Params *P, int64_t start, int nblk, uint3
             for (int q = 0; q < 4; q++) m |= (uint64_t)_mm512_cmpeq_epi32_mask(b[q], bv) << (16 * q);
             bm[bb * SEGB + k] = m & valid;
             words[bb] |= 1ull << k;
+            tot[bb] += __builtin_popcountll(m & valid);
             present &= present - 1;
         }
     }
@@ -354,7 +361,7 @@ AVX2 static inline __m256i pack16_8(__m256i a, __m256i b) {
 }
 
 AVX2 static inline void blk_ids_avx2(__m256i b0, __m256i b1, int k, uint32_t active, uint64_t *bm,
-                                     uint64_t *words) {
+                                     uint64_t *words, int64_t *tot) {
     /* least id in the low lane, 255 - greatest in the high lane, then reduce both lanes */
     __m256i mn = _mm256_min_epu8(b0, b1);
     __m256i nx = _mm256_xor_si256(_mm256_max_epu8(b0, b1), _mm256_set1_epi8(-1));
@@ -373,32 +380,34 @@ AVX2 static inline void blk_ids_avx2(__m256i b0, __m256i b1, int k, uint32_t act
                      (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b1, bv)) << 32;
         bm[b * SEGB + k] = m;
         words[b] |= (uint64_t)((m != 0) & (active >> b)) << k;
+        tot[b] += __builtin_popcountll(m);
     }
 }
 
 AVX2 static void seg_avx2_w2(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
-                             uint64_t *words) {
+                             uint64_t *words, int64_t *tot) {
     const __m128i sh = _mm_cvtsi32_si128(P->eshift);
     const __m256i emask = _mm256_set1_epi16((short)((1u << P->ebits) - 1));
     const __m256i elo = _mm256_set1_epi16((short)P->e_lo);
     const __m256i top = _mm256_set1_epi16(NB - 1);
     const uint16_t *base = (const uint16_t *)P->base;
     memset(words, 0, NB * sizeof(uint64_t));
+    memset(tot, 0, NB * sizeof(int64_t));
     for (int k = 0; k < nblk; k++) {
         int64_t s = start + (int64_t)k * BLK;
-        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words); continue; }
+        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words, tot); continue; }
         __m256i b[4];
         for (int q = 0; q < 4; q++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 16 * q));
             __m256i e = _mm256_and_si256(_mm256_srl_epi16(v, sh), emask);
             b[q] = _mm256_min_epu16(_mm256_subs_epu16(e, elo), top);
         }
-        blk_ids_avx2(pack16_8(b[0], b[1]), pack16_8(b[2], b[3]), k, active, bm, words);
+        blk_ids_avx2(pack16_8(b[0], b[1]), pack16_8(b[2], b[3]), k, active, bm, words, tot);
     }
 }
 
 AVX2 static void seg_avx2_w4(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm,
-                             uint64_t *words) {
+                             uint64_t *words, int64_t *tot) {
     const __m128i sh = _mm_cvtsi32_si128(P->eshift);
     const __m256i emask = _mm256_set1_epi32((int)((1u << P->ebits) - 1));
     const __m256i elo = _mm256_set1_epi32(P->e_lo);
@@ -408,9 +417,10 @@ AVX2 static void seg_avx2_w4(const Params *P, int64_t start, int nblk, uint32_t 
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const uint32_t *base = (const uint32_t *)P->base;
     memset(words, 0, NB * sizeof(uint64_t));
+    memset(tot, 0, NB * sizeof(int64_t));
     for (int k = 0; k < nblk; k++) {
         int64_t s = start + (int64_t)k * BLK;
-        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words); continue; }
+        if (P->hi - s < BLK) { blk_scalar(P, s, (int)(P->hi - s), k, active, bm, words, tot); continue; }
         __m256i b[8];
         for (int q = 0; q < 8; q++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 8 * q));
@@ -423,23 +433,23 @@ AVX2 static void seg_avx2_w4(const Params *P, int64_t start, int nblk, uint32_t 
                                             _mm256_packus_epi32(b[4 * h + 2], b[4 * h + 3]));
             x[h] = _mm256_permutevar8x32_epi32(w, perm);
         }
-        blk_ids_avx2(x[0], x[1], k, active, bm, words);
+        blk_ids_avx2(x[0], x[1], k, active, bm, words, tot);
     }
 }
 #endif
 
-static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words) {
+static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active, uint64_t *bm, uint64_t *words, int64_t *tot) {
 #if defined(__x86_64__)
     if (HAVE_AVX512 && P->ebits) {
-        if (P->width == 2) { seg_avx512_w2(P, start, nblk, active, bm, words); return; }
-        if (P->width == 4) { seg_avx512_w4(P, start, nblk, active, bm, words); return; }
+        if (P->width == 2) { seg_avx512_w2(P, start, nblk, active, bm, words, tot); return; }
+        if (P->width == 4) { seg_avx512_w4(P, start, nblk, active, bm, words, tot); return; }
     }
     if (HAVE_AVX2 && P->ebits) {
-        if (P->width == 2) { seg_avx2_w2(P, start, nblk, active, bm, words); return; }
-        if (P->width == 4) { seg_avx2_w4(P, start, nblk, active, bm, words); return; }
+        if (P->width == 2) { seg_avx2_w2(P, start, nblk, active, bm, words, tot); return; }
+        if (P->width == 4) { seg_avx2_w4(P, start, nblk, active, bm, words, tot); return; }
     }
 #endif
-    seg_scalar(P, start, nblk, active, bm, words);
+    seg_scalar(P, start, nblk, active, bm, words, tot);
 }
 
 #define SEG (SEGB * BLK) /* elements per segment */
@@ -733,6 +743,7 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
     uint32_t active = 0;
     int64_t cnt[NB] = {0};
     uint64_t words[NB];
+    int64_t segn[NB];
     int64_t n = P->hi - P->lo;
     int64_t nseg = (n + SEG - 1) / SEG;
     int64_t j = 0, oi = 0;
@@ -740,7 +751,7 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
     for (int64_t g = 0; g < nseg && nnz; g++) {
         int64_t s0 = P->lo + g * SEG;
         int nb = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
-        seg_masks(P, s0, nb, ~0u, bm, words);
+        seg_masks(P, s0, nb, ~0u, bm, words, segn);
         int64_t j0 = j;
         uint32_t segb = 0;
         while (j < nnz && pos[j] < s0 + SEG) {
@@ -864,19 +875,22 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
         basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
         if (!bm || !basev) { free(bm); free(basev); return -2; }
         uint64_t words[NB], segev[SEGB];
+        int64_t segn[NB];
         memset(segev, 0, sizeof(segev));
         int64_t n = P->hi - P->lo;
         int64_t nseg = (n + SEG - 1) / SEG;
         for (int64_t g = 0; g < nseg && found < nnz; g++) {
             int64_t s0 = P->lo + g * SEG;
             int nb = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
-            seg_masks(P, s0, nb, active, bm, words);
+            seg_masks(P, s0, nb, active, bm, words, segn);
             uint64_t evw = 0;
             int64_t nev = 0;
             for (uint32_t pr = active; pr; pr &= pr - 1) {
                 int b = __builtin_ctz(pr);
-                int64_t r = rem[b];
-                for (uint64_t wm = words[b]; wm; wm &= wm - 1) {
+                /* left: b's elements in the blocks not walked yet; once the target rank is
+                 * past them, b has no more events in this segment and the walk stops */
+                int64_t r = rem[b], left = segn[b];
+                for (uint64_t wm = words[b]; wm && r < left; wm &= wm - 1) {
                     int k = __builtin_ctzll(wm);
                     uint64_t mb = bm[b * SEGB + k];
                     int64_t c = __builtin_popcountll(mb);
@@ -888,8 +902,9 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
                         if (d->bad || br->bad || found + nev > nnz) { free(bm); free(basev); return -1; }
                     }
                     r -= c;
+                    left -= c;
                 }
-                rem[b] = r;
+                rem[b] = r - left;
             }
             for (; evw; evw &= evw - 1) {
                 int k = __builtin_ctzll(evw);
