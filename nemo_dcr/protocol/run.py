@@ -66,7 +66,7 @@ _RUN_OBJECTS = (f"{INIT_PREFIX}/config.json", f"{INIT_PREFIX}/model.safetensors"
 
 def _other_objects(store: ObjectStore) -> list[str]:
     found = [k for k in _RUN_OBJECTS if store.exists(k)]
-    for prefix in ("v/", "acks/"):
+    for prefix in ("v/", "acks/", "snapshots/"):  # snapshots/: a new run would prune another run's
         keys = store.list(prefix, limit=1)
         if keys:
             found.append(keys[0])

@@ -264,12 +264,20 @@ def test_a_second_run_on_the_same_prefix_is_refused(tmp_path, key):
     assert fresh.run_id != sender.run_id
 
 
-def test_objects_without_a_run_record_are_refused(tmp_path, key):
+@pytest.mark.parametrize("left", ["v/00000001/MANIFEST.json", "acks/r0/00000001.json",
+                                  "snapshots/v00000020/SNAPSHOT.json"])
+def test_objects_without_a_run_record_are_refused(tmp_path, key, left):
+    """What another run left (a version, an ack, a snapshot, which a new run's pruning would
+    otherwise weigh against its own) makes a prefix without a run record unclaimable;
+    control: the same prefix empty is claimed."""
+    from nemo_dcr.protocol.run import claim_store
+
     store = LocalDirStore(str(tmp_path / "store"))
-    store.put("v/00000001/MANIFEST.json", b"{}")
+    store.put(left, b"{}")
     with pytest.raises(ForeignRunError, match="no run record"):
-        from nemo_dcr.protocol.run import claim_store
         claim_store(store, Sealer(None), "m")
+    store.delete(left)
+    assert claim_store(store, Sealer(None), "m").run_id
 
 
 def test_receiver_refuses_a_manifest_of_another_run_before_downloading(tmp_path, key):
