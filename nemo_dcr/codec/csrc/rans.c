@@ -557,28 +557,39 @@ static uint8_t *rans_encode(const SymBuf *s, size_t *len) {
     uint16_t *buf = (uint16_t *)malloc(cap * sizeof(uint16_t));
     if (!buf) return NULL;
     uint16_t *p = buf + cap;
-    uint32_t x[2] = {RANS_L, RANS_L};
-    for (size_t i = s->n; i-- > 0;) {
-        uint32_t f = s->sym[i] >> 16, c = s->sym[i] & 0xFFFF;
-        uint32_t xs = x[i & 1];
-        if ((uint64_t)xs >= ((uint64_t)f << (32 - PB))) { /* x_max = f * 2^(32 - PB) */
-            *--p = (uint16_t)xs;
-            xs >>= 16;
-        }
-        uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);
-        x[i & 1] = (q << PB) + (xs - q * f) + c;
+    uint32_t x0 = RANS_L, x1 = RANS_L; /* the states in registers: symbol i uses x(i & 1) */
+#define RANS_PUT(xs, i)                                                                             \
+    do {                                                                                            \
+        uint32_t f = s->sym[i] >> 16, c = s->sym[i] & 0xFFFF;                                       \
+        if ((uint64_t)xs >= ((uint64_t)f << (32 - PB))) { /* x_max = f * 2^(32 - PB) */             \
+            *--p = (uint16_t)xs;                                                                    \
+            xs >>= 16;                                                                              \
+        }                                                                                           \
+        uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);                          \
+        xs = (q << PB) + (xs - q * f) + c;                                                          \
+    } while (0)
+    size_t i = s->n;
+    if (i & 1) { i--; RANS_PUT(x0, i); }
+    while (i) {
+        i--; RANS_PUT(x1, i);
+        i--; RANS_PUT(x0, i);
     }
-    *--p = (uint16_t)(x[1] >> 16);
-    *--p = (uint16_t)x[1];
-    *--p = (uint16_t)(x[0] >> 16);
-    *--p = (uint16_t)x[0];
+#undef RANS_PUT
+    *--p = (uint16_t)(x1 >> 16);
+    *--p = (uint16_t)x1;
+    *--p = (uint16_t)(x0 >> 16);
+    *--p = (uint16_t)x0;
     size_t words = (size_t)(buf + cap - p);
     uint8_t *out = (uint8_t *)malloc(words * 2 + 1);
     if (out) {
-        for (size_t i = 0; i < words; i++) {
-            out[2 * i] = (uint8_t)p[i];
-            out[2 * i + 1] = (uint8_t)(p[i] >> 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(out, p, words * 2);
+#else
+        for (size_t w = 0; w < words; w++) {
+            out[2 * w] = (uint8_t)p[w];
+            out[2 * w + 1] = (uint8_t)(p[w] >> 8);
         }
+#endif
         *len = words * 2;
     }
     free(buf);
@@ -761,16 +772,18 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
             j++;
         }
         active |= segb;
-        /* each bucket's count before every block it occurs in; then its total */
-        for (int b = 0; b < NB; b++) {
+        /* each bucket's count before every block it occurs in (only the buckets with an
+         * event here need it); then its total */
+        for (uint32_t pr = segb; pr; pr &= pr - 1) {
+            int b = __builtin_ctz(pr);
             int64_t running = cnt[b];
             for (uint64_t wm = words[b]; wm; wm &= wm - 1) {
                 int k = __builtin_ctzll(wm);
                 pre[b * SEGB + k] = running;
                 running += __builtin_popcountll(bm[b * SEGB + k]);
             }
-            cnt[b] = running;
         }
+        for (int b = 0; b < NB; b++) cnt[b] += segn[b];
         /* ranks, and the consumption order: bucket by bucket, each in rank (= position)
          * order, by a counting sort of the segment's events on their bucket */
         int64_t at[NB + 1] = {0};
