@@ -577,7 +577,7 @@ class RefitSender:
             return False
         _log(f"nemo_dcr: snapshot of v{version} written ({len(blob)} bytes, {time.perf_counter() - t0:.1f} s)")
         try:
-            prune_snapshots(self.store)
+            prune_snapshots(self.store, self.sealer, self.run_id)
         except Exception as e:  # noqa: BLE001 - best effort
             _log(f"nemo_dcr: deleting old snapshots failed (kept): {type(e).__name__}: {e}")
         return True

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from nemo_dcr.errors import DcrError, ProtocolError
+from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import (
     DOC_LIMITS,
     SNAPSHOT_PREFIX,
@@ -149,16 +149,28 @@ def listed_versions(store: ObjectStore) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def prune_snapshots(store: ObjectStore, keep: int = KEEP) -> list[int]:
+def prune_snapshots(store: ObjectStore, sealer: Sealer, run_id: str, keep: int = KEEP) -> list[int]:
     """Delete every snapshot older than the ``keep`` newest complete ones (each record
     first, so a reader never takes a half-deleted one for complete); returns the versions
-    deleted.  Incomplete directories older than those are deleted too."""
+    deleted.  Incomplete directories older than those are deleted too.  Complete means a
+    record that :func:`read_record` accepts (this run's key and run, its version's signed
+    commit): a store writer without the key who plants records at higher versions must not
+    make the trainer delete the genuine snapshots."""
+    if keep < 1:
+        raise ValidationError(f"keep must be >= 1, got {keep}")
     versions = listed_versions(store)
-    complete = [v for v in versions if store.exists(snapshot_key(v, SNAPSHOT_RECORD))]
-    if len(complete) <= keep:
+    complete = []
+    for v in versions:  # newest first, until `keep` genuine ones are found
+        if len(complete) == keep:
+            break
+        try:
+            read_record(store, sealer, run_id, v)
+        except SnapshotError:
+            continue
+        complete.append(v)
+    if len(complete) < keep:
         return []
-    oldest_kept = complete[keep - 1] if keep > 0 else versions[0] + 1
-    gone = [v for v in versions if v < oldest_kept]
+    gone = [v for v in versions if v < complete[-1]]
     for v in gone:
         prefix = snapshot_key(v, "")
         store.delete(snapshot_key(v, SNAPSHOT_RECORD))

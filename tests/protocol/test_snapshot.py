@@ -96,6 +96,38 @@ def _join(tmp_path, store, key, rid, until, logs=None, **kw):
 
 
 # ---------------------------------------------------------------- trainer side
+@pytest.mark.parametrize("planted", [0, 3])
+def test_planted_records_do_not_make_the_trainer_prune_genuine_snapshots(tmp_path, key, planted):
+    """A store writer without the key plants ``planted`` records at versions above the run's
+    (wrong key, unsigned, another run's); pruning counts only records that open with the key
+    and name this run's commit, so the genuine v4 and v6 stay while v2 goes.  Control
+    (planted=0): the same pruning."""
+    from nemo_dcr.protocol.snapshot import prune_snapshots
+
+    rng = np.random.default_rng(3)
+    sender, store, w = _trainer(tmp_path, key, 2)
+    r0 = Rx("r0", store, key, sender.run_id, w).start(until=6)
+    for v in range(1, 7):
+        _step(w, rng)
+        assert sender.refit(v).committed
+        sender.wait_snapshot()
+    r0.join()
+    forged = SnapshotRecord(run_id=sender.run_id, version=1, decision_digest="sha256:" + "0" * 64,
+                            files={"model.safetensors": "sha256:" + "0" * 64}, sizes={"model.safetensors": 1})
+    other_key = tmp_path / "other.key"
+    new_key_file(str(other_key))
+    docs = [lambda r: r.to_json(Sealer(load_key(str(other_key)))), lambda r: r.to_json(None),
+            lambda r: SnapshotRecord(**{**r.__dict__, "run_id": "f" * 32}).to_json(sender.sealer)]
+    for i in range(planted):
+        v = 100 + i
+        rec = SnapshotRecord(**{**forged.__dict__, "version": v})
+        store.put(snapshot_key(v, SNAPSHOT_RECORD), docs[i % len(docs)](rec))
+    assert listed_versions(store)[planted:] == [6, 4]  # after the trainer's own pruning at v6
+    assert prune_snapshots(store, sender.sealer, sender.run_id) == []
+    for v in (4, 6):
+        assert store.exists(snapshot_key(v, SNAPSHOT_RECORD)) and store.exists(snapshot_key(v, "model.safetensors"))
+
+
 def test_snapshots_come_from_committed_bits_every_k_skip_aborted_versions_and_are_pruned(tmp_path, key, capsys):
     """K=2, pipelined (each decision is settled after the next step already changed the live
     parameters), v4 refused and aborted: snapshots are taken at v2, v6, v8 (not v4), each
