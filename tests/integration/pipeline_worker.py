@@ -37,24 +37,33 @@ def stamp_acks(store, sealer, run_id, stop: threading.Event) -> None:
         time.sleep(0.01)
 
 
+def tiny_tp2_trainer(out_dir: str):
+    """The workers' model under torchrun (2 ranks, gloo): one layer, hidden 64, vocab 256,
+    TP=2; and the run's signing key, written by rank 0 into ``out_dir/key``.  Returns
+    (trainer, key path)."""
+    from nemo_dcr.protocol.signing import new_key_file
+    from nemo_dcr.testbed.model import ModelConfig
+    from nemo_dcr.testbed.train import TrainConfig, Trainer
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
+                      ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)
+    trainer = Trainer(cfg, TrainConfig(lr=3e-4), tp=2)
+    key = os.path.join(out_dir, "key")
+    if dist.get_rank() == 0:
+        new_key_file(key)
+    dist.barrier()
+    return trainer, key
+
+
 def main() -> int:
     out_dir, store_dir = sys.argv[1], sys.argv[2]
     from nemo_dcr.errors import ProtocolError
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
     from nemo_dcr.integrations.sender import SenderConfig
-    from nemo_dcr.protocol.signing import new_key_file
-    from nemo_dcr.testbed.model import ModelConfig
-    from nemo_dcr.testbed.train import TrainConfig, Trainer
     from nemo_dcr.transport.store import LocalDirStore
 
-    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
-                      ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)
-    trainer = Trainer(cfg, TrainConfig(lr=3e-4), tp=2)
+    trainer, key = tiny_tp2_trainer(out_dir)
     rank = dist.get_rank()
-    key = os.path.join(out_dir, "key")
-    if rank == 0:
-        new_key_file(key)
-    dist.barrier()
 
     class Store(LocalDirStore):
         fail_at: int | None = None

@@ -429,23 +429,16 @@ def _hook_worker(out_dir: str, store_dir: str) -> int:
     from safetensors.torch import save_file
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
-    from pipeline_worker import stamp_acks  # a signed stand-in receiver acking every manifest
+    # a signed stand-in receiver acking every manifest; the workers' model and key
+    from pipeline_worker import stamp_acks, tiny_tp2_trainer
 
     import threading
 
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
     from nemo_dcr.integrations.sender import SenderConfig
-    from nemo_dcr.testbed.model import ModelConfig
-    from nemo_dcr.testbed.train import TrainConfig, Trainer
 
-    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
-                      ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)
-    trainer = Trainer(cfg, TrainConfig(lr=3e-4), tp=2)
+    trainer, key_path = tiny_tp2_trainer(out_dir)
     rank = dist.get_rank()
-    key_path = os.path.join(out_dir, "key")
-    if rank == 0:
-        new_key_file(key_path)
-    dist.barrier()
     store = LocalDirStore(store_dir)
     sender_cfg = SenderConfig(model_id="snap", receivers=("r0",), key_file=key_path, ack_timeout_s=20,
                               ack_poll_s=0.01, pipeline=True, snapshot_every=2)
