@@ -69,7 +69,7 @@ import zstandard
 from safetensors.torch import load_file
 
 from nemo_dcr import dtypes
-from nemo_dcr.codec import DeltaOp, TensorDelta, decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec import DeltaOp, TensorDelta, bucket, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.bound import iid_bound_bytes, pooled_bound_bytes
 from nemo_dcr.kernels import bits_view_np, xor_diff
 
@@ -291,10 +291,16 @@ def flag_entropies(bits_base: np.ndarray, xor: np.ndarray, shape: tuple[int, ...
 
 # ---- one pair ------------------------------------------------------------------------------------
 
+#: The clock the timed rounds read: wall (time.perf_counter) or this process's CPU time
+#: (time.process_time: steadier on a shared machine; every timed call runs on one thread).
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+    t0 = _clock()
     out = fn()
-    return time.perf_counter() - t0, out
+    return _clock() - t0, out
 
 
 def bench_pair(d: pathlib.Path, repeat: int) -> dict:
@@ -509,6 +515,16 @@ def select_pairs(pairs: list[dict], patterns: list[str] | None) -> list[dict]:
     return sel
 
 
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="benchmarks/data")
@@ -518,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these pairs (fnmatch patterns on the index tags, e.g. 'minilm_*'); "
                          "the results written are then for those pairs only")
     ap.add_argument("--replot", action="store_true", help="only redraw codec.png from the codec.json in --out")
+    ap.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                    help="wall time, or this process's CPU time (steadier on a shared, loaded machine)")
     args = ap.parse_args(argv)
+    global _clock
+    _clock = CLOCK[args.clock]
     out = pathlib.Path(args.out)
     if args.replot:
         saved = json.loads((out / "codec.json").read_text())
@@ -545,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "scripts/bench_codec.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "python": platform.python_version(),
+            "cpu_model": _cpu_model(), "bucket_simd": bucket.simd(), "clock": args.clock,
             "cpus": os.cpu_count(), "threads": 1, "zstandard": zstandard.__version__, "repeat": args.repeat,
             "load_avg_start": load0, "load_avg_end": os.getloadavg()[0], "formats": FORMATS,
             "speed_unit": "GB/s of parameter bytes (numel x element size), one thread, best of repeat"}
