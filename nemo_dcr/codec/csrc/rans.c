@@ -475,14 +475,31 @@ static void bw_byte(BitW *w, uint8_t b) {
     w->buf[w->len++] = b;
 }
 
+/* 32 bits at once, little-endian: the accumulator holds fewer than 32 bits between puts, so
+ * a put of up to 32 bits emits at most one such word (no per-byte loop) */
+static void bw_word32(BitW *w, uint32_t v) {
+    if (w->cap - w->len < 4) {
+        size_t nc = w->cap ? 2 * w->cap : 4096;
+        uint8_t *nb = (uint8_t *)realloc(w->buf, nc);
+        if (!nb) { w->oom = 1; return; }
+        w->buf = nb;
+        w->cap = nc;
+    }
+    uint8_t *o = w->buf + w->len;
+    o[0] = (uint8_t)v;
+    o[1] = (uint8_t)(v >> 8);
+    o[2] = (uint8_t)(v >> 16);
+    o[3] = (uint8_t)(v >> 24);
+    w->len += 4;
+}
+
 static inline void bw_put(BitW *w, uint64_t v, int n) { /* n <= 32 */
-    if (!n) return;
     w->acc |= (v & ((1ull << n) - 1)) << w->n;
     w->n += n;
-    while (w->n >= 8) {
-        bw_byte(w, (uint8_t)w->acc);
-        w->acc >>= 8;
-        w->n -= 8;
+    if (w->n >= 32) {
+        bw_word32(w, (uint32_t)w->acc);
+        w->acc >>= 32;
+        w->n -= 32;
     }
 }
 
@@ -492,7 +509,10 @@ static inline void bw_put64(BitW *w, uint64_t v, int n) {
 }
 
 static void bw_flush(BitW *w) {
-    if (w->n) bw_byte(w, (uint8_t)w->acc);
+    for (; w->n > 0; w->n -= 8) { /* the last byte zero padded */
+        bw_byte(w, (uint8_t)w->acc);
+        w->acc >>= 8;
+    }
     w->acc = 0;
     w->n = 0;
 }
@@ -689,8 +709,7 @@ static inline void enc_value(Model *m, const Params *P, SymBuf *sb, BitW *bw, in
         sb_push(sb, c, (uint32_t)h);
         ctx_update(c, (uint32_t)h, 0);
         if (h) {
-            bw_put(bw, (uint64_t)neg, 1);
-            bw_put64(bw, mag, h - 1);
+            bw_put64(bw, (uint64_t)neg | (mag << 1), h); /* the sign, then the h - 1 bits below the leading one */
         }
     } else {
         int h = bitlen(v);
@@ -715,8 +734,9 @@ static inline uint64_t dec_value(Model *m, const Params *P, RDec *d, BitR *br, i
         ctx_update(c, h, 1);
         uint64_t k = 0;
         if (h) {
-            uint64_t neg = br_get(br, 1);
-            uint64_t mag = (h == 1 ? 0 : br_get64(br, (int)h - 1)) | (1ull << (h - 1));
+            uint64_t bits = br_get64(br, (int)h); /* the sign, then the h - 1 bits below the leading one */
+            uint64_t neg = bits & 1;
+            uint64_t mag = (bits >> 1) | (1ull << (h - 1));
             k = neg ? ((~mag + 1) & P->mask) : mag;
         }
         return iord_of(P, (ord_of(P, basev) + k) & P->mask);
