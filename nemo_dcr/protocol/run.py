@@ -35,6 +35,7 @@ from nemo_dcr.protocol.manifest import (
     INIT_PREFIX,
     INIT_RECORD_KEY,
     RUN_KEY,
+    SNAPSHOT_PREFIX,
     Decision,
     Head,
     InitRecord,
@@ -66,7 +67,7 @@ _RUN_OBJECTS = (f"{INIT_PREFIX}/config.json", f"{INIT_PREFIX}/model.safetensors"
 
 def _other_objects(store: ObjectStore) -> list[str]:
     found = [k for k in _RUN_OBJECTS if store.exists(k)]
-    for prefix in ("v/", "acks/", "snapshots/"):  # snapshots/: a new run would prune another run's
+    for prefix in ("v/", "acks/", SNAPSHOT_PREFIX):  # snapshots/: a new run would prune another run's
         keys = store.list(prefix, limit=1)
         if keys:
             found.append(keys[0])
@@ -300,15 +301,15 @@ def sha256_file(path: str) -> str:
 def write_init_record(store: ObjectStore, sealer: Sealer, run_id: str, blobs: dict[str, bytes]) -> str:
     """Trainer rank 0, after the version-0 files: their digests, sealed; returns the
     record's own digest (the root of the run's chain)."""
-    files = {name: "sha256:" + hashlib.sha256(b).hexdigest() for name, b in blobs.items()}
+    files = {name: doc_digest(b) for name, b in blobs.items()}
     data = InitRecord(run_id=run_id, files=files).to_json(sealer)
     store.put(INIT_RECORD_KEY, data)
     return doc_digest(data)
 
 
-def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: str) -> str:
-    """Receiver: the version-0 files in ``directory`` are the ones this run published;
-    returns the digest of the record they were checked against (the chain's root)."""
+def read_init_record(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[InitRecord, str]:
+    """Receiver: the run's signed ``init/INIT.json`` (the version-0 files' digests) and its
+    own digest (the chain's root); ``ProtocolError`` when absent or another run's."""
     try:
         data = store.get(INIT_RECORD_KEY, max_bytes=DOC_LIMITS["init"])
     except ObjectNotFound:
@@ -316,6 +317,13 @@ def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: 
     record = InitRecord.from_json(data, sealer)
     if record.run_id != run_id:
         raise ProtocolError(f"{INIT_RECORD_KEY} is for run {record.run_id}, the store's run is {run_id}")
+    return record, doc_digest(data)
+
+
+def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: str) -> str:
+    """Receiver: the version-0 files in ``directory`` are the ones this run published;
+    returns the digest of the record they were checked against (the chain's root)."""
+    record, root = read_init_record(store, sealer, run_id)
     for name, digest in sorted(record.files.items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -323,4 +331,4 @@ def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: 
         if sha256_file(path) != digest:
             raise ProtocolError(f"initial checkpoint {path} is not this run's version 0 (digest differs from "
                                 f"{INIT_RECORD_KEY})")
-    return doc_digest(data)
+    return root

@@ -28,7 +28,6 @@ which is slower, never wrong).  The trainer keeps the newest :data:`KEEP` snapsh
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -119,10 +118,6 @@ class Snapshot:
     files: tuple[str, ...]
 
 
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 # ---------------------------------------------------------------- trainer (rank 0)
 def write_snapshot(store: ObjectStore, sealer: Sealer, run_id: str, version: int, decision_digest: str,
                    blobs: dict[str, bytes]) -> str:
@@ -130,7 +125,7 @@ def write_snapshot(store: ObjectStore, sealer: Sealer, run_id: str, version: int
     means complete); returns the record's key.  A failed upload raises before the record
     is written, so no record ever names files that did not all land."""
     record = SnapshotRecord(run_id=run_id, version=version, decision_digest=decision_digest,
-                            files={n: _sha256(b) for n, b in blobs.items()},
+                            files={n: doc_digest(b) for n, b in blobs.items()},
                             sizes={n: len(b) for n, b in blobs.items()})
     for name, blob in sorted(blobs.items()):
         store.put(snapshot_key(version, name), blob)
@@ -215,7 +210,7 @@ def fetch_snapshot(store: ObjectStore, sealer: Sealer, run_id: str, version: int
             blob = store.get(snapshot_key(version, name), max_bytes=record.sizes[name])
         except DcrError as e:
             raise SnapshotError(f"{name}: {type(e).__name__}: {e}") from None
-        if len(blob) != record.sizes[name] or _sha256(blob) != want:
+        if len(blob) != record.sizes[name] or doc_digest(blob) != want:
             raise SnapshotError(f"{name} is not the file {SNAPSHOT_RECORD} lists (digest or size differs)")
         with open(os.path.join(directory, name), "wb") as f:
             f.write(blob)

@@ -23,7 +23,6 @@ The result, :class:`ReceiverSession`, holds the pieces; ``run`` follows the run,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import time
@@ -32,8 +31,8 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
-from nemo_dcr.protocol.manifest import DOC_LIMITS, INIT_PREFIX, INIT_RECORD_KEY, InitRecord, Manifest
-from nemo_dcr.protocol.run import verify_init_dir
+from nemo_dcr.protocol.manifest import INIT_PREFIX, INIT_RECORD_KEY, Manifest, doc_digest
+from nemo_dcr.protocol.run import read_init_record, verify_init_dir
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
@@ -49,7 +48,6 @@ def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     ``init/INIT.json`` (waiting up to ``timeout_s`` for it to be published).  Returns the
     directory and the record's digest (the root of the run's chain)."""
     from nemo_dcr.integrations.hf_export import download_checkpoint
-    from nemo_dcr.protocol.manifest import INIT_RECORD_KEY
 
     _wait_for_init(store, timeout_s)
     if init_dir is None:
@@ -83,14 +81,12 @@ def fetch_snapshot_dir(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     if snap is None:
         return None
     try:
-        record = InitRecord.from_json(store.get(INIT_RECORD_KEY, max_bytes=DOC_LIMITS["init"]), sealer)
-        if record.run_id != run_id:
-            raise ProtocolError(f"{INIT_RECORD_KEY} is for run {record.run_id}, not {run_id}")
+        record, _ = read_init_record(store, sealer, run_id)
         for name, digest in sorted(record.files.items()):
             if name in snap.files:
                 continue
             blob = store.get(f"{INIT_PREFIX}/{name}", max_bytes=MAX_INIT_BYTES)
-            if "sha256:" + hashlib.sha256(blob).hexdigest() != digest:
+            if doc_digest(blob) != digest:
                 raise ProtocolError(f"{INIT_PREFIX}/{name} is not the file {INIT_RECORD_KEY} lists")
             with open(os.path.join(snap.directory, name), "wb") as f:
                 f.write(blob)
