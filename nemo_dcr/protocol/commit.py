@@ -152,8 +152,9 @@ class CommitCoordinator:
         """Elastic: the receivers whose join request is admitted at ``version``.
 
         Looked at: the first ``JOIN_SCAN_KEYS`` keys of the sorted listing of
-        ``acks/join.d/`` (a bounded listing: the store is asked for no more), each read through a ``DocReader`` (size cap, bounded parser, the
-        run's key, this run; cached by object identity, a rejected object logged once).
+        ``acks/join.d/`` (a bounded listing: the store is asked for no more), each read
+        through a ``DocReader`` (size cap, bounded parser, the run's key, this run; cached by
+        object identity, a rejected object logged once).
         Admitted: a request of a receiver that is not a member, naming itself, whose held
         version and digest are a commit this coordinator knows (the published version's
         base, or one of the last ``KNOWN_COMMITS`` it decided) and not older than the
@@ -162,14 +163,14 @@ class CommitCoordinator:
         if self._published is None or self._published[0] != version:
             return ()
         try:
-            keys = self.store.list(JOIN_PREFIX, limit=JOIN_SCAN_KEYS)  # one bounded page, however many were planted
+            keys = self.store.list(JOIN_PREFIX, limit=JOIN_SCAN_KEYS)  # however many were planted
         except DcrError as e:  # a failing store: nobody joins at this version
             if str(e) != self._list_error:
                 self._list_error = str(e)
                 self._log({"event": "join requests not listed", "version": version, "store_error": str(e)})
             return ()
         admitted: list[str] = []
-        for key in keys[:JOIN_SCAN_KEYS]:
+        for key in keys:
             rid = join_key_receiver(key)
             if rid is None or rid in self.receivers:
                 continue

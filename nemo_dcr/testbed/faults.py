@@ -246,7 +246,7 @@ class FaultyStore:
         return self.inner.exists(key)
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
-        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
+        return self.inner.list(prefix, limit=limit)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

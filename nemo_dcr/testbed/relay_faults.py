@@ -106,7 +106,7 @@ class FlippingStore:
         return self.inner.exists(key)
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
-        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
+        return self.inner.list(prefix, limit=limit)
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)

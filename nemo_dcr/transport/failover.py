@@ -152,8 +152,6 @@ class FailoverStore:
         return self._each("exists", key, lambda s: s.exists(key), lambda r: 0)
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
-        if limit is None:
-            return self._each("list", prefix, lambda s: s.list(prefix), lambda r: 0)
         return self._each("list", prefix, lambda s: s.list(prefix, limit=limit), lambda r: 0)
 
     def put(self, key: str, data: bytes) -> None:

@@ -561,8 +561,7 @@ class Relay:
 
         async def fetch():
             self.c["upstream_lists"] += 1
-            keys = await (self._up(self.store.list, prefix) if limit is None
-                          else self._up(self.store.list, prefix, limit=limit))
+            keys = await self._up(self.store.list, prefix, limit=limit)
             self._fresh_list[(prefix, limit)] = (self._loop.time() + self._window, keys)
             self._cut_through(keys)
             return keys

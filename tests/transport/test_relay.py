@@ -70,7 +70,7 @@ class CountingStore:
     def list(self, prefix, *, limit=None):
         self._count("list", prefix)
         self.limits.append(limit)
-        return self.inner.list(prefix) if limit is None else self.inner.list(prefix, limit=limit)
+        return self.inner.list(prefix, limit=limit)
 
     def put(self, key, data):
         self._count("put", key)
