@@ -760,26 +760,24 @@ typedef struct {
     size_t len;
 } Coded;
 
-/* Context mode positions: rank of each changed element within its bucket, and the
- * consumption order.  Returns 0, or -1 on allocation failure. */
-static int context_positions(Model *m, const Params *P, const int64_t *pos, int64_t nnz, SymBuf *sb, BitW *bw,
-                             uint64_t *basev) {
-    int rc = -1;
-    uint8_t *bk = (uint8_t *)malloc((size_t)(nnz ? nnz : 1));
-    int64_t *rank = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
-    int64_t *order = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+/* Rank of each changed element within its bucket (context mode), with its bucket and base
+ * bits, from one scan of the range in segments; cnt[b] gets bucket b's size in the range when
+ * `full` (else only up to the segment of the last changed element) and *active the buckets
+ * with a changed element.  With `order`, also the BUCKET consumption order: per segment,
+ * bucket by bucket, each in rank order.  Returns 0, or -1 on allocation failure. */
+static int rank_scan(const Params *P, const int64_t *pos, int64_t nnz, uint8_t *bk, int64_t *rank, uint64_t *basev,
+                     int64_t *cnt, uint32_t *active_out, int64_t *order, int full) {
     uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
     int64_t *pre = (int64_t *)malloc(NB * SEGB * sizeof(int64_t));
-    if (!bk || !rank || !order || !bm || !pre) goto out;
+    if (!bm || !pre) { free(bm); free(pre); return -1; }
     uint32_t active = 0;
-    int64_t cnt[NB] = {0};
     uint64_t words[NB];
     int64_t segn[NB];
     int64_t n = P->hi - P->lo;
     int64_t nseg = (n + SEG - 1) / SEG;
     int64_t j = 0, oi = 0;
-    /* one scan of the whole range: ranks, and each bucket's size for the terminal gaps */
-    for (int64_t g = 0; g < nseg && nnz; g++) {
+    for (int b = 0; b < NB; b++) cnt[b] = 0;
+    for (int64_t g = 0; g < nseg && nnz && (full || j < nnz); g++) {
         int64_t s0 = P->lo + g * SEG;
         int nb = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
         seg_masks(P, s0, nb, ~0u, bm, words, segn);
@@ -812,10 +810,30 @@ static int context_positions(Model *m, const Params *P, const int64_t *pos, int6
             rank[t] = pre[b * SEGB + k] + __builtin_popcountll(bm[b * SEGB + k] & ((1ull << bit) - 1));
             at[b + 1]++;
         }
-        for (int b = 0; b < NB; b++) at[b + 1] += at[b];
-        for (int64_t t = j0; t < j; t++) order[oi + at[bk[t]]++] = t;
-        oi += j - j0;
+        if (order) {
+            for (int b = 0; b < NB; b++) at[b + 1] += at[b];
+            for (int64_t t = j0; t < j; t++) order[oi + at[bk[t]]++] = t;
+            oi += j - j0;
+        }
     }
+    free(bm);
+    free(pre);
+    *active_out = active;
+    return 0;
+}
+
+/* Context mode positions: rank of each changed element within its bucket, and the
+ * consumption order.  Returns 0, or -1 on allocation failure. */
+static int context_positions(Model *m, const Params *P, const int64_t *pos, int64_t nnz, SymBuf *sb, BitW *bw,
+                             uint64_t *basev) {
+    int rc = -1;
+    uint8_t *bk = (uint8_t *)malloc((size_t)(nnz ? nnz : 1));
+    int64_t *rank = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
+    uint32_t active = 0;
+    int64_t cnt[NB];
+    if (!bk || !rank || !order) goto out;
+    if (rank_scan(P, pos, nnz, bk, rank, basev, cnt, &active, order, 1) < 0) goto out;
     /* next event of the same bucket, in position order */
     int64_t *nxt = (int64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int64_t));
     if (!nxt) goto out;
@@ -841,8 +859,6 @@ out:
     free(bk);
     free(rank);
     free(order);
-    free(bm);
-    free(pre);
     return rc;
 }
 
