@@ -1,6 +1,6 @@
 """End-to-end refit benchmark: the demo pipeline (Megatron-Core TP=2 under torchrun ->
 local store -> Hugging Face receiver) at several learning rates, with the codec's context
-mode on (the default) and off.
+mode on (``refit.coding=context``) and off (``refit.coding=plain``).
 
     .venv/bin/python scripts/bench_refit.py [--steps 4] [--lrs 1e-6,3e-6,1e-5] [overrides...]
 
@@ -35,7 +35,7 @@ def main() -> int:
         for context in (True, False):
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = load_demo_config([f"run_dir={tmp}/run", f"store.uri={tmp}/store", f"steps={args.steps}",
-                                        f"train.lr={lr}", f"refit.context={str(context).lower()}",
+                                        f"train.lr={lr}", f"refit.coding={'context' if context else 'plain'}",
                                         "refit.verify_dense=true", *args.overrides])
                 summary = run(cfg)
                 with open(os.path.join(tmp, "run", "steps.jsonl")) as f:

@@ -577,7 +577,7 @@ def _main(args) -> int:
             "model": {**cfg.to_dict()["model"], "canonical_params": records[0]["canonical_numel"]},
             "tp": cfg.parallel.tensor_model_parallel_size,
             "receivers": cfg.refit.receivers,
-            "context": cfg.refit.context,
+            "coding": cfg.refit.coding,
             "chunk_bytes": cfg.refit.chunk_bytes,
             "stream": args.stream,
             "rates_mbit": args.rates, "lrs": args.lrs, "steps_per_case": args.steps, "warmup_steps": args.warmup,

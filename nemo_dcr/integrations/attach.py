@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, ProtocolError
+from nemo_dcr.integrations.coding_choice import CODINGS
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise, from_rank0
 from nemo_dcr.protocol.run import RunState
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
@@ -91,6 +92,11 @@ class RefitMetrics:
 
     canonical_numel: int = 0
     """Elements of every canonical tensor (the denominator of ``changed_pct``)."""
+    coding: str = ""
+    """The coding the version's chunks used (``refit.coding``; under ``auto``, its choice)."""
+    projected_walls: tuple[tuple[str, float], ...] = ()
+    """``refit.coding=auto``: each candidate's projected refit wall (s) behind the choice for
+    the next version (empty before anything was measured)."""
 
     def scalars(self) -> dict[str, float]:
         """The metrics under ``refit/...`` names, as plain floats, for any logger."""
@@ -99,7 +105,9 @@ class RefitMetrics:
                 "refit/wire_bytes": float(self.wire_bytes), "refit/compression": self.compression,
                 "refit/changed_pct": self.changed_pct, "refit/receivers": float(self.receivers),
                 "refit/joined": float(self.joined), "refit/evicted": float(self.evicted),
-                "refit/refit_seconds": self.refit_s, "refit/trainer_pause_seconds": self.pause_s}
+                "refit/refit_seconds": self.refit_s, "refit/trainer_pause_seconds": self.pause_s,
+                **{f"refit/coding_{c}": float(c == self.coding) for c in CODINGS if self.coding},
+                **{f"refit/projected_wall_{c}_seconds": w for c, w in self.projected_walls}}
 
 
 class RefitAttachment:
@@ -237,10 +245,12 @@ class RefitAttachment:
         # totals live on rank 0 (the sender gathers them there); a framework's logger may
         # live on another rank (Megatron's on the last one)
         totals = from_rank0((int(stats.wire_bytes), int(stats.dense_bytes), int(stats.changed), int(stats.numel),
-                             len(stats.members), len(stats.joined), len(stats.evicted), float(stats.refit_s)))
-        wire, dense, changed, numel, members, joined, evicted, refit_s = totals
+                             len(stats.members), len(stats.joined), len(stats.evicted), float(stats.refit_s),
+                             tuple(stats.coding_walls.items())))
+        wire, dense, changed, numel, members, joined, evicted, refit_s, walls = totals
         return RefitMetrics(version=stats.version, committed=bool(stats.committed),
                             committed_version=self.hook.sender.baseline.version, wire_bytes=wire, dense_bytes=dense,
                             changed=changed, numel=numel, receivers=members, joined=joined, evicted=evicted,
                             refit_s=refit_s, pause_s=time.perf_counter() - t_enter,
-                            canonical_numel=self.hook.sender.canonical_numel)
+                            canonical_numel=self.hook.sender.canonical_numel, coding=stats.coding,
+                            projected_walls=walls)

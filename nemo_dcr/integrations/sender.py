@@ -14,6 +14,7 @@ acknowledged the version.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -27,9 +28,20 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.baseline.pinned import Baseline
-from nemo_dcr.codec import chunk_digest, encode_chunk
+from nemo_dcr.codec import chunk_digest
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta, shape_numel
 from nemo_dcr.errors import PlacementError, ProtocolError
+from nemo_dcr.integrations.coding_choice import (
+    AUTO,
+    AUTO_START,
+    CODINGS,
+    CodingChooser,
+    VersionObservation,
+    describe,
+    encode_parallelism,
+    encode_with,
+    probe,
+)
 from nemo_dcr.integrations.settings import RefitOptions
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
@@ -91,6 +103,17 @@ class PublishStats:
     snapshot_s: float = 0.0
     """Gathering this committed version's snapshot (``refit.snapshot_every``), in the call
     that settled it (its upload runs in the background on rank 0); 0 when none was taken."""
+    coding: str = ""
+    """The coding this version's chunks used (``refit.coding``; under ``auto``, the choice)."""
+    raw_bytes: int = 0
+    """Raw record bytes (positions + values) handed to the encoder (totals on rank 0)."""
+    encode_cpu_s: float = 0.0
+    """CPU seconds of the encode calls, summed over chunks (totals over ranks on rank 0)."""
+    next_coding: str = ""
+    """The coding decided for the next version (``auto``: rank 0's choice, on every rank)."""
+    coding_walls: dict[str, float] = field(default_factory=dict)
+    """``auto``, rank 0: every candidate's projected wall (s) behind ``next_coding`` ({}
+    before anything was measured)."""
 
 
 def _split(delta: TensorDelta, chunk_bytes: int):
@@ -188,6 +211,8 @@ class _InFlight:
     """Every rank's (version, commit, digest, failure), gathered by the background work once
     the decision is known; None if that gather itself failed on this rank."""
     applied: bool = False
+    next_coding: str = ""
+    """The coding rank 0 decided for the next version ('' = unchanged)."""
 
 
 class RefitSender:
@@ -239,15 +264,20 @@ class RefitSender:
                 prev = self.canonical.setdefault(name, c)
                 if prev != c:
                     raise PlacementError(f"ranks disagree on canonical tensor {name}: {prev} vs {c}")
-        # context mode: where this rank can rebuild a record's canonical base bits
+        # context mode: where this rank can rebuild a record's canonical base bits (built
+        # whatever refit.coding says: auto may choose context, and a test bed may switch codings)
         self._runs: dict[tuple[str, str], CanonicalRuns] = {}
-        if cfg.context:
-            for pname, vs in views.items():
-                for v in vs:
-                    if v.spec.is_main_replica:
-                        for cname, runs in canonical_runs(projector, v).items():
-                            if runs.contiguous:
-                                self._runs[(pname, cname)] = runs
+        for pname, vs in views.items():
+            for v in vs:
+                if v.spec.is_main_replica:
+                    for cname, runs in canonical_runs(projector, v).items():
+                        if runs.contiguous:
+                            self._runs[(pname, cname)] = runs
+        # refit.coding=auto: the coding of the next version (the same on every rank: rank 0
+        # decides it and sends it with each decision); the chooser and its probe on rank 0
+        self._coding = AUTO_START
+        self._chooser: CodingChooser | None = None
+        self._probe_sample: list[tuple[TensorDelta, str]] | None = None
         self.canonical_numel = sum(shape_numel(c.shape) for c in self.canonical.values())
         self.dense_bytes = sum(shape_numel(c.shape) * BITS_DTYPE[c.dtype].itemsize for c in self.canonical.values())
 
@@ -352,17 +382,20 @@ class RefitSender:
             runs.fill(arr, self.baseline.bits(pname), lo, hi)
         return bases
 
-    def _encode_upload(self, key: str, records: list[tuple[TensorDelta, str]], meta: dict[str, str]
-                       ) -> tuple[ChunkRef, float, float]:
-        t0 = time.perf_counter()
+    def _encode_upload(self, key: str, records: list[tuple[TensorDelta, str]], meta: dict[str, str],
+                       coding: str) -> tuple[ChunkRef, float, float, float]:
+        """Encode one chunk under ``coding`` and put it; returns its ref, the encode's wall
+        and CPU seconds (this thread's: the coders run in it) and the put's wall seconds."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         deltas = [d for d, _ in records]
-        blob = encode_chunk(deltas, meta=meta, base=self._context_bases(records) or None)
-        t1 = time.perf_counter()
+        base = self._context_bases(records) if CODINGS[coding].uses_base else None
+        blob = encode_with(coding, deltas, meta=meta, base=base)
+        t1, c1 = time.perf_counter(), time.thread_time()
         self.store.put(key, blob)
         t2 = time.perf_counter()
         ref = ChunkRef(key=key, nbytes=len(blob), digest=chunk_digest(blob), rank=_rank(),
                        tensors=len(deltas), changed=sum(d.nnz for d in deltas))
-        return ref, t1 - t0, t2 - t1
+        return ref, t1 - t0, t2 - t1, c1 - c0
 
     def _start(self, version: int, pool: ThreadPoolExecutor) -> tuple[list[Future], PublishStats]:
         """Diff every local parameter against the committed baseline (this thread) and submit
@@ -372,7 +405,10 @@ class RefitSender:
         if version <= max(base, self._floor):
             raise ProtocolError(f"version {version} must be newer than the committed {base} and the last "
                                 f"published {self._floor} (a version number is never reused)")
-        stats = PublishStats(version=version, base_version=base)
+        coding = self._coding if self.cfg.coding == AUTO else self.cfg.coding
+        stats = PublishStats(version=version, base_version=base, coding=coding)
+        want_sample = self.cfg.coding == AUTO and _rank() == 0 and self._probe_sample is None and (
+            self._chooser is None or self._chooser.needs_probe)
         if self.run_id is None:
             raise ProtocolError("publish before claim(): the sender has no run id")
         if not self.committed_digest:
@@ -387,15 +423,18 @@ class RefitSender:
         seq = 0
 
         def flush():
-            nonlocal pending, pending_bytes, seq
+            nonlocal pending, pending_bytes, seq, want_sample
             if pending:
+                if want_sample:  # rank 0, auto: the probe's sample chunk (run once, in _next_coding)
+                    self._probe_sample, want_sample = list(pending), False
                 while sizes and sum(sizes.values()) + pending_bytes > self.cfg.pipeline_max_staged_bytes:
                     wait(list(sizes), return_when=FIRST_COMPLETED)
                     for f in [f for f in sizes if f.done()]:
                         del sizes[f]
-                f = pool.submit(self._encode_upload, chunk_key(version, _rank(), seq), pending, meta)
+                f = pool.submit(self._encode_upload, chunk_key(version, _rank(), seq), pending, meta, coding)
                 futures.append(f)
                 sizes[f] = pending_bytes
+                stats.raw_bytes += pending_bytes
                 seq += 1
             pending, pending_bytes = [], 0
 
@@ -421,10 +460,11 @@ class RefitSender:
     def _finish_uploads(futures: list[Future], stats: PublishStats) -> list[ChunkRef]:
         refs = []
         for f in futures:
-            ref, enc_s, up_s = f.result()
+            ref, enc_s, up_s, enc_cpu_s = f.result()
             refs.append(ref)
             stats.encode_s += enc_s
             stats.upload_s += up_s
+            stats.encode_cpu_s += enc_cpu_s
         stats.chunks = len(refs)
         stats.wire_bytes = sum(r.nbytes for r in refs)
         return refs
@@ -506,9 +546,10 @@ class RefitSender:
         if failed:
             r, why = failed[0]
             raise ProtocolError(f"version {flight.version}: the background refit failed on rank {r}: {why}")
-        if len({o[:3] for o in outcomes}) != 1:
+        if len({(o[0], o[1], o[2], o[4]) for o in outcomes}) != 1:
             raise ProtocolError(f"version {flight.version}: ranks applied different decisions {sorted(set(outcomes))}")
         stats = flight.stats
+        stats.next_coding = flight.next_coding or stats.coding
         stats.committed, stats.reason = flight.commit, flight.reason
         if flight.stop:
             raise ReceiverRefused(f"version {flight.version} not committed ({self._failures.consecutive} in a row, "
@@ -607,6 +648,8 @@ class RefitSender:
         if flight.applied:
             return
         flight.applied = True
+        if flight.next_coding:
+            self._coding = flight.next_coding
         if flight.commit:
             self.baseline.commit(flight.version)
             self.committed_digest = flight.digest
@@ -635,13 +678,16 @@ class RefitSender:
             decision: tuple | str | None = None
             if _rank() == 0:
                 try:
+                    per_rank = [(st.raw_bytes, st.encode_cpu_s, st.upload_s, sum(r.nbytes for r in rrefs), len(rrefs))
+                                for rrefs, st, _ in gathered]  # before _decide turns rank 0's into totals
                     decision = self._decide(flight.version, stats, gathered, before_manifest)
+                    decision = (*decision, self._next_coding(stats, per_rank, errors=any(e for _, _, e in gathered)))
                 except BaseException as e:  # noqa: BLE001 - every rank waits for rank 0's word: send it
                     decision = f"rank 0: {type(e).__name__}: {e}"
             decision = from_rank0(decision, self._group)
             if isinstance(decision, str):
                 raise ProtocolError(decision)
-            flight.commit, flight.reason, flight.stop, flight.digest = decision
+            flight.commit, flight.reason, flight.stop, flight.digest, flight.next_coding = decision
             stats.refit_s = time.perf_counter() - flight.t_start
         except BaseException as e:  # noqa: BLE001 - kept for settle(), which raises it on every rank
             flight.failure = f"{type(e).__name__}: {e}"
@@ -649,10 +695,49 @@ class RefitSender:
         # every rank learns every rank's outcome here, off the training loop, so that settle()
         # needs no collective: the hook never waits for a slower rank to reach it
         try:
-            flight.outcomes = all_gather((flight.version, flight.commit, flight.digest, flight.failure), self._group)
+            flight.outcomes = all_gather((flight.version, flight.commit, flight.digest, flight.failure,
+                                          flight.next_coding), self._group)
         except BaseException as e:  # noqa: BLE001 - settle() raises it on this rank
             flight.failure = flight.failure or f"{type(e).__name__}: {e}"
             flight.outcomes = None
+
+    def _next_coding(self, stats: PublishStats, per_rank: list[tuple[int, float, float, int, int]], *,
+                     errors: bool) -> str:
+        """Rank 0, ``refit.coding=auto``: fold this version's measurements (``per_rank``: each
+        rank's raw bytes, encode CPU s, put s, wire bytes, chunks; the acks in ``stats``) into
+        the chooser and pick the next version's coding (``integrations/coding_choice.py``).
+        Returns '' (unchanged) without ``auto``, and on any failure here, which is logged: the
+        choice of a coding never fails a version."""
+        if self.cfg.coding != AUTO:
+            return ""
+        current = stats.coding
+        try:
+            if self._chooser is None:
+                local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's, for the cores per rank
+                self._chooser = CodingChooser(encode_parallel=encode_parallelism(self.cfg.upload_workers, local_ranks))
+            chooser = self._chooser
+            if chooser.needs_probe and self._probe_sample:
+                sample, self._probe_sample = self._probe_sample, None
+                chooser.record_probe(probe([d for d, _ in sample], self._context_bases(sample)))
+            if not errors:
+                acks = [a.get("stats") or {} for a in stats.acks]
+                decode = [float(a["decode_cpu_s"]) / max(1, int(a.get("fetch_threads") or 1))
+                          for a in acks if a.get("decode_cpu_s")]
+                download = [float(a["download_s"]) for a in acks if a.get("download_s")]
+                chooser.observe(VersionObservation(
+                    coding=current, raw_bytes=sum(r[0] for r in per_rank),
+                    raw_bytes_max_rank=max(r[0] for r in per_rank), encode_cpu_s=sum(r[1] for r in per_rank),
+                    upload_wall_s=max(r[2] for r in per_rank) / self.cfg.upload_workers,
+                    wire_bytes=sum(r[3] for r in per_rank), chunks=sum(r[4] for r in per_rank),
+                    rx_decode_s=max(decode, default=None), rx_download_s=max(download, default=None)))
+            choice, projections = chooser.choose(current)
+        except Exception as e:  # noqa: BLE001 - keep the coding in use
+            _log(f"nemo_dcr: coding after v{stats.version}: the choice failed, {current} kept: {type(e).__name__}: {e}")
+            return ""
+        stats.coding_walls = {c: p.wall_s for c, p in projections.items()}
+        stats.next_coding = choice
+        _log(f"nemo_dcr: coding after v{stats.version} ({current}): next {describe(choice, projections)}")
+        return choice
 
     def _decide(self, version: int, stats: PublishStats, gathered, before_manifest) -> tuple[bool, str, bool, str]:
         """Rank 0: totals, manifest, acks, decision record.  Never raises: any failure is
@@ -663,6 +748,8 @@ class RefitSender:
         for _, st, _ in gathered[1:]:
             stats.changed += st.changed
             stats.numel += st.numel
+            stats.raw_bytes += st.raw_bytes
+            stats.encode_cpu_s += st.encode_cpu_s
             for t in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s", "pause_s"):
                 setattr(stats, t, max(getattr(stats, t), getattr(st, t)))
         stats.chunks = len(all_refs)

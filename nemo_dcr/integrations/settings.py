@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from nemo_dcr.configs import check_field_types, load_config
+from nemo_dcr.integrations.coding_choice import CODING_SETTINGS
 from nemo_dcr.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -51,10 +52,14 @@ class RefitOptions:
     larger tensors are split into several records, so chunks stream at this granularity."""
     upload_workers: int = 2
     """Threads encoding and uploading chunks while later parameters are diffed."""
-    context: bool = True
-    """Code records in the codec's context mode (conditioned on the committed base bits,
-    which receivers hold) wherever the trainer rank holds the base of the record's whole
-    canonical range; row-parallel shards (strided coverage) stay context-free."""
+    coding: str = "auto"
+    """How chunks are coded (``integrations/coding_choice.py``): ``context``, the codec's
+    default codings in context mode (conditioned on the committed base bits, which receivers
+    hold) wherever the trainer rank holds the base of the record's whole canonical range
+    (row-parallel shards, whose coverage is strided, stay context-free); ``plain``, the same
+    codings context-free; ``fast``, zstd only (cheap to encode and decode, more bytes);
+    ``auto``, per version the one projected fastest from measured encode, upload and receiver
+    decode rates (rank 0 decides, every rank uses it; starts as ``context``)."""
     ack_timeout_s: float = 300.0
     """How long rank 0 waits for every receiver's acknowledgement of a version."""
     ack_poll_s: float = 0.05
@@ -99,6 +104,8 @@ class RefitOptions:
             raise RefitSetupError(str(e)) from None
         if not self.receivers:
             raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
+        if self.coding not in CODING_SETTINGS:
+            raise RefitSetupError(f"refit.coding must be one of {CODING_SETTINGS}, got {self.coding!r}")
         if self.membership not in MEMBERSHIPS:
             raise RefitSetupError(f"refit.membership must be one of {MEMBERSHIPS}, got {self.membership!r}")
         if self.min_receivers > len(self.receivers) and self.membership == "static":

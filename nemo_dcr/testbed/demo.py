@@ -31,7 +31,7 @@ from nemo_dcr.testbed.config import ConfigError, DemoConfig, load_demo_config
 STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
     ("step", 4), ("loss", 7), ("changed%", 8), ("wire_B", 9), ("dense_B", 10), ("ratio", 7),
-    ("B/chg", 6), ("diff_ms", 7), ("proj_ms", 7), ("enc_ms", 7), ("up_ms", 6), ("rx_ms", 7),
+    ("B/chg", 6), ("coding", 7), ("diff_ms", 7), ("proj_ms", 7), ("enc_ms", 7), ("up_ms", 6), ("rx_ms", 7),
     ("commit_ms", 9), ("pause_ms", 8), ("bit_exact", 9),
 ]
 
@@ -218,6 +218,7 @@ def _row(r: dict) -> dict[str, str]:
         "wire_B": str(r["wire_bytes"]), "dense_B": str(r["dense_bytes"]),
         "ratio": f"{r['dense_bytes'] / max(r['wire_bytes'], 1):.1f}x",
         "B/chg": f"{r['wire_bytes'] / max(changed, 1):.2f}",
+        "coding": r.get("coding") or "-",  # refit.coding (under auto, the version's choice)
         "diff_ms": f"{r['diff_s'] * 1e3:.1f}", "proj_ms": f"{r['project_s'] * 1e3:.1f}",
         "enc_ms": f"{r['encode_s'] * 1e3:.1f}", "up_ms": f"{r['upload_s'] * 1e3:.1f}",
         "rx_ms": f"{rx_ms:.1f}", "commit_ms": f"{r['commit_wait_s'] * 1e3:.1f}",

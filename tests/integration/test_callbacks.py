@@ -143,15 +143,15 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
 
 
 def test_settings_from_hydra_overrides():
-    s = load_refit_settings(["refit.store_uri=s3://bucket/run", "refit.receivers=[r0,r1]", "refit.context=false"])
-    assert s.store_uri == "s3://bucket/run" and s.receivers == ("r0", "r1") and s.context is False
+    s = load_refit_settings(["refit.store_uri=s3://bucket/run", "refit.receivers=[r0,r1]", "refit.coding=plain"])
+    assert s.store_uri == "s3://bucket/run" and s.receivers == ("r0", "r1") and s.coding == "plain"
     assert s.sender_config().receivers == ("r0", "r1")
 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["refit.receivers=[]"], "refit.receivers is empty"),
     (["refit.chunk_bytes=abc"], "refit.chunk_bytes=abc: Value 'abc' of type 'str' could not be converted to Integer"),
-    (["refit.context=maybe"], "refit.context=maybe: Value 'maybe' is not a valid bool"),
+    (["refit.coding=maybe"], "refit.coding must be one of ('auto', 'context', 'plain', 'fast'"),
     (["refit.receivers=2.5"], "refit.receivers=2.5: Invalid value assigned: float is not a ListConfig"),
     (["refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),
     (["+refit.colour=red"], "unknown config key 'refit.colour' (RefitSettings has no field 'colour')"),

@@ -52,10 +52,10 @@ def test_a_receiver_count_names_the_receivers(tmp_path):
 
 def test_good_overrides_load(tmp_path):
     """Control for the refusals above: the same keys, spelled right, load."""
-    cfg = load_demo_config(["model.family=qwen3", "refit.context=false", "steps=2", f"run_dir={tmp_path}/run",
+    cfg = load_demo_config(["model.family=qwen3", "refit.coding=plain", "steps=2", f"run_dir={tmp_path}/run",
                             "refit.receivers=[r0,r1]", "refit.on_refusal=fail", "refit.ack_poll_s=0.5",
                             "refit.model_id=x", f"refit.key_file={tmp_path}/k"])
-    assert (cfg.model.family, cfg.refit.context, cfg.steps) == ("qwen3", False, 2)
+    assert (cfg.model.family, cfg.refit.coding, cfg.steps) == ("qwen3", "plain", 2)
     assert (cfg.refit.receivers, cfg.refit.on_refusal, cfg.refit.ack_poll_s, cfg.refit.model_id,
             cfg.refit.key_file) == (("r0", "r1"), "fail", 0.5, "x", f"{tmp_path}/k")
     assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (nemo_dcr/configs/demo.yaml)

@@ -223,7 +223,7 @@ def test_refit_through_s3(s3_bucket, tmp_path):
     """The same pipeline with chunks, manifests and acks on a real S3-compatible server."""
     cfg = load_demo_config([f"run_dir={tmp_path}/run", f"store.uri={s3_bucket}/refit", "steps=2", *SMALL,
                             "model.num_layers=1", "train.lr=3e-6", "refit.verify_dense=true",
-                            "refit.context=false"])  # the context-free coding path, end to end
+                            "refit.coding=plain"])  # the context-free coding path, end to end
     summary = demo.run(cfg)
     assert summary["refits"] == 2 and summary["committed"] == 2 and summary["bit_exact"] == 2
     from nemo_dcr.transport.store import open_store

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # a value for every schema field, none of them its default
 NON_DEFAULT = {
     "model_id": "m-x", "receivers": ("ra", "rb"), "chunk_bytes": 12345, "upload_workers": 3,
-    "context": False, "ack_timeout_s": 7.5, "ack_poll_s": 0.25, "key_file": "/keys/k",
+    "coding": "fast", "ack_timeout_s": 7.5, "ack_poll_s": 0.25, "key_file": "/keys/k",
     "on_refusal": "fail", "max_consecutive_failures": 5, "pipeline": False, "pipeline_max_staged_bytes": 4096,
     "membership": "elastic", "min_receivers": 2, "evict_after": 1, "snapshot_every": 7,
 }
@@ -116,7 +116,7 @@ def test_a_hand_mapping_that_forgets_a_field_is_caught():
     # negative control for the two tests above: the mapping the settings used to have
     s = load_refit_settings(["refit.store_uri=/x", *OVERRIDES])
     by_hand = SenderConfig(model_id=s.model_id, receivers=s.receivers, chunk_bytes=s.chunk_bytes,
-                           upload_workers=s.upload_workers, ack_timeout_s=s.ack_timeout_s, context=s.context,
+                           upload_workers=s.upload_workers, ack_timeout_s=s.ack_timeout_s, coding=s.coding,
                            key_file=s.key_file, on_refusal=s.on_refusal,
                            max_consecutive_failures=s.max_consecutive_failures)
     assert sorted(_lost(by_hand)) == sorted(["ack_poll_s", "pipeline", "pipeline_max_staged_bytes", "membership",
@@ -180,7 +180,8 @@ def test_every_readme_key_is_a_schema_key():
 
 @pytest.mark.parametrize("kw,needle", [
     ({"chunk_bytes": "abc"}, "refit.chunk_bytes must be an int, got 'abc'"),
-    ({"context": 1}, "refit.context must be true or false, got 1"),
+    ({"coding": 1}, "refit.coding must be a string, got 1"),
+    ({"coding": "zip"}, "refit.coding must be one of ('auto', 'context', 'plain', 'fast'"),  # then the value
     ({"receivers": ["a", 1]}, "refit.receivers must be a list of strings"),
     ({"ack_timeout_s": True}, "refit.ack_timeout_s must be a number, got True"),
     ({"upload_workers": 0}, "refit.upload_workers must be positive"),

@@ -33,7 +33,7 @@ def _trained(tmp_path, key, context, versions=3, seed=0):
     rng = np.random.default_rng(seed)
     w = torch.randn(64, 32).to(torch.bfloat16)
     w0 = w.clone()
-    sender, store = _sender(tmp_path, {"w": w}, key, context=context, ack_timeout_s=10)
+    sender, store = _sender(tmp_path, {"w": w}, key, coding="context" if context else "plain", ack_timeout_s=10)
     r = Rx("r0", store, key, sender.run_id, w0).start(until=versions)
     pointers = None
     for v in range(1, versions + 1):
@@ -139,7 +139,7 @@ def test_an_aborted_version_replayed_through_head_is_rolled_back_by_the_chain(tm
     rng = np.random.default_rng(4)
     w = torch.randn(64, 32).to(torch.bfloat16)
     w0 = w.clone()
-    sender, store = _sender(tmp_path, {"w": w}, key, context=context, ack_timeout_s=5)
+    sender, store = _sender(tmp_path, {"w": w}, key, coding="context" if context else "plain", ack_timeout_s=5)
     early = Rx("r0", store, key, sender.run_id, w0, refuse={2}).start(until=4)
     heads = {}
     for v in (1, 2, 3, 4):
@@ -208,7 +208,7 @@ def test_a_resume_takes_the_baseline_from_the_weights_restored_after_constructio
     rng = np.random.default_rng(0)
     w0 = torch.randn(64, 32).to(torch.bfloat16)
     w = w0.clone()
-    sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=512, context=context)
+    sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=512, coding="context" if context else "plain")
     rx = Rx("r0", store, key, sender.run_id, w0).start(until=2)
     _step(w, rng)
     assert sender.refit(1).committed

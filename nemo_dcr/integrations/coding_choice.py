@@ -1,0 +1,276 @@
+"""Which coding a version's chunks use (``refit.coding``), and the ``auto`` chooser.
+
+The candidates are one table, :data:`CODINGS` (name -> how the sender calls ``encode_chunk``);
+adding a coding is one entry.  Every candidate writes ordinary v1 chunks: a receiver reads
+the coding of each record from the chunk itself, so the choice is the trainer's alone and
+the wire format and the protocol do not change with it.
+
+``auto`` (:class:`CodingChooser`, run on rank 0 between versions) projects each candidate's
+refit wall for the next version from measured rates and picks the smallest::
+
+    encode_s   = R_rank / (enc_rate[c] x P)           slowest rank's raw bytes over its encoders
+    upload_s   = W[c] / G                             W[c] = R x ratio[c]; G: upload goodput
+    download_s = W[c] / D                             D: slowest receiver's download goodput
+    decode_s   = R / rx_rate[c]                       slowest receiver's decode wall
+    fill_s     = (encode_s + upload_s + download_s + decode_s) / chunks
+    wall[c]    = max(encode_s, upload_s, download_s, decode_s) + fill_s
+
+The four stages stream chunk by chunk (upload threads, streaming receive), so a version
+takes about its slowest stage plus the time the first chunk needs to pass the others
+(``fill_s``: one chunk's share of every stage).  ``R`` is raw record bytes (positions +
+values, what the diff hands the encoder) of the last version with changes, ``P`` the
+encode threads per rank (``upload_workers``, capped by this rank's cores).  Where each
+number comes from:
+
+* a one-off *probe* on rank 0, at the first version with changes, encodes and decodes one
+  sample chunk of that version with every candidate (CPU seconds of the calling thread):
+  per coding, encode and decode rate per core and compressed size ratio;
+* every version's real chunks correct the scale: the coding in use is measured (raw bytes /
+  encode CPU seconds, wire / raw bytes over all ranks) and the ratio of real to probe
+  carries over to the other codings (``enc_scale``, ``ratio_scale``: EWMA), so the probe
+  only fixes how the codings compare;
+* upload goodput ``G``: wire bytes of the version / the slowest rank's put time (summed over
+  its puts, divided by its upload threads), EWMA;
+* receivers, from their acks (``decode_cpu_s``, ``fetch_threads``, ``download_s``): the
+  slowest receiver's decode wall, expressed relative to the probe's local decode rate of
+  the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
+  speed; and its download goodput.
+
+A term whose input is missing (no ack carried decode times) is left out of the max.  To
+stop the choice from flapping between two codings whose projections are within noise, the
+coding in use is kept unless another one is projected at least ``margin`` faster.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nemo_dcr.codec import Coding, TensorDelta, decode_chunk, encode_chunk
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodingSpec:
+    """How the sender encodes a chunk under one ``refit.coding`` value."""
+
+    uses_base: bool
+    """Code records against the committed base bits where this rank holds them (the codec's
+    context mode); False: context-free."""
+    codings: frozenset[Coding] | None
+    """``encode_chunk``'s ``codings`` (the entropy codings tried per record; None: its
+    default).  The raw codings are always candidates."""
+
+
+CODINGS: dict[str, CodingSpec] = {
+    "context": CodingSpec(uses_base=True, codings=None),
+    "plain": CodingSpec(uses_base=False, codings=None),
+    "fast": CodingSpec(uses_base=False, codings=frozenset({Coding.SPARSE_ZSTD})),
+}
+"""The fixed codings: ``context`` (the codec's default codings, conditioned on the base where
+this rank holds it), ``plain`` (the same, context-free), ``fast`` (zstd over gaps and XOR
+patterns: cheap to encode and decode, more bytes)."""
+
+AUTO = "auto"
+AUTO_START = "context"
+"""The coding ``auto`` uses until it has measured something (the smallest bytes)."""
+CODING_SETTINGS = (AUTO, *CODINGS)
+
+
+def encode_with(name: str, deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | None,
+                base: Mapping[str, np.ndarray] | None) -> bytes:
+    """One chunk of ``deltas`` under coding ``name`` (``base`` is ignored by a context-free one)."""
+    spec = CODINGS[name]
+    return encode_chunk(deltas, meta=meta, base=(base or None) if spec.uses_base else None, codings=spec.codings)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One candidate on the probe's sample chunk."""
+
+    raw_bytes: int
+    wire_bytes: int
+    encode_cpu_s: float
+    decode_cpu_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.wire_bytes / self.raw_bytes
+
+    @property
+    def encode_rate(self) -> float:
+        """Raw bytes per CPU second."""
+        return self.raw_bytes / max(self.encode_cpu_s, 1e-9)
+
+    @property
+    def decode_rate(self) -> float:
+        return self.raw_bytes / max(self.decode_cpu_s, 1e-9)
+
+
+def probe(deltas: Sequence[TensorDelta], base: Mapping[str, np.ndarray] | None,
+          candidates: Sequence[str] = tuple(CODINGS)) -> dict[str, ProbeResult]:
+    """Encode and decode one sample chunk with every candidate, in this thread (its CPU time:
+    the coders run in the calling thread with the GIL released)."""
+    raw = sum(d.nnz * (8 + d.values.itemsize) for d in deltas)
+    out = {}
+    for name in candidates:
+        t0 = time.thread_time()
+        blob = encode_with(name, deltas, meta=None, base=base)
+        t1 = time.thread_time()
+        decode_chunk(blob, base=(base or None) if CODINGS[name].uses_base else None)
+        t2 = time.thread_time()
+        out[name] = ProbeResult(raw_bytes=raw, wire_bytes=len(blob), encode_cpu_s=t1 - t0, decode_cpu_s=t2 - t1)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionObservation:
+    """What one version measured, for the chooser (rank 0 assembles it from every rank's
+    stats and the receivers' acks)."""
+
+    coding: str
+    """The coding the version's chunks used."""
+    raw_bytes: int
+    """Raw record bytes encoded, over all ranks."""
+    raw_bytes_max_rank: int
+    """The same, the rank with the most."""
+    wire_bytes: int
+    """Chunk bytes put, over all ranks."""
+    encode_cpu_s: float
+    """CPU seconds of the encode calls, over all ranks."""
+    upload_wall_s: float
+    """The slowest rank's put seconds (summed over its puts) / its upload threads."""
+    chunks: int
+    rx_decode_s: float | None = None
+    """The slowest receiver's decode wall (decode CPU seconds / its fetch threads)."""
+    rx_download_s: float | None = None
+    """The slowest receiver's download seconds (its ``download_s``)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One candidate's projected refit stages and wall (seconds)."""
+
+    coding: str
+    encode_s: float
+    upload_s: float
+    download_s: float
+    decode_s: float
+    fill_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.encode_s, self.upload_s, self.download_s, self.decode_s) + self.fill_s
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class CodingChooser:
+    """Rank 0's state for ``refit.coding=auto`` (see the module docstring for the model)."""
+
+    encode_parallel: int
+    """Encode threads per rank that run at once (``upload_workers`` capped by the cores)."""
+    candidates: tuple[str, ...] = tuple(CODINGS)
+    alpha: float = 0.5
+    """EWMA weight of the newest version."""
+    margin: float = 0.05
+    """Switch only to a coding projected this much faster than the one in use."""
+    probed: dict[str, ProbeResult] | None = None
+    enc_scale: float | None = None
+    ratio_scale: float | None = None
+    upload_bps: float | None = None
+    download_bps: float | None = None
+    rx_scale: float | None = None
+    """The slowest receiver's decode rate (raw bytes per second of decode wall) / the probe's
+    local decode rate of the coding it decoded."""
+    last: VersionObservation | None = None
+    """The newest version with changes (its sizes are the next version's projection)."""
+    history: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.candidates if c not in CODINGS]
+        if unknown or not self.candidates:
+            raise ValueError(f"candidates must be among {sorted(CODINGS)}, got {self.candidates}")
+        if self.encode_parallel < 1:
+            raise ValueError(f"encode_parallel must be >= 1, got {self.encode_parallel}")
+
+    @property
+    def needs_probe(self) -> bool:
+        return self.probed is None
+
+    def record_probe(self, results: Mapping[str, ProbeResult]) -> None:
+        missing = [c for c in self.candidates if c not in results]
+        if missing:
+            raise ValueError(f"probe lacks {missing}")
+        self.probed = {c: results[c] for c in self.candidates}
+
+    def observe(self, obs: VersionObservation) -> None:
+        """Fold one version's measurements in (a version without changes says nothing)."""
+        if obs.raw_bytes <= 0 or obs.wire_bytes <= 0:
+            return
+        self.last = obs
+        a = self.alpha
+        if obs.upload_wall_s > 0:
+            self.upload_bps = _ewma(self.upload_bps, obs.wire_bytes / obs.upload_wall_s, a)
+        if obs.rx_download_s:
+            self.download_bps = _ewma(self.download_bps, obs.wire_bytes / obs.rx_download_s, a)
+        p = (self.probed or {}).get(obs.coding)
+        if p is None:
+            return
+        if obs.encode_cpu_s > 0:
+            self.enc_scale = _ewma(self.enc_scale, (obs.raw_bytes / obs.encode_cpu_s) / p.encode_rate, a)
+        self.ratio_scale = _ewma(self.ratio_scale, (obs.wire_bytes / obs.raw_bytes) / p.ratio, a)
+        if obs.rx_decode_s:
+            self.rx_scale = _ewma(self.rx_scale, (obs.raw_bytes / obs.rx_decode_s) / p.decode_rate, a)
+
+    def project(self, coding: str) -> Projection:
+        """``coding``'s projected stages for a version the size of the last one (needs the probe
+        and one observed version)."""
+        p, obs = self.probed[coding], self.last
+        enc = obs.raw_bytes_max_rank / (p.encode_rate * (self.enc_scale or 1.0) * self.encode_parallel)
+        wire = obs.raw_bytes * p.ratio * (self.ratio_scale or 1.0)
+        up = wire / self.upload_bps if self.upload_bps else 0.0
+        down = wire / self.download_bps if self.download_bps else 0.0
+        dec = obs.raw_bytes / (p.decode_rate * self.rx_scale) if self.rx_scale else 0.0
+        fill = (enc + up + down + dec) / max(1, obs.chunks)
+        return Projection(coding, enc, up, down, dec, fill)
+
+    def choose(self, current: str) -> tuple[str, dict[str, Projection]]:
+        """The coding for the next version and every candidate's projection ({} while the
+        chooser has not measured enough: then ``current`` stays)."""
+        if self.probed is None or self.last is None:
+            return current, {}
+        proj = {c: self.project(c) for c in self.candidates}
+        best = min(self.candidates, key=lambda c: proj[c].wall_s)
+        if current in proj and proj[current].wall_s <= (1 + self.margin) * proj[best].wall_s:
+            best = current
+        return best, proj
+
+
+def describe(choice: str, projections: Mapping[str, Projection]) -> str:
+    """One log line: the choice and every candidate's projected wall and bottleneck."""
+    if not projections:
+        return f"coding {choice} (not measured yet)"
+    parts = []
+    for c, p in projections.items():
+        stages = {"encode": p.encode_s, "upload": p.upload_s, "download": p.download_s, "decode": p.decode_s}
+        neck = max(stages, key=stages.get)
+        parts.append(f"{c} {p.wall_s:.3f}s ({neck})")
+    return f"coding {choice}: projected " + ", ".join(parts)
+
+
+def encode_parallelism(upload_workers: int, local_ranks: int) -> int:
+    """Encode threads of one rank that run at once: its upload threads, capped by its share of
+    the cores this process may use."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(upload_workers, math.floor(cores / max(1, local_ranks))))

@@ -1,0 +1,200 @@
+"""``refit.coding`` (``integrations/coding_choice.py``): the chooser's model on synthetic rates,
+each case with the change of input that flips it; every candidate's chunks decode bit for
+bit; and ``auto`` end to end on two trainer ranks (``coding_auto_worker.py``)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from nemo_dcr.codec import Coding, DeltaOp, TensorDelta, bucket, decode_chunk, read_chunk_index
+from nemo_dcr.integrations.coding_choice import (
+    AUTO_START,
+    CODING_SETTINGS,
+    CODINGS,
+    CodingChooser,
+    ProbeResult,
+    VersionObservation,
+    describe,
+    encode_parallelism,
+    encode_with,
+    probe,
+)
+
+MB = 1_000_000
+RAW = 40 * MB  # raw record bytes of a version, over 2 ranks
+
+# relative speeds and sizes as the probe would measure them (per core, raw bytes per second)
+PROBE = {
+    "context": ProbeResult(raw_bytes=4 * MB, wire_bytes=int(1.2 * MB), encode_cpu_s=4 / 100, decode_cpu_s=4 / 100),
+    "plain": ProbeResult(raw_bytes=4 * MB, wire_bytes=int(1.7 * MB), encode_cpu_s=4 / 250, decode_cpu_s=4 / 300),
+    "fast": ProbeResult(raw_bytes=4 * MB, wire_bytes=int(2.4 * MB), encode_cpu_s=4 / 150, decode_cpu_s=4 / 1000),
+}
+
+
+def _chooser(link_mbps: float, rx_decode_s: float | None, coding: str = "context") -> CodingChooser:
+    """A chooser that has probed (PROBE) and seen one version coded ``coding`` at exactly the
+    probe's rates over a link of ``link_mbps`` MB/s, the receiver decoding it in ``rx_decode_s``."""
+    ch = CodingChooser(encode_parallel=2)
+    ch.record_probe(PROBE)
+    p = PROBE[coding]
+    wire = int(RAW * p.ratio)
+    ch.observe(VersionObservation(coding=coding, raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=wire,
+                                  encode_cpu_s=RAW / p.encode_rate, upload_wall_s=wire / (link_mbps * MB), chunks=10,
+                                  rx_decode_s=rx_decode_s, rx_download_s=wire / (link_mbps * MB)))
+    return ch
+
+
+def test_a_slow_link_picks_the_smallest_bytes_and_a_fast_one_does_not():
+    choice, proj = _chooser(link_mbps=6.25, rx_decode_s=0.2).choose("context")  # 50 Mbit/s
+    assert choice == "context", describe(choice, proj)
+    assert proj["context"].upload_s == pytest.approx(12 / 6.25, rel=0.01)  # 12 MB at 6.25 MB/s
+    assert proj["context"].wall_s < proj["plain"].wall_s < proj["fast"].wall_s
+    # flip: the same rates over a 1000 MB/s link; the bytes no longer matter, the CPU stages do
+    choice, proj = _chooser(link_mbps=1000, rx_decode_s=0.2).choose("context")
+    assert choice != "context", describe(choice, proj)  # plain and fast are within 2% here
+    assert proj["context"].upload_s < 0.02 < proj["context"].decode_s
+
+
+def test_a_fast_link_with_slow_receiver_decode_picks_fast_and_fast_decode_flips_it():
+    # the receiver decodes context at 10 MB/s (4 s for the version): fast's decode is 10x quicker
+    choice, proj = _chooser(link_mbps=1000, rx_decode_s=4.0).choose("context")
+    assert choice == "fast", describe(choice, proj)
+    assert proj["fast"].decode_s == pytest.approx(proj["context"].decode_s / 10, rel=0.01)
+    # flip: a receiver decoding 50x faster leaves encode as the bottleneck, where plain is quickest
+    choice, proj = _chooser(link_mbps=1000, rx_decode_s=0.08).choose("context")
+    assert choice == "plain", describe(choice, proj)
+
+
+def test_the_slow_link_beats_slow_decode_when_bytes_dominate():
+    # slow receivers favour fast, but at 2 MB/s fast's bytes take longer than context's decode
+    choice, proj = _chooser(link_mbps=2, rx_decode_s=4.0).choose("context")
+    assert choice == "context", describe(choice, proj)
+    choice, _ = _chooser(link_mbps=20, rx_decode_s=4.0).choose("context")  # control: a faster link
+    assert choice == "fast"
+
+
+def test_the_coding_in_use_is_kept_within_the_margin():
+    ch = _chooser(link_mbps=1000, rx_decode_s=0.08)
+    ch.margin = 1.0  # keep the coding in use unless another is projected twice as fast
+    _, proj = ch.choose("context")
+    assert 1 < proj["fast"].wall_s / proj["plain"].wall_s < 2 < proj["context"].wall_s / proj["plain"].wall_s
+    assert ch.choose("fast")[0] == "fast"  # within the margin of the best (plain): kept
+    assert ch.choose("context")[0] == "plain"  # control: context is outside it, so it switches
+    ch.margin = 0.0
+    assert ch.choose("fast")[0] == "plain"
+
+
+def test_nothing_is_chosen_before_a_measurement():
+    ch = CodingChooser(encode_parallel=1)
+    assert ch.needs_probe and ch.choose(AUTO_START) == (AUTO_START, {})
+    ch.record_probe(PROBE)
+    assert ch.choose("plain") == ("plain", {})  # probed, but no version observed yet
+    ch.observe(VersionObservation(coding="plain", raw_bytes=0, raw_bytes_max_rank=0, wire_bytes=0, encode_cpu_s=0,
+                                  upload_wall_s=0, chunks=0))  # a version without changes says nothing
+    assert ch.choose("plain") == ("plain", {})
+    assert describe("plain", {}) == "coding plain (not measured yet)"
+
+
+def test_real_versions_rescale_the_probe_for_every_coding():
+    ch = _chooser(link_mbps=1000, rx_decode_s=0.08)
+    before = {c: ch.project(c) for c in CODINGS}
+    ch.alpha = 1.0  # the newest version only
+    p = PROBE["context"]
+    wire = int(RAW * p.ratio * 1.5)  # the real chunks are 1.5x the probe's size ratio, encode 2x slower
+    ch.observe(VersionObservation(coding="context", raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=wire,
+                                  encode_cpu_s=2 * RAW / p.encode_rate, upload_wall_s=wire / (1000 * MB), chunks=10,
+                                  rx_decode_s=0.08, rx_download_s=wire / (1000 * MB)))
+    for c in CODINGS:
+        assert ch.project(c).encode_s == pytest.approx(2 * before[c].encode_s, rel=1e-6)
+        assert ch.project(c).upload_s == pytest.approx(1.5 * before[c].upload_s, rel=1e-3)
+
+
+def test_missing_receiver_times_leave_their_terms_out():
+    ch = _chooser(link_mbps=6.25, rx_decode_s=None)
+    assert ch.rx_scale is None and all(ch.project(c).decode_s == 0 for c in CODINGS)
+    assert ch.choose("context")[0] == "context"
+
+
+def test_bad_chooser_inputs_are_refused():
+    with pytest.raises(ValueError, match="candidates"):
+        CodingChooser(encode_parallel=1, candidates=("context", "lz4"))
+    with pytest.raises(ValueError, match="encode_parallel"):
+        CodingChooser(encode_parallel=0)
+    with pytest.raises(ValueError, match="probe lacks"):
+        CodingChooser(encode_parallel=1).record_probe({"context": PROBE["context"]})
+    assert encode_parallelism(upload_workers=8, local_ranks=10**6) == 1
+    assert CODING_SETTINGS == ("auto", *CODINGS) and AUTO_START in CODINGS
+
+
+def _sample(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = 1 << 16
+    base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16
+    base = base.astype(np.uint16)
+    pos = np.sort(rng.choice(n, n // 30, replace=False)).astype(np.int64)
+    xor = rng.integers(1, 8, pos.size).astype(np.uint16)
+    d = TensorDelta(name="w", dtype="bfloat16", shape=(n,), op=DeltaOp.XOR, positions=pos, values=xor,
+                    element_range=(int(pos[0]), int(pos[-1]) + 1))
+    return d, base
+
+
+@pytest.mark.parametrize("name", list(CODINGS))
+def test_every_coding_decodes_to_the_same_bits(name):
+    d, base = _sample()
+    blob = encode_with(name, [d], meta={"k": "v"}, base={"w": base})
+    infos = read_chunk_index(blob).records
+    assert all(i.context == CODINGS[name].uses_base for i in infos)
+    if CODINGS[name].codings is not None:
+        assert {i.coding for i in infos} <= CODINGS[name].codings | {Coding.SPARSE_RAW, Coding.DENSE_RAW}
+    got = base.copy()
+    (out,) = decode_chunk(blob, base={"w": base}).deltas
+    got[out.positions] ^= out.values
+    want = base.copy()
+    want[d.positions] ^= d.values
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    want[d.positions[0]] ^= 1  # negative control: one bit off is seen
+    assert not np.array_equal(got, want)
+
+
+def test_fast_is_zstd_and_plain_is_the_default_coder():
+    d, base = _sample(1)
+    fast = {i.coding for i in read_chunk_index(encode_with("fast", [d], meta=None, base={"w": base})).records}
+    plain = {i.coding for i in read_chunk_index(encode_with("plain", [d], meta=None, base={"w": base})).records}
+    assert fast == {Coding.SPARSE_ZSTD}
+    if bucket.available():
+        assert Coding.SPARSE_ZSTD not in plain
+
+
+def test_the_probe_measures_every_candidate():
+    d, base = _sample(2)
+    got = probe([d], {"w": base})
+    assert sorted(got) == sorted(CODINGS)
+    assert all(r.raw_bytes == d.nnz * 10 and 0 < r.wire_bytes and r.encode_cpu_s >= 0 for r in got.values())
+    assert got["fast"].wire_bytes != got["context"].wire_bytes  # control: they are different codings
+
+
+@pytest.mark.spawns
+def test_auto_on_two_ranks_is_bit_exact_and_the_ranks_agree(tmp_path):
+    from ._launch import torchrun
+
+    here = os.path.dirname(__file__)
+    torchrun(os.path.join(here, "coding_auto_worker.py"), 2, str(tmp_path), str(tmp_path / "store"))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    want = ["context", "fast", "plain", "context", "fast", "plain"]  # the start, then the worker's cycle
+    assert [s[2] for s in r0["settled"]] == want
+    # every rank coded every version the same way and learnt the same next coding
+    assert [s[:4] for s in r1["settled"]] == [s[:4] for s in r0["settled"]]
+    assert [s[3] for s in r0["settled"][:-1]] == want[1:]
+    assert all(s[1] for s in r0["settled"])  # all committed
+    assert all(s[4] == sorted(CODINGS) for s in r0["settled"])  # rank 0 projected every candidate
+    assert all(s[4] == [] for s in r1["settled"])  # (projections live on rank 0)
+    assert r0["received"] == [1, 2, 3, 4, 5, 6]
+    assert r0["bit_exact"] and r0["negative_control_detected"] and r0["changed_vs_v0"] > 0
+    chunks = {int(v): c for v, c in r0["chunks"].items()}
+    for v, coding in enumerate(want, 1):
+        assert chunks[v]["context"] == (coding == "context"), (v, coding, chunks[v])
+        if coding == "fast":
+            assert "SPARSE_ZSTD" in chunks[v]["codings"] and not {"BUCKET", "MODEL"} & set(chunks[v]["codings"])
+        elif bucket.available():
+            assert "SPARSE_ZSTD" not in chunks[v]["codings"]
