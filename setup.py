@@ -14,6 +14,8 @@ setup(
         Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], **_COMMON),
         # the MODEL and BUCKET record coders share record.h
         Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], depends=_RECORD_H, **_COMMON),
-        Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"], depends=_RECORD_H, **_COMMON),
+        # rans.c includes lanes.c (coding 5, LANES), which shares its scan and bit I/O
+        Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"],
+                  depends=_RECORD_H + ["nemo_dcr/codec/csrc/lanes.c"], **_COMMON),
     ]
 )

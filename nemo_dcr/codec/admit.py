@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nemo_dcr.codec.format import Coding, ChunkValidationError
+from nemo_dcr.codec.format import CONTEXT_CODINGS, ChunkValidationError
 from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
 from nemo_dcr.errors import ValidationError
 
@@ -71,7 +71,7 @@ def _scan_len(r: RecordInfo) -> int:
     """Elements the decoder walks for a record: its range in context mode (one present flag
     per element); context-free records are gap-coded, so their work is per entry."""
     lo, hi = r.element_range
-    return hi - lo if (r.context and r.coding in (Coding.MODEL, Coding.BUCKET)) else 0
+    return hi - lo if (r.context and r.coding in CONTEXT_CODINGS) else 0
 
 
 class DecodeBudget:

@@ -23,6 +23,7 @@ import zstandard
 
 from nemo_dcr.codec.admit import DecodeBudget, check_expected
 from nemo_dcr.codec.format import (
+    CONTEXT_CODINGS,
     DTYPE_CODES,
     DTYPE_NAMES,
     END_MAGIC,
@@ -152,7 +153,7 @@ def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates 
     lo, hi = d.element_range
     spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
     coding, param, payload = encode_payload(spec, pos, val, base, states, codings)
-    flags = FLAG_CONTEXT if (coding in (Coding.MODEL, Coding.BUCKET) and base is not None) else 0
+    flags = FLAG_CONTEXT if (coding in CONTEXT_CODINGS and base is not None) else 0
     entry = ENTRY_FIXED.pack(
         len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags, param,
         lo, hi, spec.nnz, len(payload), content_crc(pos, val),
@@ -351,7 +352,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
     if flags & ~RECORD_FLAGS_KNOWN:
         raise ChunkFormatError(f"{name}: unknown record flags {flags:#x}")
     context = bool(flags & FLAG_CONTEXT)
-    if context and coding_e not in (Coding.MODEL, Coding.BUCKET):
+    if context and coding_e not in CONTEXT_CODINGS:
         raise ChunkFormatError(f"{name}: context flag on a {coding_e.name} record")
     numel = 1
     for s in shape:
@@ -368,7 +369,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         raise ChunkFormatError(f"record {name!r}: nnz {nnz} brings the decoded size over the chunk limit of "
                                f"{limits.max_decoded_bytes} bytes")
     left[0] -= need
-    if coding_e is Coding.MODEL or (coding_e is Coding.BUCKET and context):
+    if coding_e is Coding.MODEL or (coding_e in CONTEXT_CODINGS and context):
         if hi - lo > left[1]:
             raise ChunkFormatError(f"record {name!r}: context-mode ranges exceed the chunk limit of "
                                    f"{limits.max_scan_elements} elements")

@@ -74,7 +74,16 @@ class Coding(enum.IntEnum):
     BUCKET = 4
     """Gaps between ranks within base-exponent buckets and bucket-conditioned values, coded
     by adaptive interleaved rANS (``codec/csrc/rans.c``): work per changed element plus one
-    vectorised pass over the base.  The default for new chunks."""
+    vectorised pass over the base."""
+    LANES = 5
+    """BUCKET's modelling with static per-record frequency tables and 16 interleaved rANS
+    lanes (``codec/csrc/lanes.c``): no adaptive state, nothing shared between records, and a
+    decoder that runs 8 lanes per AVX2 vector."""
+
+
+#: Codings whose records may be in context mode (``FLAG_CONTEXT``); their context-mode ranges
+#: count against ``ChunkLimits.max_scan_elements`` and a ``DecodeBudget``'s ``max_scan``.
+CONTEXT_CODINGS = frozenset({Coding.MODEL, Coding.BUCKET, Coding.LANES})
 
 
 class ChunkFormatError(FormatError):

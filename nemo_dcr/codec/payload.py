@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from nemo_dcr.codec import bucket, model
+from nemo_dcr.codec import bucket, lanes, model
 from nemo_dcr.codec.format import ChunkFormatError, Coding
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 from nemo_dcr.errors import ValidationError
@@ -88,7 +88,7 @@ def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> No
     codings, a sound expansion bound for zstd (``ZSTD_MAX_RATIO``) and MODEL
     (``model_max_entries``).  Needs only the directory; raises ChunkFormatError."""
     w = spec.width
-    if spec.param and coding not in (Coding.MODEL, Coding.BUCKET):
+    if spec.param and coding not in (Coding.MODEL, Coding.BUCKET, Coding.LANES):
         raise ChunkFormatError(f"coding {coding.name} takes no parameter, got {spec.param}")
     if coding is Coding.DENSE_RAW:
         if payload_len != spec.range_len * w:
@@ -117,6 +117,11 @@ def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> No
         if spec.nnz > cap:
             raise ChunkFormatError(f"nnz {spec.nnz} is more than a BUCKET payload_len of {payload_len} can code "
                                    f"(at most {cap})")
+    elif coding is Coding.LANES:
+        cap = lanes.max_entries(payload_len)
+        if spec.nnz > cap:
+            raise ChunkFormatError(f"nnz {spec.nnz} is more than a LANES payload_len of {payload_len} can code "
+                                   f"(at most {cap})")
     else:
         raise ChunkFormatError(f"unknown coding {coding!r}")
 
@@ -134,7 +139,7 @@ def _gap_dtype(spec: RecordSpec) -> np.dtype:
 MODEL_TRIAL_MAX_RANGE = 1 << 14
 
 #: Entropy codings ``encode_payload`` may choose from (the raw codings are always candidates).
-ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET})
+ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET, Coding.LANES})
 
 
 def default_codings(spec: RecordSpec) -> frozenset[Coding]:
@@ -172,6 +177,10 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
         coded, e_lo, st = bucket.encode(spec, positions, values, base, states)
         cands.append((len(coded), Coding.BUCKET, coded))
         trials[Coding.BUCKET] = (e_lo, st)
+    if Coding.LANES in use and lanes.available():
+        coded, e_lo = lanes.encode(spec, positions, values, base)
+        cands.append((len(coded), Coding.LANES, coded))
+        trials[Coding.LANES] = (e_lo, None)
     if spec.nnz and (Coding.SPARSE_ZSTD in use or not trials):
         coded = _zstd_sparse(spec, positions, values)
         cands.append((len(coded), Coding.SPARSE_ZSTD, coded))
@@ -192,6 +201,8 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
         e_lo, st = trials[coding]
         states.put_bucket(spec.dtype, base is not None, st)
         return coding, e_lo, coded
+    if coding is Coding.LANES:
+        return coding, trials[coding][0], coded
     return coding, 0, coded
 
 
@@ -232,6 +243,10 @@ def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
         if not bucket.available():
             raise ChunkFormatError("record needs the native rANS coder (nemo_dcr.codec._crans), not built")
         return bucket.decode(spec, payload, base, states)
+    if coding is Coding.LANES:
+        if not lanes.available():
+            raise ChunkFormatError("record needs the native rANS coder (nemo_dcr.codec._crans), not built")
+        return lanes.decode(spec, payload, base)
     raise ChunkFormatError(f"unknown coding {coding!r}")
 
 

@@ -9,7 +9,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr.codec import ChunkFormatError, ChunkLimits, apply_delta_, decode_chunk, encode_chunk
+from nemo_dcr.codec import ChunkFormatError, ChunkLimits, Coding, apply_delta_, decode_chunk, encode_chunk, lanes
 from nemo_dcr.codec.format import DIR_ZSTD_LEVEL, HEADER, TRAILER, U32, crc32
 
 from codec_helpers import entry_fields as _fields
@@ -17,7 +17,7 @@ from codec_helpers import forge_chunk as _forge
 from codec_helpers import needs_native, random_bits, xor_delta
 
 
-def _valid_chunk(context: bool = False) -> tuple[bytes, dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _valid_chunk(context: bool = False, codings=None) -> tuple[bytes, dict[str, np.ndarray], dict[str, np.ndarray]]:
     rng = np.random.default_rng(7)
     bases, targets, deltas = {}, {}, []
     for name, dtype, shape, rate in [("a.weight", "bfloat16", (40, 64), 0.05), ("b.bias", "float32", (300,), 0.3),
@@ -29,10 +29,12 @@ def _valid_chunk(context: bool = False) -> tuple[bytes, dict[str, np.ndarray], d
         t[idx] = random_bits(rng, dtype, idx.size)
         bases[name], targets[name] = b, t
         deltas.append(xor_delta(name, dtype, shape, b, t))
-    return encode_chunk(deltas, meta={"base": "v1"}, base=bases if context else None), bases, targets
+    return encode_chunk(deltas, meta={"base": "v1"}, base=bases if context else None, codings=codings), bases, targets
 
 
 CHUNKS = {ctx: _valid_chunk(ctx) for ctx in (False, True)}
+#: The same deltas coded LANES (coding 5) where it applies, for the mutation tests below.
+LANES_CHUNKS = {ctx: _valid_chunk(ctx, [Coding.LANES]) for ctx in (False, True)} if lanes.available() else {}
 
 
 def _decode_and_apply(data: bytes, bases: dict[str, np.ndarray], context: bool) -> dict[str, np.ndarray]:
@@ -117,6 +119,12 @@ HOSTILE = {
     "model garbage": [(_fields(coding=3, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
     "model huge range": [(_fields(coding=3, nnz=1, hi=2**40, plen=4), b"w", (2**40,), b"\x01\x02\x03\x04")],
     "model garbage ctx": [(_fields(coding=3, flags=1, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
+    "lanes garbage": [(_fields(coding=5, nnz=1, plen=80), b"w", (4,), bytes(range(80)))],
+    "lanes garbage ctx": [(_fields(coding=5, flags=1, nnz=1, plen=80), b"w", (4,), bytes(range(80)))],
+    "lanes short": [(_fields(coding=5, nnz=1, plen=16), b"w", (4,), bytes(range(16)))],
+    # admission: more entries than 757 per payload byte, refused before any allocation
+    "lanes huge nnz": [(_fields(coding=5, nnz=757 * 80 + 2, hi=2**20, plen=80), b"w", (2**20,), bytes(80))],
+    "lanes huge range ctx": [(_fields(coding=5, flags=1, nnz=1, hi=2**40, plen=80), b"w", (2**40,), bytes(80))],
 }
 
 
@@ -216,11 +224,14 @@ def test_reseal_helper_round_trips():
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.booleans(), st.sampled_from(["payload", "directory", "cut"]), st.data())
-def test_mutations_behind_valid_checksums(context, where, data):
+@given(st.booleans(), st.sampled_from(["payload", "directory", "cut"]), st.booleans(), st.data())
+def test_mutations_behind_valid_checksums(context, where, lanes_coded, data):
     """A forger can fix every CRC: damage in the payloads or the directory must still end
-    in ChunkFormatError (or a chunk that decodes to valid deltas), never another exception."""
-    chunk, bases, _ = CHUNKS[context]
+    in ChunkFormatError (or a chunk that decodes to valid deltas), never another exception.
+    Half the examples damage a chunk coded LANES (coding 5) where it applies."""
+    if lanes_coded and not LANES_CHUNKS:
+        return
+    chunk, bases, _ = (LANES_CHUNKS if lanes_coded else CHUNKS)[context]
     n, meta, dir_raw, payloads = _split(chunk)
     if where == "payload":
         buf = bytearray(payloads)

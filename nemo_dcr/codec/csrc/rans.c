@@ -140,6 +140,8 @@ static void set_paths(int level) {
 #endif
 }
 
+static void lanes_init_tables(void); /* lanes.c */
+
 static void init_tables(void) {
     for (uint32_t f = 1; f <= PTOT; f++) {
         uint32_t l = 0;
@@ -148,6 +150,7 @@ static void init_tables(void) {
         RCP_M[f] = (uint64_t)((((__uint128_t)1) << (32 + l)) / f) + 1;
         RCP_S[f] = (uint8_t)(32 + l);
     }
+    lanes_init_tables();
     set_paths(getenv("NEMO_DCR_NO_SIMD") || getenv("NEMO_DCR_NO_AVX512") ? 0 : 2);
 }
 
@@ -1023,6 +1026,10 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
     return rc;
 }
 
+/* ------------------------------------------------------------------ LANES (coding 5) */
+
+#include "lanes.c"
+
 /* ------------------------------------------------------------------ Python bindings */
 
 /* parse_params, get_base, check_positions: record.h */
@@ -1235,7 +1242,102 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     return py_simd(NULL, NULL);
 }
 
+static PyObject *py_lanes_encode(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer pb, vb, bb;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "y*y*Onniiiii", &pb, &vb, &base_obj, &lo, &hi, &width, &eshift, &ebits, &e_lo, &op))
+        return NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    Py_ssize_t nnz = pb.len / 8;
+    if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
+        PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
+        goto done;
+    }
+    const int64_t *pos = (const int64_t *)pb.buf;
+    if (check_positions(pos, nnz, lo, hi) < 0) goto done;
+    for (Py_ssize_t j = 0; j < nnz; j++) {
+        if (op == 0 && load((const uint8_t *)vb.buf, width, j) == 0) {
+            PyErr_SetString(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
+            goto done;
+        }
+    }
+    if (hi - lo > ((Py_ssize_t)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "ranges are at most 2^40 elements");
+        goto done;
+    }
+    Coded c = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = lanes_encode_record(&P, pos, (const uint8_t *)vb.buf, nnz, &c);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    res = PyBytes_FromStringAndSize((const char *)c.out, (Py_ssize_t)c.len);
+    free(c.out);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&vb);
+    return res;
+}
+
+static PyObject *py_lanes_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sb, bb, pob, vob;
+    PyObject *base_obj;
+    Py_ssize_t lo, hi, nnz;
+    int width, eshift, ebits, e_lo, op;
+    if (!PyArg_ParseTuple(args, "y*nOnniiiiiw*w*", &sb, &nnz, &base_obj, &lo, &hi, &width, &eshift, &ebits, &e_lo,
+                          &op, &pob, &vob))
+        return NULL;
+    Params P;
+    PyObject *res = NULL;
+    int have_base = 0;
+    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
+    have_base = get_base(base_obj, &bb, &P);
+    if (have_base < 0) goto done;
+    if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
+        PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = lanes_decode_record(&P, (const uint8_t *)sb.buf, (size_t)sb.len, (int64_t *)pob.buf, (uint8_t *)vob.buf, nnz);
+    Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "coded stream is not a valid LANES payload for this record");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    if (have_base > 0) PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pob);
+    PyBuffer_Release(&vob);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"lanes_encode", py_lanes_encode, METH_VARARGS,
+     "lanes_encode(positions_i64, values, base_or_None, lo, hi, width, eshift, ebits, e_lo, op) -> bytes (coding 5)"},
+    {"lanes_decode", py_lanes_decode, METH_VARARGS,
+     "lanes_decode(payload, nnz, base_or_None, lo, hi, width, eshift, ebits, e_lo, op, positions_out, values_out)"
+     " -> None; ValueError if the payload is not a valid LANES coding"},
     {"model_init", py_model_init, METH_VARARGS,
      "model_init(state, width, context) -> None; state: MODEL_BYTES (decoder) or ENC_BYTES (encoder only)"},
     {"encode", py_encode, METH_VARARGS,

@@ -1,0 +1,656 @@
+/*
+ * The LANES record coding (wire format v1, coding 5, docs/wire-format.md "LANES: static
+ * tables, 16 rANS lanes").  Included by rans.c (it shares BUCKET's bucket scan, raw-bit
+ * reader and writer and reciprocal table); the Python bindings are at the end of rans.c.
+ *
+ * BUCKET's modelling (exponent buckets against e_lo, rank gaps per bucket, h = bitlen(|k|)
+ * per bucket, raw sign and low bits) with every model STATIC per record: the encoder counts
+ * the symbols first and writes each used context's normalised frequencies into the raw bits,
+ * and a Rice parameter per bucket.  No adaptive state, nothing shared between records.
+ *
+ * Symbols are ordered so that every symbol's context is known before a batch is decoded:
+ *   G  the gap quotients, bucket by bucket (ascending), each bucket's in rank order
+ *   H  the value bit lengths h, in position order (context: the position's bucket)
+ *   T  context-free only: the top bits below h's leading one, in position order, for h >= 2
+ * Symbol j of the record uses rANS lane j mod 16 (32-bit states, 16-bit words, 12-bit
+ * probabilities), so the decoder runs 8 lanes per AVX2 vector: one gather of a per-context
+ * slot table (sym | bias | freq per slot), one multiply, a shuffled word load.  The scalar
+ * decoder gives the same arrays; the encoder is scalar (16 independent chains).
+ *
+ * Decoding: tables, then G into a symbol array, then the gaps' raw bits give each bucket's
+ * ranks; one segmented scan of the base turns ranks into positions (a segment's bucket
+ * bitmaps are built only while some bucket's next rank falls in it... every segment up to
+ * the last changed element is scanned, as BUCKET's decoder does); then H (and T) with
+ * contexts from the positions, then the values' raw bits.
+ */
+
+#define LN 16                  /* rANS lanes */
+#define LANES_MAXF (PTOT - 16) /* largest frequency a table may give (admission bound) */
+
+/* ------------------------------------------------------------------ tables */
+
+/* gamma code of v >= 1: bitlen(v) - 1 zero bits, a one bit, then the bits below v's leading one */
+static inline void bw_gamma(BitW *w, uint32_t v) {
+    int L = bitlen(v);
+    bw_put(w, 1ull << (L - 1), L);
+    bw_put(w, v, L - 1);
+}
+
+static inline uint32_t br_gamma(BitR *r) { /* v <= 2^13; a longer code marks the reader bad */
+    uint64_t w;
+    memcpy(&w, r->buf + (r->pos >> 3), 8);
+    w >>= (r->pos & 7);
+    int z = w ? __builtin_ctzll(w) : 64;
+    if (z > 13) { r->bad = 1; return 1; }
+    br_get(r, z + 1);
+    return (1u << z) | (uint32_t)br_get(r, z);
+}
+
+/* Precision of a context's table from its symbol count n and used symbols u: about half
+ * the bits of n (the table's cost and its rounding loss balance there), at least bitlen(u)
+ * (so every used symbol gets a unit), at most 12. */
+static int lanes_prec(uint64_t n, int u) {
+    int p = (bitlen(n) + 1) / 2 + 2;
+    if (p < bitlen((uint64_t)u)) p = bitlen((uint64_t)u);
+    return p > PB ? PB : p;
+}
+
+/* Normalise counts cnt[0..A) (n = their sum) to frequencies qf summing to 2^prec (returned). */
+static int lanes_norm(const uint64_t *cnt, int A, uint32_t *qf) {
+    uint64_t n = 0;
+    int u = 0, best = 0;
+    for (int s = 0; s < A; s++) {
+        n += cnt[s];
+        u += cnt[s] != 0;
+        if (cnt[s] > cnt[best]) best = s;
+    }
+    if (!n) { /* a table nothing is coded with: 1, 1 */
+        for (int s = 0; s < A; s++) qf[s] = s < 2;
+        return 1;
+    }
+    int p = lanes_prec(n, u);
+    uint32_t T = 1u << p, sum = 0;
+    for (int s = 0; s < A; s++) {
+        qf[s] = cnt[s] ? (uint32_t)(1 + (unsigned __int128)cnt[s] * (T - (uint32_t)u) / n) : 0;
+        sum += qf[s];
+    }
+    qf[best] += T - sum;
+    uint32_t cap = p >= 8 ? T - (T >> 8) : T - 1;
+    if (qf[best] > cap) {
+        qf[best == 0 ? 1 : 0] += qf[best] - cap;
+        qf[best] = cap;
+    }
+    return p;
+}
+
+static void lanes_put_table(BitW *w, const uint64_t *cnt, int A, uint32_t *freq) {
+    uint32_t qf[MAXA];
+    int p = lanes_norm(cnt, A, qf);
+    int maxs = 0;
+    for (int s = 0; s < A; s++)
+        if (qf[s]) maxs = s;
+    bw_put(w, (uint64_t)p, 4);
+    bw_put(w, (uint64_t)maxs, bitlen((uint64_t)(A - 1)));
+    for (int s = 0; s < maxs; s++) bw_gamma(w, qf[s] + 1);
+    for (int s = 0; s < A; s++) freq[s] = qf[s] << (PB - p);
+}
+
+/* Read one table into freq[0..A) (scaled to 2^12) and the decode slots tab[0..4096);
+ * 0, or -1 for an invalid table. */
+static int lanes_get_table(BitR *r, int A, uint32_t *freq, uint32_t *tab) {
+    int p = (int)br_get(r, 4);
+    int maxs = (int)br_get(r, bitlen((uint64_t)(A - 1)));
+    if (p < 1 || p > PB || maxs >= A || r->bad) return -1;
+    uint32_t T = 1u << p, sum = 0;
+    for (int s = 0; s < A; s++) freq[s] = 0;
+    for (int s = 0; s < maxs; s++) {
+        uint32_t v = br_gamma(r) - 1;
+        if (r->bad || v >= T - sum) return -1;
+        freq[s] = v;
+        sum += v;
+    }
+    freq[maxs] = T - sum;
+    uint32_t cum = 0;
+    for (int s = 0; s <= maxs; s++) {
+        uint32_t f = freq[s] << (PB - p);
+        if (f > LANES_MAXF) return -1;
+        freq[s] = f;
+        for (uint32_t k = 0; k < f; k++) tab[cum + k] = (uint32_t)s | (k << 7) | (f << 19);
+        cum += f;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ rANS lanes */
+
+typedef struct {
+    uint32_t x[LN];
+    const uint8_t *p, *end;
+    uint64_t j; /* symbols decoded so far: the next uses lane j mod LN */
+    int bad;
+} LDec;
+
+static uint32_t LANES_PERM[256][8]; /* AVX2 renormalisation: lane i takes word popcount(mask & (2^i - 1)) */
+
+static void lanes_init_tables(void) {
+    for (int m = 0; m < 256; m++) {
+        int c = 0;
+        for (int i = 0; i < 8; i++) {
+            LANES_PERM[m][i] = (uint32_t)c;
+            c += (m >> i) & 1;
+        }
+    }
+}
+
+/* Decode n symbols, symbol i from the slot table at tabs + off[i], into out[i]. */
+static void lanes_syms_scalar(LDec *d, const uint32_t *tabs, const uint32_t *off, int64_t n, uint8_t *out, int64_t i0) {
+    for (int64_t i = i0; i < n; i++) {
+        int l = (int)(d->j++ & (LN - 1));
+        uint32_t x = d->x[l];
+        uint32_t e = tabs[off[i] + (x & (PTOT - 1))];
+        x = (e >> 19) * (x >> PB) + ((e >> 7) & (PTOT - 1));
+        if (x < RANS_L) {
+            if (d->end - d->p < 2) { d->bad = 1; return; }
+            x = (x << 16) | (uint32_t)d->p[0] | ((uint32_t)d->p[1] << 8);
+            d->p += 2;
+        }
+        d->x[l] = x;
+        out[i] = (uint8_t)(e & 127);
+    }
+}
+
+#if defined(__x86_64__)
+AVX2 static inline __m256i lanes_step8(__m256i x, __m256i e) {
+    const __m256i m12 = _mm256_set1_epi32(PTOT - 1);
+    __m256i f = _mm256_srli_epi32(e, 19);
+    __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, 7), m12);
+    return _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x, PB)), bias);
+}
+
+AVX2 static inline __m256i lanes_renorm8(__m256i x, const uint8_t **pp) {
+    const __m256i lim = _mm256_set1_epi32(0xFFFF);
+    __m256i need = _mm256_cmpeq_epi32(_mm256_min_epu32(x, lim), x);
+    int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)*pp));
+    w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)LANES_PERM[m]));
+    *pp += 2 * __builtin_popcount((unsigned)m);
+    return _mm256_blendv_epi8(x, _mm256_or_si256(_mm256_slli_epi32(x, 16), w), need);
+}
+
+AVX2 static void lanes_syms_avx2(LDec *d, const uint32_t *tabs, const uint32_t *off, int64_t n, uint8_t *out) {
+    int64_t i = 0;
+    for (; i < n && (d->j & (LN - 1)); i++) {
+        lanes_syms_scalar(d, tabs, off, i + 1, out, i);
+        if (d->bad) return;
+    }
+    int64_t i_simd = i;
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)d->x), x1 = _mm256_loadu_si256((const __m256i *)(d->x + 8));
+    const __m256i m12 = _mm256_set1_epi32(PTOT - 1);
+    const __m256i m7 = _mm256_set1_epi32(127);
+    const uint8_t *p = d->p;
+    for (; i + LN <= n && d->end - p >= 2 * LN; i += LN) {
+        __m256i i0 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(off + i)), _mm256_and_si256(x0, m12));
+        __m256i i1 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(off + i + 8)), _mm256_and_si256(x1, m12));
+        __m256i e0 = _mm256_i32gather_epi32((const int *)tabs, i0, 4);
+        __m256i e1 = _mm256_i32gather_epi32((const int *)tabs, i1, 4);
+        x0 = lanes_renorm8(lanes_step8(x0, e0), &p);
+        x1 = lanes_renorm8(lanes_step8(x1, e1), &p);
+        __m256i s = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(e0, m7), _mm256_and_si256(e1, m7)), 0xD8);
+        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+    }
+    _mm256_storeu_si256((__m256i *)d->x, x0);
+    _mm256_storeu_si256((__m256i *)(d->x + 8), x1);
+    d->j += (uint64_t)(i - i_simd);
+    d->p = p;
+    lanes_syms_scalar(d, tabs, off, n, out, i);
+}
+#endif
+
+static void lanes_syms(LDec *d, const uint32_t *tabs, const uint32_t *off, int64_t n, uint8_t *out) {
+#if defined(__x86_64__)
+    if (HAVE_AVX2) { lanes_syms_avx2(d, tabs, off, n, out); return; }
+#endif
+    lanes_syms_scalar(d, tabs, off, n, out, 0);
+}
+
+/* ------------------------------------------------------------------ encoder */
+
+static inline int lanes_tb(int h) { return h - 1 < TOPB ? h - 1 : TOPB; }
+
+/* Encode; returns 0 (res filled) or -1 on allocation failure. */
+static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz, Coded *res) {
+    int rc = -1;
+    size_t nz = (size_t)(nnz ? nnz : 1);
+    uint8_t *bk = (uint8_t *)calloc(nz, 1);
+    int64_t *rank = (int64_t *)malloc(nz * sizeof(int64_t));
+    uint64_t *basev = (uint64_t *)malloc(nz * sizeof(uint64_t));
+    int64_t *order = (int64_t *)malloc(nz * sizeof(int64_t));
+    uint8_t *hs = (uint8_t *)malloc(nz);
+    uint8_t *ts = (uint8_t *)malloc(nz);
+    uint32_t *fc = (uint32_t *)malloc(3 * nz * sizeof(uint32_t)); /* freq << 16 | cum, symbol order */
+    uint16_t *words = NULL;
+    BitW bw = {0};
+    if (!bk || !rank || !basev || !order || !hs || !ts || !fc) goto out;
+    uint32_t active = 0;
+    int64_t cnt[NB];
+    if (P->context) {
+        if (rank_scan(P, pos, nnz, bk, rank, basev, cnt, &active, NULL, 0) < 0) goto out;
+    } else {
+        for (int64_t j = 0; j < nnz; j++) rank[j] = pos[j] - P->lo;
+        active = nnz ? 1u : 0u;
+    }
+    /* bucket order: a counting sort on the bucket, stable (rank order within a bucket) */
+    int64_t nb[NB] = {0}, at[NB];
+    for (int64_t j = 0; j < nnz; j++) nb[bk[j]]++;
+    at[0] = 0;
+    for (int b = 1; b < NB; b++) at[b] = at[b - 1] + nb[b - 1];
+    for (int64_t j = 0; j < nnz; j++) order[at[bk[j]]++] = j;
+    /* Rice parameter per bucket: the least k with n_b 2^(k+2) >= sum of u */
+    int kb[NB];
+    uint64_t cq[NB][QA], ch[NB][MAXA], ct[MAXW + 1][1 << TOPB];
+    memset(cq, 0, sizeof(cq));
+    memset(ch, 0, sizeof(ch));
+    memset(ct, 0, sizeof(ct));
+    {
+        int64_t e0 = 0;
+        for (int b = 0; b < NB; b++) {
+            unsigned __int128 sum = 0;
+            int64_t prev = -1;
+            for (int64_t e = e0; e < e0 + nb[b]; e++) {
+                int64_t r = rank[order[e]];
+                sum += (uint64_t)(r - prev - 1);
+                prev = r;
+            }
+            int k = 0;
+            while (k < 40 && ((unsigned __int128)nb[b] << (k + 2)) < sum) k++;
+            kb[b] = k;
+            e0 += nb[b];
+        }
+    }
+    /* symbols: G (bucket order), then H and T (position order) */
+    int W = P->W;
+    int64_t t = 0;
+    {
+        int64_t e = 0;
+        for (int b = 0; b < NB; b++) {
+            int64_t prev = -1;
+            for (int64_t end = e + nb[b]; e < end; e++) {
+                int64_t r = rank[order[e]];
+                uint64_t q = (uint64_t)(r - prev - 1) >> kb[b];
+                prev = r;
+                cq[b][q < QA - 1 ? q : QA - 1]++;
+            }
+        }
+    }
+    int64_t nt = 0;
+    for (int64_t j = 0; j < nnz; j++) {
+        uint64_t v = load(vals, P->width, j);
+        int h;
+        if (P->context) {
+            if (P->op == 0) v ^= basev[j];
+            uint64_t k = (ord_of(P, v) - ord_of(P, basev[j])) & P->mask;
+            uint64_t mag = (k & P->signbit) ? ((~k + 1) & P->mask) : k;
+            h = bitlen(mag);
+        } else {
+            h = bitlen(v);
+            if (h >= 2) {
+                int tb = lanes_tb(h);
+                ts[j] = (uint8_t)((v >> (h - 1 - tb)) & ((1u << tb) - 1));
+                ct[h][ts[j]]++;
+                nt++;
+            }
+        }
+        hs[j] = (uint8_t)h;
+        ch[bk[j]][h]++;
+    }
+    /* header and tables (raw bits) */
+    uint32_t fq[NB][QA], fh[NB][MAXA], ft[MAXW + 1][1 << TOPB];
+    if (P->context) bw_put(&bw, active, 32);
+    for (uint32_t pr = active; pr; pr &= pr - 1) {
+        int b = __builtin_ctz(pr);
+        if (P->context) {
+            int L = bitlen((uint64_t)nb[b]);
+            bw_put(&bw, (uint64_t)L, 6);
+            bw_put64(&bw, (uint64_t)nb[b], L - 1);
+        }
+        bw_put(&bw, (uint64_t)kb[b], 6);
+    }
+    for (uint32_t pr = active; pr; pr &= pr - 1) lanes_put_table(&bw, cq[__builtin_ctz(pr)], QA, fq[__builtin_ctz(pr)]);
+    for (uint32_t pr = active; pr; pr &= pr - 1) lanes_put_table(&bw, ch[__builtin_ctz(pr)], W + 1, fh[__builtin_ctz(pr)]);
+    if (!P->context && active)
+        for (int h = 2; h <= W; h++)
+            if (fh[0][h]) lanes_put_table(&bw, ct[h], 1 << lanes_tb(h), ft[h]);
+    /* G symbols and the gaps' raw bits */
+    {
+        int64_t e = 0;
+        for (int b = 0; b < NB; b++) {
+            int64_t prev = -1;
+            uint32_t cum[QA + 1];
+            cum[0] = 0;
+            if (nb[b])
+                for (int s = 0; s < QA; s++) cum[s + 1] = cum[s] + fq[b][s];
+            for (int64_t end = e + nb[b]; e < end; e++) {
+                int64_t r = rank[order[e]];
+                uint64_t u = (uint64_t)(r - prev - 1), q = u >> kb[b];
+                prev = r;
+                uint32_t s = q < QA - 1 ? (uint32_t)q : QA - 1;
+                fc[t++] = (fq[b][s] << 16) | cum[s];
+                if (s == QA - 1) {
+                    uint64_t x = q - (QA - 1);
+                    int L = bitlen(x);
+                    bw_put(&bw, (uint64_t)L, 6);
+                    bw_put64(&bw, x, L);
+                }
+                bw_put64(&bw, u, kb[b]);
+            }
+        }
+    }
+    /* H symbols, T symbols, values' raw bits */
+    {
+        uint32_t cumh[NB][MAXA + 1], cumt[MAXW + 1][(1 << TOPB) + 1];
+        for (uint32_t pr = active; pr; pr &= pr - 1) {
+            int b = __builtin_ctz(pr);
+            cumh[b][0] = 0;
+            for (int s = 0; s <= W; s++) cumh[b][s + 1] = cumh[b][s] + fh[b][s];
+        }
+        if (!P->context && active)
+            for (int h = 2; h <= W; h++)
+                if (fh[0][h]) {
+                    cumt[h][0] = 0;
+                    for (int s = 0; s < (1 << lanes_tb(h)); s++) cumt[h][s + 1] = cumt[h][s] + ft[h][s];
+                }
+        for (int64_t j = 0; j < nnz; j++) {
+            int b = bk[j], h = hs[j];
+            fc[t++] = (fh[b][h] << 16) | cumh[b][h];
+            uint64_t v = load(vals, P->width, j);
+            if (P->context) {
+                if (P->op == 0) v ^= basev[j];
+                uint64_t k = (ord_of(P, v) - ord_of(P, basev[j])) & P->mask;
+                int neg = (k & P->signbit) != 0;
+                uint64_t mag = neg ? ((~k + 1) & P->mask) : k;
+                if (h) bw_put64(&bw, (uint64_t)neg | (mag << 1), h);
+            } else if (h >= 2) {
+                bw_put64(&bw, v, h - 1 - lanes_tb(h));
+            }
+        }
+        if (!P->context)
+            for (int64_t j = 0; j < nnz; j++)
+                if (hs[j] >= 2) fc[t++] = (ft[hs[j]][ts[j]] << 16) | cumt[hs[j]][ts[j]];
+    }
+    bw_flush(&bw);
+    if (bw.oom) goto out;
+    /* rANS, backwards: symbol i uses lane i mod LN; words are stored in decoding order */
+    {
+        size_t cap = (size_t)t + 2 * LN + 8;
+        words = (uint16_t *)malloc(cap * sizeof(uint16_t));
+        if (!words) goto out;
+        uint16_t *p = words + cap;
+        uint32_t x[LN];
+        for (int l = 0; l < LN; l++) x[l] = RANS_L;
+        for (int64_t i = t - 1; i >= 0; i--) {
+            int l = (int)(i & (LN - 1));
+            uint32_t f = fc[i] >> 16, c = fc[i] & 0xFFFF, xs = x[l];
+            if ((uint64_t)xs >= ((uint64_t)f << (32 - PB))) {
+                *--p = (uint16_t)xs;
+                xs >>= 16;
+            }
+            uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);
+            x[l] = (q << PB) + (xs - q * f) + c;
+        }
+        for (int l = LN - 1; l >= 0; l--) {
+            *--p = (uint16_t)(x[l] >> 16);
+            *--p = (uint16_t)x[l];
+        }
+        size_t nw = (size_t)(words + cap - p);
+        size_t rlen = 2 * nw;
+        res->len = 4 + rlen + bw.len;
+        res->out = (uint8_t *)malloc(res->len);
+        if (!res->out) goto out;
+        res->out[0] = (uint8_t)rlen;
+        res->out[1] = (uint8_t)(rlen >> 8);
+        res->out[2] = (uint8_t)(rlen >> 16);
+        res->out[3] = (uint8_t)(rlen >> 24);
+        for (size_t w = 0; w < nw; w++) {
+            res->out[4 + 2 * w] = (uint8_t)p[w];
+            res->out[5 + 2 * w] = (uint8_t)(p[w] >> 8);
+        }
+        if (bw.len) memcpy(res->out + 4 + rlen, bw.buf, bw.len);
+    }
+    rc = 0;
+out:
+    free(bk);
+    free(rank);
+    free(basev);
+    free(order);
+    free(hs);
+    free(ts);
+    free(fc);
+    free(words);
+    free(bw.buf);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ decoder */
+
+/* Turn each active bucket's ranks (rk[first[b] ..], ascending) into positions in range
+ * order, with the bucket and base bits of each: one walk over the segments up to the last
+ * changed element.  0, or -1 when a rank is past its bucket's end. */
+static int lanes_positions(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
+                           const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko, uint64_t *basev) {
+    uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
+    if (!bm) return -2;
+    uint64_t words[NB], segev[SEGB];
+    int64_t segn[NB], idx[NB], seen[NB];
+    memset(segev, 0, sizeof(segev));
+    for (int b = 0; b < NB; b++) idx[b] = seen[b] = 0;
+    int64_t found = 0, n = P->hi - P->lo, nseg = (n + SEG - 1) / SEG;
+    uint32_t left = active; /* buckets with ranks still to place */
+    for (int64_t g = 0; g < nseg && left; g++) {
+        int64_t s0 = P->lo + g * SEG;
+        int nbl = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+        seg_masks(P, s0, nbl, left, bm, words, segn);
+        uint64_t evw = 0;
+        for (uint32_t pr = left; pr; pr &= pr - 1) {
+            int b = __builtin_ctz(pr);
+            const int64_t *rb = rk + first[b];
+            int64_t i = idx[b];
+            int64_t r = rb[i] - seen[b], rest = segn[b]; /* r: the target's rank past the blocks walked */
+            for (uint64_t wm = words[b]; wm && r < rest; wm &= wm - 1) {
+                int k = __builtin_ctzll(wm);
+                uint64_t mb = bm[b * SEGB + k];
+                int64_t c = __builtin_popcountll(mb);
+                while (r < c) {
+                    segev[k] |= 1ull << select_bit(mb, r);
+                    evw |= 1ull << k;
+                    if (++i == nbk[b]) { r = INT64_MAX; break; }
+                    r += rb[i] - rb[i - 1];
+                }
+                r -= c;
+                rest -= c;
+            }
+            idx[b] = i;
+            seen[b] += segn[b];
+            if (i == nbk[b]) left &= ~(1u << b);
+        }
+        for (; evw; evw &= evw - 1) {
+            int k = __builtin_ctzll(evw);
+            for (uint64_t ev = segev[k]; ev; ev &= ev - 1) {
+                int64_t at = s0 + ((int64_t)k << 6) + __builtin_ctzll(ev);
+                if (found >= nnz) { free(bm); return -1; }
+                basev[found] = load(P->base, P->width, at); /* the segment is in L1 now */
+                bko[found] = (uint8_t)bucket_of(P, basev[found]);
+                pos[found++] = at;
+            }
+            segev[k] = 0;
+        }
+    }
+    free(bm);
+    return (left || found != nnz) ? -1 : 0;
+}
+
+/* 0, -1 malformed, -2 allocation failure */
+static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
+                               int64_t nnz) {
+    if (len < 4 + 4 * LN) return -1;
+    uint32_t rlen = (uint32_t)buf[0] | ((uint32_t)buf[1] << 8) | ((uint32_t)buf[2] << 16) | ((uint32_t)buf[3] << 24);
+    if (rlen < 4 * LN || (rlen & 1) || rlen > len - 4) return -1;
+    LDec d;
+    memset(&d, 0, sizeof(d));
+    for (int l = 0; l < LN; l++) {
+        const uint8_t *q = buf + 4 + 4 * l;
+        d.x[l] = (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
+        if (d.x[l] < RANS_L) return -1;
+    }
+    d.p = buf + 4 + 4 * LN;
+    d.end = buf + 4 + rlen;
+    size_t rawlen = len - 4 - rlen;
+    int rc = -1;
+    int W = P->W;
+    size_t nz = (size_t)(nnz ? nnz : 1);
+    uint8_t *raw = (uint8_t *)calloc(rawlen + 16, 1);
+    uint32_t *tabs = NULL, *off = (uint32_t *)malloc(nz * sizeof(uint32_t));
+    uint8_t *sym = (uint8_t *)malloc(nz), *hs = (uint8_t *)malloc(nz), *bko = (uint8_t *)calloc(nz, 1);
+    int64_t *rk = (int64_t *)malloc(nz * sizeof(int64_t));
+    uint64_t *basev = P->context ? (uint64_t *)malloc(nz * sizeof(uint64_t)) : NULL;
+    if (!raw || !off || !sym || !hs || !bko || !rk || (P->context && !basev)) { rc = -2; goto out; }
+    memcpy(raw, buf + 4 + rlen, rawlen);
+    BitR br = {raw, 0, 8 * (uint64_t)rawlen, 0};
+    /* header */
+    uint32_t active;
+    int64_t nbk[NB] = {0}, first[NB] = {0};
+    int kb[NB] = {0};
+    if (P->context) {
+        active = (uint32_t)br_get(&br, 32);
+        if ((active == 0) != (nnz == 0)) goto out;
+    } else {
+        active = nnz ? 1u : 0u;
+    }
+    {
+        int64_t tot = 0;
+        for (uint32_t pr = active; pr; pr &= pr - 1) {
+            int b = __builtin_ctz(pr);
+            if (P->context) {
+                int L = (int)br_get(&br, 6);
+                if (L < 1 || L > 41) goto out;
+                nbk[b] = (int64_t)((1ull << (L - 1)) | br_get64(&br, L - 1));
+            } else {
+                nbk[b] = nnz;
+            }
+            kb[b] = (int)br_get(&br, 6);
+            if (kb[b] > 40 || br.bad || nbk[b] > nnz - tot) goto out;
+            first[b] = tot;
+            tot += nbk[b];
+        }
+        if (tot != nnz) goto out;
+    }
+    /* tables: q of the active buckets, h of the active buckets, then (context-free) t of every h >= 2
+     * the h table gives a frequency */
+    int tq[NB], th[NB], tt[MAXW + 1], ntab = 0;
+    uint32_t freq[MAXA];
+    uint32_t fh0[MAXA];
+    memset(fh0, 0, sizeof(fh0));
+    tabs = (uint32_t *)malloc((size_t)(2 * __builtin_popcount(active) + (P->context ? 0 : W) + 1) * PTOT * sizeof(uint32_t));
+    if (!tabs) { rc = -2; goto out; }
+    for (uint32_t pr = active; pr; pr &= pr - 1) {
+        int b = __builtin_ctz(pr);
+        tq[b] = ntab++;
+        if (lanes_get_table(&br, QA, freq, tabs + (size_t)tq[b] * PTOT) < 0) goto out;
+    }
+    for (uint32_t pr = active; pr; pr &= pr - 1) {
+        int b = __builtin_ctz(pr);
+        th[b] = ntab++;
+        if (lanes_get_table(&br, W + 1, freq, tabs + (size_t)th[b] * PTOT) < 0) goto out;
+        if (!P->context) memcpy(fh0, freq, sizeof(freq));
+    }
+    for (int h = 0; h <= MAXW; h++) tt[h] = -1;
+    if (!P->context && active)
+        for (int h = 2; h <= W; h++)
+            if (fh0[h]) {
+                tt[h] = ntab++;
+                if (lanes_get_table(&br, 1 << lanes_tb(h), freq, tabs + (size_t)tt[h] * PTOT) < 0) goto out;
+            }
+    if (br.bad) goto out;
+    /* G */
+    for (uint32_t pr = active; pr; pr &= pr - 1) {
+        int b = __builtin_ctz(pr);
+        uint32_t o = (uint32_t)tq[b] * PTOT;
+        for (int64_t e = first[b]; e < first[b] + nbk[b]; e++) off[e] = o;
+    }
+    lanes_syms(&d, tabs, off, nnz, sym);
+    if (d.bad) goto out;
+    /* gaps -> ranks */
+    int64_t range = P->hi - P->lo;
+    for (uint32_t pr = active; pr; pr &= pr - 1) {
+        int b = __builtin_ctz(pr);
+        int k = kb[b];
+        int64_t prev = -1;
+        for (int64_t e = first[b]; e < first[b] + nbk[b]; e++) {
+            uint64_t q = sym[e];
+            if (q == QA - 1) {
+                int L = (int)br_get(&br, 6);
+                if (L > 48) goto out;
+                q += br_get64(&br, L);
+            }
+            if (q >> (62 - k)) goto out;
+            uint64_t u = (q << k) | br_get64(&br, k);
+            if (br.bad || u >= (uint64_t)(range - 1 - prev)) goto out; /* rank past the range */
+            prev += (int64_t)u + 1;
+            rk[e] = prev;
+        }
+    }
+    if (P->context) {
+        int r = lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev);
+        if (r < 0) { rc = r == -2 ? -2 : -1; goto out; }
+    } else {
+        for (int64_t j = 0; j < nnz; j++) pos[j] = P->lo + rk[j];
+    }
+    /* H */
+    for (int64_t j = 0; j < nnz; j++) off[j] = (uint32_t)th[bko[j]] * PTOT;
+    lanes_syms(&d, tabs, off, nnz, hs);
+    if (d.bad) goto out;
+    /* T (context-free) */
+    int64_t nt = 0;
+    if (!P->context) {
+        for (int64_t j = 0; j < nnz; j++)
+            if (hs[j] >= 2) off[nt++] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
+        lanes_syms(&d, tabs, off, nt, sym);
+        if (d.bad) goto out;
+    }
+    /* values */
+    int64_t ti = 0;
+    for (int64_t j = 0; j < nnz; j++) {
+        uint32_t h = hs[j];
+        uint64_t v;
+        if (P->context) {
+            uint64_t k = 0;
+            if (h) {
+                uint64_t bits = br_get64(&br, (int)h);
+                uint64_t mag = (bits >> 1) | (1ull << (h - 1));
+                k = (bits & 1) ? ((~mag + 1) & P->mask) : mag;
+            }
+            v = iord_of(P, (ord_of(P, basev[j]) + k) & P->mask);
+            if (P->op == 0) v ^= basev[j];
+        } else if (h < 2) {
+            v = h;
+        } else {
+            int tb = lanes_tb((int)h), rest = (int)h - 1 - tb;
+            v = (1ull << (h - 1)) | ((uint64_t)sym[ti++] << rest) | br_get64(&br, rest);
+        }
+        if (P->op == 0 && v == 0) goto out;
+        store(vals, P->width, j, v);
+    }
+    if (br.bad || d.p != d.end || !br_done(&br)) goto out;
+    for (int l = 0; l < LN; l++)
+        if (d.x[l] != RANS_L) goto out;
+    rc = 0;
+out:
+    free(raw);
+    free(tabs);
+    free(off);
+    free(sym);
+    free(hs);
+    free(bko);
+    free(rk);
+    free(basev);
+    return rc;
+}
