@@ -379,6 +379,27 @@ class Run:
                 raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
             self._check_alive([f"receiver-{rid}"])
 
+    def make_plan(self) -> list[dict]:
+        """The steps the driver asks for, in order (``go/<step>.json``)."""
+        args = self.args
+        plan = [{"lr": args.lrs[len(args.lrs) // 2], "link_mbit": args.setup_mbit, "dense": True, "warmup": True}
+                for _ in range(args.warmup)]
+        plan += [{"lr": lr, "link_mbit": mbit, "dense": True, "warmup": False}
+                 for lr in args.lrs for mbit in args.rates for _ in range(args.steps)]
+        return plan
+
+    def report_step(self, step: int, n: int, p: dict, row: dict, t_start: float) -> None:
+        """Progress after a step; raises if its refit did not commit bit-exactly."""
+        r = refit_record(row)
+        tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s"
+        _progress(f"step {step}/{n} ({tag}, lr {p['lr']:g}): changed {r['changed_pct']:.2f}%, "
+                  f"wire {r['wire_bytes']} B, nemo_dcr {r['dcr_s']:.2f}s, dense {r['dense_s']:.1f}s "
+                  f"({r['speedup']:.1f}x; wire ratio {r['wire_ratio']:.0f}x), "
+                  f"bit-exact {'yes' if r['bit_exact'] else 'NO'}, {time.monotonic() - t_start:.0f}s elapsed")
+        if not (r["committed"] and r["bit_exact"]):
+            raise BenchError(f"step {step}: refit committed={r['committed']} bit_exact={r['bit_exact']} "
+                             f"({r['verify']}) -- logs in {self.run_dir}")
+
     def execute(self) -> dict:
         args, cfg = self.args, self.cfg
         from nemo_dcr.protocol.signing import KEY_ENV, new_key_file
@@ -441,10 +462,7 @@ class Run:
             time.sleep(0.2)
         _progress(f"version 0 written and loaded ({time.monotonic() - t_start:.0f}s)")
 
-        plan = [{"lr": args.lrs[len(args.lrs) // 2], "link_mbit": args.setup_mbit, "dense": True, "warmup": True}
-                for _ in range(args.warmup)]
-        plan += [{"lr": lr, "link_mbit": mbit, "dense": True, "warmup": False}
-                 for lr in args.lrs for mbit in args.rates for _ in range(args.steps)]
+        plan = self.make_plan()
         steps_path = os.path.join(self.run_dir, "steps.jsonl")
         rows: list[dict] = []
         for step, p in enumerate(plan, 1):
@@ -461,15 +479,7 @@ class Run:
                     raise BenchError(f"step {step} not finished after {args.step_timeout_s:g}s -- "
                                      f"logs in {self.run_dir}")
                 time.sleep(0.2)
-            r = refit_record(rows[step - 1])
-            tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s"
-            _progress(f"step {step}/{len(plan)} ({tag}, lr {p['lr']:g}): changed {r['changed_pct']:.2f}%, "
-                      f"wire {r['wire_bytes']} B, nemo_dcr {r['dcr_s']:.2f}s, dense {r['dense_s']:.1f}s "
-                      f"({r['speedup']:.1f}x; wire ratio {r['wire_ratio']:.0f}x), "
-                      f"bit-exact {'yes' if r['bit_exact'] else 'NO'}, {time.monotonic() - t_start:.0f}s elapsed")
-            if not (r["committed"] and r["bit_exact"]):
-                raise BenchError(f"step {step}: refit committed={r['committed']} bit_exact={r['bit_exact']} "
-                                 f"({r['verify']}) -- logs in {self.run_dir}")
+            self.report_step(step, len(plan), p, rows[step - 1], t_start)
         self._stop_all(rdirs, "step")
         return {"records": [refit_record(row) for row in rows], "plan": plan, "link_checks": link_checks,
                 "wall_s": time.monotonic() - t_start}

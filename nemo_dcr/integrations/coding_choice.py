@@ -9,8 +9,8 @@ the wire format and the protocol do not change with it.
 refit wall for the next version from measured rates and picks the smallest::
 
     encode_s   = R_rank / (enc_rate[c] x P)           slowest rank's raw bytes over its encoders
-    upload_s   = W[c] / G                             W[c] = R x ratio[c]; G: upload goodput
-    download_s = W[c] / D                             D: slowest receiver's download goodput
+    upload_s   = U0 + W[c] x U1                       W[c] = R x ratio[c]: wire bytes
+    download_s = D0 + W[c] x D1                       the slowest receiver's gets
     decode_s   = R / rx_rate[c]                       slowest receiver's decode wall
     fill_s     = (encode_s + upload_s + download_s + decode_s) / chunks
     wall[c]    = max(encode_s, upload_s, download_s, decode_s) + fill_s
@@ -29,12 +29,14 @@ number comes from:
   encode CPU seconds, wire / raw bytes over all ranks) and the ratio of real to probe
   carries over to the other codings (``enc_scale``, ``ratio_scale``: EWMA), so the probe
   only fixes how the codings compare;
-* upload goodput ``G``: wire bytes of the version / the slowest rank's put time (summed over
-  its puts, divided by its upload threads), EWMA;
+* upload: the slowest rank's put time (summed over its puts, divided by its upload threads),
+  split into a part per request ``U0`` and a part per wire byte ``U1`` by a least-squares line
+  through the version's chunks' (bytes, put seconds) (:func:`latency_share`; an unshaped link
+  to a local store is mostly per request, a slow link mostly per byte), EWMA;
 * receivers, from their acks (``decode_cpu_s``, ``fetch_threads``, ``download_s``): the
   slowest receiver's decode wall, expressed relative to the probe's local decode rate of
   the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
-  speed; and its download goodput.
+  speed; and its download seconds, split like the puts (``D0``, ``D1``).
 
 A term whose input is missing (no ack carried decode times) is left out of the max.  To
 stop the choice from flapping between two codings whose projections are within noise, the
@@ -143,6 +145,9 @@ class VersionObservation:
     upload_wall_s: float
     """The slowest rank's put seconds (summed over its puts) / its upload threads."""
     chunks: int
+    puts: tuple[tuple[int, float], ...] = ()
+    """Every chunk's (wire bytes, put seconds), all ranks: splits the put time into a part per
+    request and a part per byte (:func:`latency_share`)."""
     rx_decode_s: float | None = None
     """The slowest receiver's decode wall (decode CPU seconds / its fetch threads)."""
     rx_download_s: float | None = None
@@ -165,6 +170,25 @@ class Projection:
         return max(self.encode_s, self.upload_s, self.download_s, self.decode_s) + self.fill_s
 
 
+def latency_share(puts: Sequence[tuple[int, float]]) -> float:
+    """The share of the put seconds that is per request, not per byte: a least-squares line
+    ``seconds = a + bytes / bw`` through the chunks' ``(bytes, seconds)``, share = ``n a / sum
+    seconds``, ``a`` clamped to ``[0, min seconds]``.  0 (all per byte) with fewer than 4 puts
+    or sizes too alike to separate the two (they then cannot be told apart, and per byte is
+    the conservative reading: it charges bigger codings more)."""
+    if len(puts) < 4:
+        return 0.0
+    w = np.array([p[0] for p in puts], dtype=np.float64)
+    t = np.array([p[1] for p in puts], dtype=np.float64)
+    if t.sum() <= 0 or w.std() < 0.05 * w.mean():
+        return 0.0
+    slope, a = np.polyfit(w, t, 1)
+    if slope <= 0:  # larger puts were not slower: nothing per byte can be seen
+        a = t.mean()
+    a = min(max(float(a), 0.0), float(t.min()))
+    return a * len(t) / float(t.sum())
+
+
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 
@@ -183,8 +207,12 @@ class CodingChooser:
     probed: dict[str, ProbeResult] | None = None
     enc_scale: float | None = None
     ratio_scale: float | None = None
-    upload_bps: float | None = None
-    download_bps: float | None = None
+    upload_fixed_s: float | None = None
+    """Upload wall of a version that does not depend on its bytes (the puts' per-request time)."""
+    upload_s_per_byte: float | None = None
+    """Upload wall per wire byte of the version (the rest of it)."""
+    download_fixed_s: float | None = None
+    download_s_per_byte: float | None = None
     rx_scale: float | None = None
     """The slowest receiver's decode rate (raw bytes per second of decode wall) / the probe's
     local decode rate of the coding it decoded."""
@@ -215,10 +243,14 @@ class CodingChooser:
             return
         self.last = obs
         a = self.alpha
+        share = latency_share(obs.puts)
         if obs.upload_wall_s > 0:
-            self.upload_bps = _ewma(self.upload_bps, obs.wire_bytes / obs.upload_wall_s, a)
-        if obs.rx_download_s:
-            self.download_bps = _ewma(self.download_bps, obs.wire_bytes / obs.rx_download_s, a)
+            self.upload_fixed_s = _ewma(self.upload_fixed_s, share * obs.upload_wall_s, a)
+            self.upload_s_per_byte = _ewma(self.upload_s_per_byte, (1 - share) * obs.upload_wall_s / obs.wire_bytes, a)
+        if obs.rx_download_s:  # the receiver's gets: the same split as the trainer's puts
+            self.download_fixed_s = _ewma(self.download_fixed_s, share * obs.rx_download_s, a)
+            self.download_s_per_byte = _ewma(self.download_s_per_byte,
+                                             (1 - share) * obs.rx_download_s / obs.wire_bytes, a)
         p = (self.probed or {}).get(obs.coding)
         if p is None:
             return
@@ -234,8 +266,8 @@ class CodingChooser:
         p, obs = self.probed[coding], self.last
         enc = obs.raw_bytes_max_rank / (p.encode_rate * (self.enc_scale or 1.0) * self.encode_parallel)
         wire = obs.raw_bytes * p.ratio * (self.ratio_scale or 1.0)
-        up = wire / self.upload_bps if self.upload_bps else 0.0
-        down = wire / self.download_bps if self.download_bps else 0.0
+        up = (self.upload_fixed_s or 0.0) + wire * (self.upload_s_per_byte or 0.0)
+        down = (self.download_fixed_s or 0.0) + wire * (self.download_s_per_byte or 0.0)
         dec = obs.raw_bytes / (p.decode_rate * self.rx_scale) if self.rx_scale else 0.0
         fill = (enc + up + down + dec) / max(1, obs.chunks)
         return Projection(coding, enc, up, down, dec, fill)

@@ -109,6 +109,8 @@ class PublishStats:
     """Raw record bytes (positions + values) handed to the encoder (totals on rank 0)."""
     encode_cpu_s: float = 0.0
     """CPU seconds of the encode calls, summed over chunks (totals over ranks on rank 0)."""
+    puts: list[tuple[int, float]] = field(default_factory=list)
+    """This rank's chunks as (wire bytes, put seconds), for ``refit.coding=auto``."""
     next_coding: str = ""
     """The coding decided for the next version (``auto``: rank 0's choice, on every rank)."""
     coding_walls: dict[str, float] = field(default_factory=dict)
@@ -465,6 +467,7 @@ class RefitSender:
             stats.encode_s += enc_s
             stats.upload_s += up_s
             stats.encode_cpu_s += enc_cpu_s
+            stats.puts.append((ref.nbytes, up_s))
         stats.chunks = len(refs)
         stats.wire_bytes = sum(r.nbytes for r in refs)
         return refs
@@ -678,7 +681,7 @@ class RefitSender:
             decision: tuple | str | None = None
             if _rank() == 0:
                 try:
-                    per_rank = [(st.raw_bytes, st.encode_cpu_s, st.upload_s, sum(r.nbytes for r in rrefs), len(rrefs))
+                    per_rank = [(st.raw_bytes, st.encode_cpu_s, st.upload_s, sum(r.nbytes for r in rrefs), st.puts)
                                 for rrefs, st, _ in gathered]  # before _decide turns rank 0's into totals
                     decision = self._decide(flight.version, stats, gathered, before_manifest)
                     decision = (*decision, self._next_coding(stats, per_rank, errors=any(e for _, _, e in gathered)))
@@ -701,10 +704,11 @@ class RefitSender:
             flight.failure = flight.failure or f"{type(e).__name__}: {e}"
             flight.outcomes = None
 
-    def _next_coding(self, stats: PublishStats, per_rank: list[tuple[int, float, float, int, int]], *,
+    def _next_coding(self, stats: PublishStats, per_rank: list[tuple[int, float, float, int, list]], *,
                      errors: bool) -> str:
         """Rank 0, ``refit.coding=auto``: fold this version's measurements (``per_rank``: each
-        rank's raw bytes, encode CPU s, put s, wire bytes, chunks; the acks in ``stats``) into
+        rank's raw bytes, encode CPU s, put s, wire bytes, (bytes, put s) per chunk; the acks
+        in ``stats``) into
         the chooser and pick the next version's coding (``integrations/coding_choice.py``).
         Returns '' (unchanged) without ``auto``, and on any failure here, which is logged: the
         choice of a coding never fails a version."""
@@ -728,7 +732,8 @@ class RefitSender:
                     coding=current, raw_bytes=sum(r[0] for r in per_rank),
                     raw_bytes_max_rank=max(r[0] for r in per_rank), encode_cpu_s=sum(r[1] for r in per_rank),
                     upload_wall_s=max(r[2] for r in per_rank) / self.cfg.upload_workers,
-                    wire_bytes=sum(r[3] for r in per_rank), chunks=sum(r[4] for r in per_rank),
+                    wire_bytes=sum(r[3] for r in per_rank), chunks=sum(len(r[4]) for r in per_rank),
+                    puts=tuple(p for r in per_rank for p in r[4]),
                     rx_decode_s=max(decode, default=None), rx_download_s=max(download, default=None)))
             choice, projections = chooser.choose(current)
         except Exception as e:  # noqa: BLE001 - keep the coding in use

@@ -27,7 +27,8 @@ The comparison is outside both timed windows.
 
 Driver protocol (files in ``--dir``, same machine): the driver shapes the link for step
 ``s``, then writes ``go/<s>.json`` (``{"lr": float, "dense": bool, "link_mbit": float}``);
-every rank waits for it, sets the learning rate, trains one step and runs both refits; rank
+every rank waits for it, sets the learning rate (and ``refit.coding``, if the plan has a
+``"coding"``), trains one step and runs both refits; rank
 0 appends one JSON row to ``steps.jsonl``.  The receiver writes ``ready`` once it holds
 version 0 and stops when ``stop`` appears.
 
@@ -39,6 +40,7 @@ Timestamps crossing processes are ``time.monotonic()`` (one CLOCK_MONOTONIC per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -170,6 +172,8 @@ def trainer_main(argv: list[str]) -> int:
             return 1
         for group in trainer.optimizer.param_groups:  # constant lr per step (no scheduler)
             group["lr"] = float(plan["lr"])
+        if plan.get("coding"):  # refit.coding for this step's version (nothing is in flight: synchronous)
+            hook.sender.cfg = dataclasses.replace(hook.sender.cfg, coding=plan["coding"])
         result = trainer.train_step()
         stats = hook.last_stats
         dcr = {"wall_s": marks["committed"] - marks["step_end"], "t_start": marks["step_end"],

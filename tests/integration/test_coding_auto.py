@@ -18,6 +18,7 @@ from nemo_dcr.integrations.coding_choice import (
     describe,
     encode_parallelism,
     encode_with,
+    latency_share,
     probe,
 )
 
@@ -32,7 +33,8 @@ PROBE = {
 }
 
 
-def _chooser(link_mbps: float, rx_decode_s: float | None, coding: str = "context") -> CodingChooser:
+def _chooser(link_mbps: float, rx_decode_s: float | None, coding: str = "context",
+             puts: tuple = ()) -> CodingChooser:
     """A chooser that has probed (PROBE) and seen one version coded ``coding`` at exactly the
     probe's rates over a link of ``link_mbps`` MB/s, the receiver decoding it in ``rx_decode_s``."""
     ch = CodingChooser(encode_parallel=2)
@@ -41,7 +43,7 @@ def _chooser(link_mbps: float, rx_decode_s: float | None, coding: str = "context
     wire = int(RAW * p.ratio)
     ch.observe(VersionObservation(coding=coding, raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=wire,
                                   encode_cpu_s=RAW / p.encode_rate, upload_wall_s=wire / (link_mbps * MB), chunks=10,
-                                  rx_decode_s=rx_decode_s, rx_download_s=wire / (link_mbps * MB)))
+                                  puts=puts, rx_decode_s=rx_decode_s, rx_download_s=wire / (link_mbps * MB)))
     return ch
 
 
@@ -198,3 +200,24 @@ def test_auto_on_two_ranks_is_bit_exact_and_the_ranks_agree(tmp_path):
             assert "SPARSE_ZSTD" in chunks[v]["codings"] and not {"BUCKET", "MODEL"} & set(chunks[v]["codings"])
         elif bucket.available():
             assert "SPARSE_ZSTD" not in chunks[v]["codings"]
+
+
+def test_put_time_splits_into_per_request_and_per_byte():
+    sizes = np.random.default_rng(0).integers(100_000, 500_000, 40)
+    puts = [(int(w), 0.02 + w / 100e6) for w in sizes]  # 20 ms per request, then 100 MB/s
+    assert latency_share(puts) == pytest.approx(40 * 0.02 / sum(t for _, t in puts), rel=1e-6)
+    assert latency_share(puts[:3]) == 0  # too few to fit
+    assert latency_share([(300_000, 0.05)] * 10) == 0  # sizes alike: the parts cannot be told apart
+    assert latency_share([(int(w), 0.05) for w in sizes]) == pytest.approx(1)  # size does not matter: per request
+
+
+def test_a_latency_bound_store_does_not_charge_bigger_codings_as_bandwidth():
+    sizes = np.linspace(0.5, 1.5, 10) * 1.2 * MB  # the context version's 10 chunks, about 12 MB
+    per_request = tuple((int(w), 0.05) for w in sizes)  # every put 50 ms whatever its size
+    _, proj = _chooser(link_mbps=24, rx_decode_s=0.2, puts=per_request).choose("context")
+    assert proj["fast"].upload_s == pytest.approx(proj["context"].upload_s)
+    assert proj["fast"].download_s == pytest.approx(proj["context"].download_s)
+    # control: puts that take time per byte charge fast's 2x bytes 2x the time
+    per_byte = tuple((int(w), w / (24 * MB)) for w in sizes)
+    _, proj = _chooser(link_mbps=24, rx_decode_s=0.2, puts=per_byte).choose("context")
+    assert proj["fast"].upload_s == pytest.approx(2 * proj["context"].upload_s, rel=0.01)
