@@ -24,8 +24,60 @@
  * contexts from the positions, then the values' raw bits.
  */
 
+#include <pthread.h>
+
 #define LN 16                  /* rANS lanes */
 #define LANES_MAXF (PTOT - 16) /* largest frequency a table may give (admission bound) */
+
+/* ------------------------------------------------------------------ work memory */
+
+/* Each call's work arrays come from one per-thread buffer that is kept between calls (up to
+ * ARENA_KEEP bytes; a larger need is malloc'd and freed): a chunk's records then reuse
+ * memory whose pages are already mapped, instead of faulting in fresh pages every call
+ * (which cost ~15% of a context-mode decode).  The GIL is released, so it is per thread. */
+#define ARENA_KEEP ((size_t)64 << 20)
+static _Thread_local uint8_t *ARENA_BUF = NULL;
+static _Thread_local size_t ARENA_CAP = 0;
+static pthread_key_t ARENA_KEY; /* its destructor frees a thread's buffer when the thread exits */
+
+static void lanes_init_arena(void) { pthread_key_create(&ARENA_KEY, free); }
+
+typedef struct {
+    uint8_t *base;
+    size_t used, cap;
+    int owned;
+} Work;
+
+static int work_open(Work *w, size_t need) {
+    need += 64 * 16; /* alignment slack for up to 16 arrays */
+    w->used = 0;
+    w->cap = need;
+    w->owned = need > ARENA_KEEP;
+    if (w->owned) {
+        w->base = (uint8_t *)malloc(need);
+        return w->base ? 0 : -1;
+    }
+    if (ARENA_CAP < need) {
+        free(ARENA_BUF);
+        ARENA_CAP = 0;
+        ARENA_BUF = (uint8_t *)malloc(need);
+        pthread_setspecific(ARENA_KEY, ARENA_BUF);
+        if (!ARENA_BUF) return -1;
+        ARENA_CAP = need;
+    }
+    w->base = ARENA_BUF;
+    return 0;
+}
+
+static void *work_take(Work *w, size_t n) {
+    size_t at = (w->used + 63) & ~(size_t)63;
+    w->used = at + n;
+    return w->base + at; /* work_open's `need` counted every take */
+}
+
+static void work_close(Work *w) {
+    if (w->owned) free(w->base);
+}
 
 /* ------------------------------------------------------------------ tables */
 
@@ -34,6 +86,20 @@ static inline void bw_gamma(BitW *w, uint32_t v) {
     int L = bitlen(v);
     bw_put(w, 1ull << (L - 1), L);
     bw_put(w, v, L - 1);
+}
+
+/* n <= 64 raw bits; one unaligned load for n <= 56 (the reader's buffer has 16 zero bytes past the end) */
+static inline uint64_t br_getn(BitR *r, int n) {
+    if (__builtin_expect(n > 56, 0)) return br_get64(r, n);
+    uint64_t w;
+    memcpy(&w, r->buf + (r->pos >> 3), 8);
+    uint64_t v = (w >> (r->pos & 7)) & ((1ull << n) - 1);
+    r->pos += (uint64_t)n;
+    if (__builtin_expect(r->pos > r->nbits, 0)) {
+        r->bad = 1;
+        r->pos = r->nbits;
+    }
+    return v;
 }
 
 static inline uint32_t br_gamma(BitR *r) { /* v <= 2^13; a longer code marks the reader bad */
@@ -133,6 +199,7 @@ typedef struct {
 static uint32_t LANES_PERM[256][8]; /* AVX2 renormalisation: lane i takes word popcount(mask & (2^i - 1)) */
 
 static void lanes_init_tables(void) {
+    lanes_init_arena();
     for (int m = 0; m < 256; m++) {
         int c = 0;
         for (int i = 0; i < 8; i++) {
@@ -221,16 +288,19 @@ static inline int lanes_tb(int h) { return h - 1 < TOPB ? h - 1 : TOPB; }
 static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz, Coded *res) {
     int rc = -1;
     size_t nz = (size_t)(nnz ? nnz : 1);
-    uint8_t *bk = (uint8_t *)calloc(nz, 1);
-    int64_t *rank = (int64_t *)malloc(nz * sizeof(int64_t));
-    uint64_t *basev = (uint64_t *)malloc(nz * sizeof(uint64_t));
-    int64_t *order = (int64_t *)malloc(nz * sizeof(int64_t));
-    uint8_t *hs = (uint8_t *)malloc(nz);
-    uint8_t *ts = (uint8_t *)malloc(nz);
-    uint32_t *fc = (uint32_t *)malloc(3 * nz * sizeof(uint32_t)); /* freq << 16 | cum, symbol order */
-    uint16_t *words = NULL;
+    size_t wcap = (size_t)3 * nz + 2 * LN + 8; /* rANS words: at most one per symbol, plus the states */
+    Work wk;
     BitW bw = {0};
-    if (!bk || !rank || !basev || !order || !hs || !ts || !fc) goto out;
+    if (work_open(&wk, nz * (1 + 8 + 8 + 8 + 1 + 1 + 12) + wcap * 2) < 0) return -1;
+    uint8_t *bk = (uint8_t *)work_take(&wk, nz);
+    int64_t *rank = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
+    uint64_t *basev = (uint64_t *)work_take(&wk, nz * sizeof(uint64_t));
+    int64_t *order = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
+    uint8_t *hs = (uint8_t *)work_take(&wk, nz);
+    uint8_t *ts = (uint8_t *)work_take(&wk, nz);
+    uint32_t *fc = (uint32_t *)work_take(&wk, 3 * nz * sizeof(uint32_t)); /* freq << 16 | cum, symbol order */
+    uint16_t *words = (uint16_t *)work_take(&wk, wcap * sizeof(uint16_t));
+    memset(bk, 0, nz);
     uint32_t active = 0;
     int64_t cnt[NB];
     if (P->context) {
@@ -381,10 +451,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     if (bw.oom) goto out;
     /* rANS, backwards: symbol i uses lane i mod LN; words are stored in decoding order */
     {
-        size_t cap = (size_t)t + 2 * LN + 8;
-        words = (uint16_t *)malloc(cap * sizeof(uint16_t));
-        if (!words) goto out;
-        uint16_t *p = words + cap;
+        uint16_t *p = words + wcap;
         uint32_t x[LN];
         for (int l = 0; l < LN; l++) x[l] = RANS_L;
         for (int64_t i = t - 1; i >= 0; i--) {
@@ -401,7 +468,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
             *--p = (uint16_t)(x[l] >> 16);
             *--p = (uint16_t)x[l];
         }
-        size_t nw = (size_t)(words + cap - p);
+        size_t nw = (size_t)(words + wcap - p);
         size_t rlen = 2 * nw;
         res->len = 4 + rlen + bw.len;
         res->out = (uint8_t *)malloc(res->len);
@@ -418,14 +485,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     }
     rc = 0;
 out:
-    free(bk);
-    free(rank);
-    free(basev);
-    free(order);
-    free(hs);
-    free(ts);
-    free(fc);
-    free(words);
+    work_close(&wk);
     free(bw.buf);
     return rc;
 }
@@ -435,10 +495,9 @@ out:
 /* Turn each active bucket's ranks (rk[first[b] ..], ascending) into positions in range
  * order, with the bucket and base bits of each: one walk over the segments up to the last
  * changed element.  0, or -1 when a rank is past its bucket's end. */
-static int lanes_positions(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
-                           const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko, uint64_t *basev) {
-    uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
-    if (!bm) return -2;
+__attribute__((noinline)) static int lanes_positions(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
+                           const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko, uint64_t *basev,
+                           uint64_t *bm) {
     uint64_t words[NB], segev[SEGB];
     int64_t segn[NB], idx[NB], seen[NB];
     memset(segev, 0, sizeof(segev));
@@ -476,7 +535,7 @@ static int lanes_positions(const Params *P, uint32_t active, const int64_t *rk, 
             int k = __builtin_ctzll(evw);
             for (uint64_t ev = segev[k]; ev; ev &= ev - 1) {
                 int64_t at = s0 + ((int64_t)k << 6) + __builtin_ctzll(ev);
-                if (found >= nnz) { free(bm); return -1; }
+                if (found >= nnz) return -1;
                 basev[found] = load(P->base, P->width, at); /* the segment is in L1 now */
                 bko[found] = (uint8_t)bucket_of(P, basev[found]);
                 pos[found++] = at;
@@ -484,7 +543,6 @@ static int lanes_positions(const Params *P, uint32_t active, const int64_t *rk, 
             segev[k] = 0;
         }
     }
-    free(bm);
     return (left || found != nnz) ? -1 : 0;
 }
 
@@ -507,13 +565,21 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     int rc = -1;
     int W = P->W;
     size_t nz = (size_t)(nnz ? nnz : 1);
-    uint8_t *raw = (uint8_t *)calloc(rawlen + 16, 1);
-    uint32_t *tabs = NULL, *off = (uint32_t *)malloc(nz * sizeof(uint32_t));
-    uint8_t *sym = (uint8_t *)malloc(nz), *hs = (uint8_t *)malloc(nz), *bko = (uint8_t *)calloc(nz, 1);
-    int64_t *rk = (int64_t *)malloc(nz * sizeof(int64_t));
-    uint64_t *basev = P->context ? (uint64_t *)malloc(nz * sizeof(uint64_t)) : NULL;
-    if (!raw || !off || !sym || !hs || !bko || !rk || (P->context && !basev)) { rc = -2; goto out; }
+    size_t tabs_bytes = (size_t)(2 * NB + 2) * PTOT * sizeof(uint32_t); /* the most tables a record reads */
+    Work wk;
+    if (work_open(&wk, rawlen + 16 + nz * (4 + 1 + 1 + 1 + 8 + 8) + tabs_bytes + NB * SEGB * sizeof(uint64_t)) < 0)
+        return -2;
+    uint8_t *raw = (uint8_t *)work_take(&wk, rawlen + 16);
+    uint32_t *off = (uint32_t *)work_take(&wk, nz * sizeof(uint32_t));
+    uint8_t *sym = (uint8_t *)work_take(&wk, nz), *hs = (uint8_t *)work_take(&wk, nz);
+    uint8_t *bko = (uint8_t *)work_take(&wk, nz);
+    int64_t *rk = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
+    uint64_t *basev = (uint64_t *)work_take(&wk, nz * sizeof(uint64_t));
+    uint32_t *tabs = (uint32_t *)work_take(&wk, tabs_bytes);
+    uint64_t *bm = (uint64_t *)work_take(&wk, NB * SEGB * sizeof(uint64_t));
     memcpy(raw, buf + 4 + rlen, rawlen);
+    memset(raw + rawlen, 0, 16);
+    if (!P->context) memset(bko, 0, nz);
     BitR br = {raw, 0, 8 * (uint64_t)rawlen, 0};
     /* header */
     uint32_t active;
@@ -549,8 +615,6 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     uint32_t freq[MAXA];
     uint32_t fh0[MAXA];
     memset(fh0, 0, sizeof(fh0));
-    tabs = (uint32_t *)malloc((size_t)(2 * __builtin_popcount(active) + (P->context ? 0 : W) + 1) * PTOT * sizeof(uint32_t));
-    if (!tabs) { rc = -2; goto out; }
     for (uint32_t pr = active; pr; pr &= pr - 1) {
         int b = __builtin_ctz(pr);
         tq[b] = ntab++;
@@ -599,8 +663,7 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
         }
     }
     if (P->context) {
-        int r = lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev);
-        if (r < 0) { rc = r == -2 ? -2 : -1; goto out; }
+        if (lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev, bm) < 0) goto out;
     } else {
         for (int64_t j = 0; j < nnz; j++) pos[j] = P->lo + rk[j];
     }
@@ -611,46 +674,52 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     /* T (context-free) */
     int64_t nt = 0;
     if (!P->context) {
-        for (int64_t j = 0; j < nnz; j++)
-            if (hs[j] >= 2) off[nt++] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
+        tt[0] = tt[1] = 0; /* written below but not kept (h < 2 has no T symbol) */
+        for (int64_t j = 0; j < nnz; j++) {
+            off[nt] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
+            nt += hs[j] >= 2;
+        }
         lanes_syms(&d, tabs, off, nt, sym);
         if (d.bad) goto out;
     }
-    /* values */
+    /* values: branch-free (signs and bit lengths are as good as random) */
     int64_t ti = 0;
+    uint64_t zero_xor = 0;
+    const uint64_t fl = P->is_float ? ~0ull : 0, sb = P->signbit, mk = P->mask;
+    const int W1 = P->W - 1;
     for (int64_t j = 0; j < nnz; j++) {
         uint32_t h = hs[j];
         uint64_t v;
         if (P->context) {
-            uint64_t k = 0;
-            if (h) {
-                uint64_t bits = br_get64(&br, (int)h);
-                uint64_t mag = (bits >> 1) | (1ull << (h - 1));
-                k = (bits & 1) ? ((~mag + 1) & P->mask) : mag;
-            }
-            v = iord_of(P, (ord_of(P, basev[j]) + k) & P->mask);
-            if (P->op == 0) v ^= basev[j];
-        } else if (h < 2) {
-            v = h;
+            uint64_t bits = br_getn(&br, (int)h);
+            uint64_t mag = (bits >> 1) | ((uint64_t)(h != 0) << ((h - 1) & 63));
+            uint64_t neg = -(bits & 1);
+            uint64_t k = (mag ^ neg) - neg;
+            uint64_t b = basev[j];
+            /* ord(b) = b ^ (b negative ? mask : signbit); iord(o) = o ^ (o's top bit ? signbit : mask) */
+            uint64_t sgn = -((b >> W1) & 1);
+            uint64_t o = (b ^ (fl & ((sgn & mk) | (~sgn & sb)))) + k;
+            o &= mk;
+            uint64_t so = -((o >> W1) & 1);
+            v = o ^ (fl & ((so & sb) | (~so & mk)));
+            if (P->op == 0) v ^= b;
         } else {
-            int tb = lanes_tb((int)h), rest = (int)h - 1 - tb;
-            v = (1ull << (h - 1)) | ((uint64_t)sym[ti++] << rest) | br_get64(&br, rest);
+            int big = h >= 2;
+            int tb = big ? lanes_tb((int)h) : 0, rest = big ? (int)h - 1 - tb : 0;
+            uint64_t t = sym[ti];
+            ti += big;
+            uint64_t vb = (1ull << ((h - 1) & 63)) | (t << rest) | br_getn(&br, rest);
+            v = big ? vb : h;
         }
-        if (P->op == 0 && v == 0) goto out;
+        zero_xor |= (uint64_t)(v == 0);
         store(vals, P->width, j, v);
     }
+    if (P->op == 0 && zero_xor) goto out; /* v1 carries no zero XOR value */
     if (br.bad || d.p != d.end || !br_done(&br)) goto out;
     for (int l = 0; l < LN; l++)
         if (d.x[l] != RANS_L) goto out;
     rc = 0;
 out:
-    free(raw);
-    free(tabs);
-    free(off);
-    free(sym);
-    free(hs);
-    free(bko);
-    free(rk);
-    free(basev);
+    work_close(&wk);
     return rc;
 }
