@@ -7,8 +7,12 @@ changed element, the ratio to the per-tensor i.i.d. entropy bound, and encode / 
 Formats (the published ones applied per tensor and summed; no names, shapes or checksums,
 which nemo_dcr's whole-chunk bytes do include):
 
-  nemo_dcr          encode_chunk / decode_chunk, context-free
+  nemo_dcr          encode_chunk / decode_chunk, context-free, default codings
   nemo_dcr context  the same with the base bits (context mode)
+  bucket, lanes     encode_chunk(codings=[BUCKET]) resp. [LANES] (coding 4: adaptive rANS,
+                    state shared along the chunk; 5: static per-record tables, 16 rANS lanes),
+                    context-free and (`... context`) context mode; the raw codings stay
+                    candidates per record
   gap16+xor+zstd1   NeMo-RL's format as described: a u32 count, the gaps between changed
                     positions as u16 (a gap >= 0xFFFF is written 0xFFFF then the gap as a
                     u32), then the XOR values; zstd level 1.  The count is 4 bytes per
@@ -69,13 +73,19 @@ import zstandard
 from safetensors.torch import load_file
 
 from nemo_dcr import dtypes
-from nemo_dcr.codec import DeltaOp, TensorDelta, bucket, decode_chunk, encode_chunk, read_chunk_index
+from nemo_dcr.codec import Coding, DeltaOp, TensorDelta, bucket, decode_chunk, encode_chunk, read_chunk_index
 from nemo_dcr.codec.bound import iid_bound_bytes, pooled_bound_bytes
 from nemo_dcr.kernels import bits_view_np, xor_diff
 
 LARGE = 1 << 16  # elements: "large" tensors in the payload/bound split
 PUBLISHED = ["gap16+xor+zstd1", "gap32+xor+zstd1", "idx32+bf16 raw", "idx32+bf16+zstd", "dense xor+zstd"]
-DCR = {"nemo_dcr": "free", "nemo_dcr context": "context"}  # format label -> mode key in the flat JSON
+DCR = {"nemo_dcr": "free", "nemo_dcr context": "context",  # format label -> mode key in the flat JSON
+       "bucket": "bucket_free", "bucket context": "bucket_context",
+       "lanes": "lanes_free", "lanes context": "lanes_context"}
+#: The entropy codings each nemo_dcr row may use (None: the encoder's default, ``payload.default_codings``);
+#: the bucket / lanes rows pin one coding (BUCKET: 4, adaptive; LANES: 5, static tables, 16 lanes).
+DCR_CODINGS = {"nemo_dcr": None, "nemo_dcr context": None, "bucket": [Coding.BUCKET], "bucket context": [Coding.BUCKET],
+               "lanes": [Coding.LANES], "lanes context": [Coding.LANES]}
 FORMATS = list(DCR) + PUBLISHED
 SUMMARY_PCT = (0.5, 3.0)  # change rates (%) the summary averages over
 U16_ESCAPE = 0xFFFF
@@ -338,12 +348,11 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
     # Timed rounds, formats interleaved so that load drifting on a shared machine hits all alike.
     published = make_published()
     enc_fns: dict[str, Callable[[], object]] = {
-        "nemo_dcr": lambda: encode_chunk(deltas, base=None),
-        "nemo_dcr context": lambda: encode_chunk(deltas, base=bits),
+        **{k: (lambda k=k: encode_chunk(deltas, base=bits if k.endswith("context") else None, codings=DCR_CODINGS[k]))
+           for k in DCR},
         **{k: (lambda f=f: [f.encode(t) for t in inputs]) for k, f in published.items()}}
     dec_fns: dict[str, Callable[[object], object]] = {
-        "nemo_dcr": lambda c: decode_chunk(c, base=None),
-        "nemo_dcr context": lambda c: decode_chunk(c, base=bits),
+        **{k: (lambda c, k=k: decode_chunk(c, base=bits if k.endswith("context") else None)) for k in DCR},
         **{k: (lambda ps, f=f: [f.decode(p, t.numel) for p, t in zip(ps, inputs)]) for k, f in published.items()}}
     t_enc = {k: [] for k in FORMATS}
     t_dec = {k: [] for k in FORMATS}
@@ -364,6 +373,8 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
         row[f"dcr_{mode}_bytes"] = len(chunk)
         recs = read_chunk_index(chunk).records
         row[f"dcr_{mode}_framing_bytes"] = len(chunk) - sum(r.payload_bytes for r in recs)
+        row[f"dcr_{mode}_records_by_coding"] = {c.name: sum(r.coding is c for r in recs)
+                                                 for c in Coding if any(r.coding is c for r in recs)}
         # Payload vs bound split by tensor size: the bound's free per-tensor distribution is
         # worth most in small tensors.
         for part, keep in (("large", lambda r: r.element_range[1] - r.element_range[0] >= LARGE),
@@ -448,7 +459,8 @@ def print_table(rows: list[dict], summary: dict) -> None:
               f"{iid / r['bound_bytes']:.0%} of the bound")
 
 
-STYLE = {"nemo_dcr": ("C0", "o"), "nemo_dcr context": ("C1", "o"), "gap16+xor+zstd1": ("C2", "s"),
+STYLE = {"nemo_dcr": ("C0", "o"), "nemo_dcr context": ("C1", "o"), "bucket": ("C8", "v"),
+         "bucket context": ("C9", "v"), "lanes": ("C6", "P"), "lanes context": ("k", "P"), "gap16+xor+zstd1": ("C2", "s"),
          "gap32+xor+zstd1": ("C5", "s"), "idx32+bf16 raw": ("C7", "D"), "idx32+bf16+zstd": ("C3", "D"),
          "dense xor+zstd": ("C4", "^")}
 

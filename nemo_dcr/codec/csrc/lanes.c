@@ -457,10 +457,12 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         for (int64_t i = t - 1; i >= 0; i--) {
             int l = (int)(i & (LN - 1));
             uint32_t f = fc[i] >> 16, c = fc[i] & 0xFFFF, xs = x[l];
-            if ((uint64_t)xs >= ((uint64_t)f << (32 - PB))) {
-                *--p = (uint16_t)xs;
-                xs >>= 16;
-            }
+            /* renormalise without a branch (it is as good as random): the word is always
+             * written below p, and kept by moving p only when it is emitted */
+            int e = (uint64_t)xs >= ((uint64_t)f << (32 - PB));
+            p[-1] = (uint16_t)xs;
+            p -= e;
+            xs = e ? xs >> 16 : xs;
             uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);
             x[l] = (q << PB) + (xs - q * f) + c;
         }
