@@ -142,9 +142,20 @@ MODEL_TRIAL_MAX_RANGE = 1 << 14
 ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET, Coding.LANES})
 
 
+#: Records of at least this many changed elements (and ``LANES_MIN_RANGE`` elements of range)
+#: are coded LANES alone by default: there its static tables cost less than BUCKET's adaptive
+#: learning, and it decodes faster; below, the tables' cost shows (docs/benchmarks.md "Codec").
+LANES_MIN_NNZ = 1 << 13
+LANES_MIN_RANGE = 1 << 14
+
+
 def default_codings(spec: RecordSpec) -> frozenset[Coding]:
-    """BUCKET for every record (the fast coder), plus a MODEL trial for small ranges; the
-    zstd fallback where the native coders are not built."""
+    """LANES alone for records with at least ``LANES_MIN_NNZ`` changes over at least
+    ``LANES_MIN_RANGE`` elements; else BUCKET, plus a MODEL trial for small ranges; the zstd
+    fallback where the native coders are not built.  One trial per large record keeps the
+    encoder fast."""
+    if lanes.available() and spec.nnz >= LANES_MIN_NNZ and spec.range_len >= LANES_MIN_RANGE:
+        return frozenset({Coding.LANES})
     out = set()
     if bucket.available():
         out.add(Coding.BUCKET)

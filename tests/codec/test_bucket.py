@@ -42,15 +42,20 @@ def adam_like(rng: np.random.Generator, n: int, scale: float = 4e-6) -> tuple[np
     return b.view(torch.int16).numpy().view(np.uint16).copy(), t.view(torch.int16).numpy().view(np.uint16).copy()
 
 
-def test_default_is_bucket_and_bit_exact_with_negative_control(rng):
-    n = 300_000
+@pytest.mark.parametrize("n", [300_000, 60_000])
+def test_default_is_bucket_or_lanes_and_bit_exact_with_negative_control(rng, n):
+    """The default codes a record LANES from LANES_MIN_NNZ changes on, BUCKET below."""
+    from nemo_dcr.codec.payload import LANES_MIN_NNZ
+
     base, target = adam_like(rng, n)
     d = xor_delta("w", "bfloat16", (n,), base, target)
     assert 0.005 < d.nnz / n < 0.2
+    want = Coding.LANES if d.nnz >= LANES_MIN_NNZ else Coding.BUCKET
+    assert want is (Coding.LANES if n == 300_000 else Coding.BUCKET)  # both sides are tested
     for context in (False, True):
         chunk = encode_chunk([d], base={"w": base} if context else None)
         (info,) = read_chunk_index(chunk).records
-        assert info.coding is Coding.BUCKET and info.context is context
+        assert info.coding is want and info.context is context
         out = decode_chunk(chunk, base={"w": base} if context else None).deltas[0]
         applied = base.copy()
         applied[out.positions] ^= out.values

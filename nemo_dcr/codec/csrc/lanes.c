@@ -35,7 +35,8 @@
  * ARENA_KEEP bytes; a larger need is malloc'd and freed): a chunk's records then reuse
  * memory whose pages are already mapped, instead of faulting in fresh pages every call
  * (which cost ~15% of a context-mode decode).  The GIL is released, so it is per thread. */
-#define ARENA_KEEP ((size_t)64 << 20)
+#define ARENA_KEEP ((size_t)16 << 20)
+#define OFFB 8192 /* symbols decoded per lanes_syms call */
 static _Thread_local uint8_t *ARENA_BUF = NULL;
 static _Thread_local size_t ARENA_CAP = 0;
 static pthread_key_t ARENA_KEY; /* its destructor frees a thread's buffer when the thread exits */
@@ -363,12 +364,10 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
             h = bitlen(mag);
         } else {
             h = bitlen(v);
-            if (h >= 2) {
-                int tb = lanes_tb(h);
-                ts[j] = (uint8_t)((v >> (h - 1 - tb)) & ((1u << tb) - 1));
-                ct[h][ts[j]]++;
-                nt++;
-            }
+            int tb = h >= 2 ? lanes_tb(h) : 0; /* h < 2: t = 0, counted in row h (never written out) */
+            ts[j] = (uint8_t)((v >> ((h - 1 - tb) & 63)) & ((1u << tb) - 1));
+            ct[h][ts[j]]++;
+            nt += h >= 2;
         }
         hs[j] = (uint8_t)h;
         ch[bk[j]][h]++;
@@ -429,23 +428,30 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
                     cumt[h][0] = 0;
                     for (int s = 0; s < (1 << lanes_tb(h)); s++) cumt[h][s + 1] = cumt[h][s] + ft[h][s];
                 }
-        for (int64_t j = 0; j < nnz; j++) {
+        for (int64_t j = 0; j < nnz; j++) { /* no branch on the value: h and signs are as good as random */
             int b = bk[j], h = hs[j];
             fc[t++] = (fh[b][h] << 16) | cumh[b][h];
             uint64_t v = load(vals, P->width, j);
             if (P->context) {
                 if (P->op == 0) v ^= basev[j];
                 uint64_t k = (ord_of(P, v) - ord_of(P, basev[j])) & P->mask;
-                int neg = (k & P->signbit) != 0;
+                uint64_t neg = (k & P->signbit) != 0;
                 uint64_t mag = neg ? ((~k + 1) & P->mask) : k;
-                if (h) bw_put64(&bw, (uint64_t)neg | (mag << 1), h);
-            } else if (h >= 2) {
-                bw_put64(&bw, v, h - 1 - lanes_tb(h));
+                bw_put64(&bw, neg | (mag << 1), h); /* nothing when h == 0 */
+            } else {
+                int n = h >= 2 ? h - 1 - lanes_tb(h) : 0;
+                bw_put64(&bw, v, n);
             }
         }
-        if (!P->context)
-            for (int64_t j = 0; j < nnz; j++)
-                if (hs[j] >= 2) fc[t++] = (ft[hs[j]][ts[j]] << 16) | cumt[hs[j]][ts[j]];
+        if (!P->context) {
+            memset(ft[0], 0, sizeof(ft[0]) * 2); /* rows of h < 2: read below, never kept */
+            memset(cumt[0], 0, sizeof(cumt[0]) * 2);
+            for (int64_t j = 0; j < nnz; j++) {
+                int h = hs[j];
+                fc[t] = (ft[h][ts[j]] << 16) | cumt[h][ts[j]];
+                t += h >= 2;
+            }
+        }
     }
     bw_flush(&bw);
     if (bw.oom) goto out;
@@ -568,20 +574,23 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     int W = P->W;
     size_t nz = (size_t)(nnz ? nnz : 1);
     size_t tabs_bytes = (size_t)(2 * NB + 2) * PTOT * sizeof(uint32_t); /* the most tables a record reads */
+    /* work beyond the output: 2 bytes per entry context-free (symbols, h; the ranks go straight
+     * into the positions array), 19 in context mode (also buckets, ranks, base bits) */
+    size_t per = P->context ? 1 + 1 + 1 + 8 + 8 : 1 + 1;
     Work wk;
-    if (work_open(&wk, rawlen + 16 + nz * (4 + 1 + 1 + 1 + 8 + 8) + tabs_bytes + NB * SEGB * sizeof(uint64_t)) < 0)
+    if (work_open(&wk, rawlen + 16 + nz * per + OFFB * sizeof(uint32_t) + tabs_bytes +
+                           (P->context ? NB * SEGB * sizeof(uint64_t) : 0)) < 0)
         return -2;
     uint8_t *raw = (uint8_t *)work_take(&wk, rawlen + 16);
-    uint32_t *off = (uint32_t *)work_take(&wk, nz * sizeof(uint32_t));
+    uint32_t *off = (uint32_t *)work_take(&wk, OFFB * sizeof(uint32_t));
     uint8_t *sym = (uint8_t *)work_take(&wk, nz), *hs = (uint8_t *)work_take(&wk, nz);
-    uint8_t *bko = (uint8_t *)work_take(&wk, nz);
-    int64_t *rk = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
-    uint64_t *basev = (uint64_t *)work_take(&wk, nz * sizeof(uint64_t));
+    uint8_t *bko = P->context ? (uint8_t *)work_take(&wk, nz) : NULL;
+    int64_t *rk = P->context ? (int64_t *)work_take(&wk, nz * sizeof(int64_t)) : pos;
+    uint64_t *basev = P->context ? (uint64_t *)work_take(&wk, nz * sizeof(uint64_t)) : NULL;
     uint32_t *tabs = (uint32_t *)work_take(&wk, tabs_bytes);
-    uint64_t *bm = (uint64_t *)work_take(&wk, NB * SEGB * sizeof(uint64_t));
+    uint64_t *bm = P->context ? (uint64_t *)work_take(&wk, NB * SEGB * sizeof(uint64_t)) : NULL;
     memcpy(raw, buf + 4 + rlen, rawlen);
     memset(raw + rawlen, 0, 16);
-    if (!P->context) memset(bko, 0, nz);
     BitR br = {raw, 0, 8 * (uint64_t)rawlen, 0};
     /* header */
     uint32_t active;
@@ -636,14 +645,16 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
                 if (lanes_get_table(&br, 1 << lanes_tb(h), freq, tabs + (size_t)tt[h] * PTOT) < 0) goto out;
             }
     if (br.bad) goto out;
-    /* G */
+    /* G; symbols are decoded OFFB at a time, with their tables' offsets in off[] */
     for (uint32_t pr = active; pr; pr &= pr - 1) {
         int b = __builtin_ctz(pr);
-        uint32_t o = (uint32_t)tq[b] * PTOT;
-        for (int64_t e = first[b]; e < first[b] + nbk[b]; e++) off[e] = o;
+        for (int i = 0; i < OFFB; i++) off[i] = (uint32_t)tq[b] * PTOT;
+        for (int64_t e = first[b]; e < first[b] + nbk[b]; e += OFFB) {
+            int64_t m = first[b] + nbk[b] - e < OFFB ? first[b] + nbk[b] - e : OFFB;
+            lanes_syms(&d, tabs, off, m, sym + e);
+            if (d.bad) goto out;
+        }
     }
-    lanes_syms(&d, tabs, off, nnz, sym);
-    if (d.bad) goto out;
     /* gaps -> ranks */
     int64_t range = P->hi - P->lo;
     for (uint32_t pr = active; pr; pr &= pr - 1) {
@@ -667,22 +678,32 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     if (P->context) {
         if (lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev, bm) < 0) goto out;
     } else {
-        for (int64_t j = 0; j < nnz; j++) pos[j] = P->lo + rk[j];
+        for (int64_t j = 0; j < nnz; j++) pos[j] += P->lo; /* rk is pos */
     }
     /* H */
-    for (int64_t j = 0; j < nnz; j++) off[j] = (uint32_t)th[bko[j]] * PTOT;
-    lanes_syms(&d, tabs, off, nnz, hs);
-    if (d.bad) goto out;
+    if (!P->context)
+        for (int i = 0; i < OFFB; i++) off[i] = (uint32_t)th[0] * PTOT;
+    for (int64_t j = 0; j < nnz; j += OFFB) {
+        int64_t m = nnz - j < OFFB ? nnz - j : OFFB;
+        if (P->context)
+            for (int64_t i = 0; i < m; i++) off[i] = (uint32_t)th[bko[j + i]] * PTOT;
+        lanes_syms(&d, tabs, off, m, hs + j);
+        if (d.bad) goto out;
+    }
     /* T (context-free) */
-    int64_t nt = 0;
     if (!P->context) {
+        int64_t nt = 0, m = 0;
         tt[0] = tt[1] = 0; /* written below but not kept (h < 2 has no T symbol) */
         for (int64_t j = 0; j < nnz; j++) {
-            off[nt] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
-            nt += hs[j] >= 2;
+            off[m] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
+            m += hs[j] >= 2;
+            if (m == OFFB || j == nnz - 1) {
+                lanes_syms(&d, tabs, off, m, sym + nt);
+                if (d.bad) goto out;
+                nt += m;
+                m = 0;
+            }
         }
-        lanes_syms(&d, tabs, off, nt, sym);
-        if (d.bad) goto out;
     }
     /* values: branch-free (signs and bit lengths are as good as random) */
     int64_t ti = 0;
@@ -697,7 +718,7 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
             uint64_t mag = (bits >> 1) | ((uint64_t)(h != 0) << ((h - 1) & 63));
             uint64_t neg = -(bits & 1);
             uint64_t k = (mag ^ neg) - neg;
-            uint64_t b = basev[j];
+            uint64_t b = basev[j]; /* context mode: basev is allocated */
             /* ord(b) = b ^ (b negative ? mask : signbit); iord(o) = o ^ (o's top bit ? signbit : mask) */
             uint64_t sgn = -((b >> W1) & 1);
             uint64_t o = (b ^ (fl & ((sgn & mk) | (~sgn & sb)))) + k;
