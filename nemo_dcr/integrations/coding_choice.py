@@ -13,11 +13,13 @@ refit wall for the next version from measured rates and picks the smallest::
     download_s = D0 + W[c] x D1                       the slowest receiver's gets
     decode_s   = R / rx_rate[c]                       slowest receiver's decode wall
     fill_s     = (encode_s + upload_s + download_s + decode_s) / chunks
-    wall[c]    = max(encode_s, upload_s, download_s, decode_s) + fill_s
+    wall[c]    = max(encode_s + upload_s, download_s + decode_s) + fill_s
 
-The four stages stream chunk by chunk (upload threads, streaming receive), so a version
-takes about its slowest stage plus the time the first chunk needs to pass the others
-(``fill_s``: one chunk's share of every stage).  ``R`` is raw record bytes (positions +
+Each of the trainer's upload threads encodes a chunk, then puts it; each of a receiver's
+fetch threads gets a chunk, then decodes it (``receiver/fetch.py``): within a side the two
+stages take turns on the same threads, so they add.  The two sides overlap (streaming
+receive fetches chunks as they land), so a version takes about the slower side plus the
+time one chunk needs to pass the other (``fill_s``: one chunk's share of every stage).  ``R`` is raw record bytes (positions +
 values, what the diff hands the encoder) of the last version with changes, ``P`` the
 encode threads per rank (``upload_workers``, capped by this rank's cores).  Where each
 number comes from:
@@ -36,7 +38,8 @@ number comes from:
 * receivers, from their acks (``decode_cpu_s``, ``fetch_threads``, ``download_s``): the
   slowest receiver's decode wall, expressed relative to the probe's local decode rate of
   the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
-  speed; and its download seconds, split like the puts (``D0``, ``D1``).
+  speed; and its download seconds: per byte ``D1`` what the trainer's puts cost per byte
+  (``U1``; at most the whole download), the rest per request (``D0``).
 
 A term whose input is missing (no ack carried decode times) is left out of the max.  To
 stop the choice from flapping between two codings whose projections are within noise, the
@@ -167,7 +170,7 @@ class Projection:
 
     @property
     def wall_s(self) -> float:
-        return max(self.encode_s, self.upload_s, self.download_s, self.decode_s) + self.fill_s
+        return max(self.encode_s + self.upload_s, self.download_s + self.decode_s) + self.fill_s
 
 
 def latency_share(puts: Sequence[tuple[int, float]]) -> float:
@@ -244,13 +247,18 @@ class CodingChooser:
         self.last = obs
         a = self.alpha
         share = latency_share(obs.puts)
+        up_per_byte = (1 - share) * obs.upload_wall_s / obs.wire_bytes
         if obs.upload_wall_s > 0:
             self.upload_fixed_s = _ewma(self.upload_fixed_s, share * obs.upload_wall_s, a)
-            self.upload_s_per_byte = _ewma(self.upload_s_per_byte, (1 - share) * obs.upload_wall_s / obs.wire_bytes, a)
-        if obs.rx_download_s:  # the receiver's gets: the same split as the trainer's puts
-            self.download_fixed_s = _ewma(self.download_fixed_s, share * obs.rx_download_s, a)
-            self.download_s_per_byte = _ewma(self.download_s_per_byte,
-                                             (1 - share) * obs.rx_download_s / obs.wire_bytes, a)
+            self.upload_s_per_byte = _ewma(self.upload_s_per_byte, up_per_byte, a)
+        if obs.rx_download_s:
+            # the receiver reads the store the trainer wrote: its gets cost per byte what the
+            # trainer's puts did (no more than its whole download); the rest is per request
+            per_byte = obs.rx_download_s / obs.wire_bytes
+            if obs.upload_wall_s > 0:
+                per_byte = min(per_byte, up_per_byte)
+            self.download_fixed_s = _ewma(self.download_fixed_s, obs.rx_download_s - per_byte * obs.wire_bytes, a)
+            self.download_s_per_byte = _ewma(self.download_s_per_byte, per_byte, a)
         p = (self.probed or {}).get(obs.coding)
         if p is None:
             return
