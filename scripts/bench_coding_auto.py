@@ -28,9 +28,11 @@ control): every delta of the run, under every coding, applied on the way.
 Writes ``<out-dir>/coding_auto.{json,png}``: per case ``link_mbit`` (null = unshaped),
 ``coding``, ``wall_s`` (median), ``auto_over_best`` (auto's wall / the best fixed coding's
 at that link); prints a table.  Default model (``mid``): the link benchmark's widths with 4
-layers (hidden 1024, FFN 2816, vocabulary 32000: 82.3 M parameters, 165 MB BF16), sequence
-16, one sequence per step, so a CPU step is short.  On the project's 2-core VM the defaults
-(3 links x (2 + 3 x 4) steps + 1) take about 12-15 min.
+layers (hidden 1024, FFN 2816, vocabulary 32000: 110.6 M canonical parameters, 221 MB BF16),
+sequence 16, one sequence per step, so a CPU step is short (about 7 s with its refit).  On
+the project's 2-core VM the defaults (3 links x (2 + 3 x 4) steps + 1) took 400 s, and
+``--rounds 6`` (79 steps) about 11 min; the walls of one coding vary by up to 30% between
+rounds on a loaded machine, so more rounds give steadier medians.
 """
 from __future__ import annotations
 
@@ -213,7 +215,8 @@ def plot(cases: list[dict], path: str) -> None:
         for x, c in zip(xs, mine):
             ax.annotate(f"{c['wall_s']:.2f}", (x, c["wall_s"]), ha="center", va="bottom", fontsize=7,
                         textcoords="offset points", xytext=(6, 1))
-        ax.set_xticks(list(xs), [c["coding"] for c in mine])
+        ax.set_xticks(list(xs), [c["coding"] if c["coding"] != AUTO else "auto\n(" + ", ".join(
+            f"{k} x{v}" for k, v in sorted(c["codings_used"].items())) + ")" for c in mine], fontsize=8)
         ratio = mine[0]["auto_over_best"]
         ax.set(title=f"{link_label(link)}" + (f": auto / best fixed = {ratio:.2f}" if ratio else ""),
                ylabel="refit wall per version (median, s)")
