@@ -52,10 +52,12 @@ change rate).
     .venv/bin/python scripts/bench_codec.py [--data benchmarks/data] [--repeat 3]
     .venv/bin/python scripts/bench_codec.py --pairs 'minilm_lr1e-06' --repeat 1 --out /tmp/codec
     .venv/bin/python scripts/bench_codec.py --replot     # redraw codec.png from codec.json
+    .venv/bin/python scripts/bench_codec.py --records 12 --pairs 'minilm_lr1e-06'   # BUCKET vs LANES per record
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -398,6 +400,53 @@ def bench_pair(d: pathlib.Path, repeat: int) -> dict:
     return row
 
 
+def bench_records(d: pathlib.Path, largest: int, repeat: int) -> None:
+    """BUCKET against LANES record by record on the ``largest`` tensors of a pair: each record
+    coded alone (BUCKET from a fresh state), both modes, rounds interleaved; prints the sums.
+    Checks every decoded record as integer arrays."""
+    from nemo_dcr.codec import lanes
+    from nemo_dcr.codec.model import ModelStates
+    from nemo_dcr.codec.payload import RecordSpec
+
+    base, target = load_file(str(d / "base.safetensors")), load_file(str(d / "target.safetensors"))
+    names = sorted(base, key=lambda n: -base[n].numel())[:largest]
+    tot: dict[tuple[str, str], list[float]] = {}
+    nbytes = 0
+    for name in names:
+        b, t = base[name].contiguous(), target[name].contiguous()
+        diff = xor_diff(t, b)
+        bb = bits_view_np(b)
+        nbytes += bb.nbytes
+        spec = RecordSpec(dtype="bfloat16", shape=(bb.size,), op=DeltaOp.XOR, lo=0, hi=bb.size, nnz=diff.positions.size)
+        for mode, base_ in (("context", bb), ("free", None)):
+            best = {c: [float("inf"), float("inf"), 0] for c in ("BUCKET", "LANES")}
+            for _ in range(repeat):
+                t0 = _clock()
+                pb, e_lo, _ = bucket.encode(spec, diff.positions, diff.xor_values, base_, ModelStates())
+                t1 = _clock()
+                sb = dataclasses.replace(spec, param=e_lo)
+                got_b = bucket.decode(sb, memoryview(pb), base_, ModelStates())
+                t2 = _clock()
+                pl, e_lo = lanes.encode(spec, diff.positions, diff.xor_values, base_)
+                t3 = _clock()
+                got_l = lanes.decode(dataclasses.replace(spec, param=e_lo), memoryview(pl), base_)
+                t4 = _clock()
+                for c, enc, dec, size in (("BUCKET", t1 - t0, t2 - t1, len(pb)), ("LANES", t3 - t2, t4 - t3, len(pl))):
+                    best[c] = [min(best[c][0], enc), min(best[c][1], dec), size]
+                for pos, val in (got_b, got_l):
+                    if not (np.array_equal(pos, diff.positions) and np.array_equal(val.view(np.int16),
+                                                                                diff.xor_values.view(np.int16))):
+                        raise RuntimeError(f"{name}: a record did not decode to its input")
+            for c, v in best.items():
+                acc = tot.setdefault((mode, c), [0.0, 0.0, 0])
+                for i in range(3):
+                    acc[i] += v[i]
+    print(f"{d.name}: the {len(names)} largest tensors ({nbytes / 1e6:.1f} MB), each record alone, best of {repeat}")
+    print(f"{'mode':8s} {'coding':7s} {'bytes':>10s} {'enc GB/s':>9s} {'dec GB/s':>9s}")
+    for (mode, c), (enc, dec, size) in sorted(tot.items()):
+        print(f"{mode:8s} {c:7s} {int(size):10d} {nbytes / enc / 1e9:9.2f} {nbytes / dec / 1e9:9.2f}")
+
+
 def summarize(rows: list[dict]) -> dict:
     lo, hi = SUMMARY_PCT
     sel = [r for r in rows if lo <= r["changed_pct"] <= hi]
@@ -546,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these pairs (fnmatch patterns on the index tags, e.g. 'minilm_*'); "
                          "the results written are then for those pairs only")
     ap.add_argument("--replot", action="store_true", help="only redraw codec.png from the codec.json in --out")
+    ap.add_argument("--records", type=int, metavar="N",
+                    help="instead: BUCKET vs LANES record by record on each pair's N largest tensors (prints only)")
     ap.add_argument("--clock", choices=sorted(CLOCK), default="wall",
                     help="wall time, or this process's CPU time (steadier on a shared, loaded machine)")
     args = ap.parse_args(argv)
@@ -567,6 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench_codec: {e}", file=sys.stderr)
         return 2
+    if args.records:
+        for p in pairs:
+            bench_records(pathlib.Path(args.data) / p["dir"], args.records, args.repeat)
+        return 0
     load0 = os.getloadavg()[0]
     rows = []
     for p in pairs:

@@ -142,19 +142,20 @@ MODEL_TRIAL_MAX_RANGE = 1 << 14
 ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET, Coding.LANES})
 
 
-#: Records of at least this many changed elements (and ``LANES_MIN_RANGE`` elements of range)
-#: are coded LANES alone by default: there its static tables cost less than BUCKET's adaptive
-#: learning, and it decodes faster; below, the tables' cost shows (docs/benchmarks.md "Codec").
+#: Context-mode records of at least this many changed elements (and ``LANES_MIN_RANGE`` elements
+#: of range) are coded LANES alone by default: there its static tables cost less than BUCKET's
+#: adaptive learning and it encodes and decodes faster; below, the tables' cost shows.  Context-free,
+#: LANES decodes faster but encodes slower than BUCKET, so BUCKET stays (docs/benchmarks.md "Codec").
 LANES_MIN_NNZ = 1 << 13
 LANES_MIN_RANGE = 1 << 14
 
 
-def default_codings(spec: RecordSpec) -> frozenset[Coding]:
-    """LANES alone for records with at least ``LANES_MIN_NNZ`` changes over at least
-    ``LANES_MIN_RANGE`` elements; else BUCKET, plus a MODEL trial for small ranges; the zstd
-    fallback where the native coders are not built.  One trial per large record keeps the
+def default_codings(spec: RecordSpec, context: bool = False) -> frozenset[Coding]:
+    """In context mode, LANES alone for records with at least ``LANES_MIN_NNZ`` changes over at
+    least ``LANES_MIN_RANGE`` elements; else BUCKET, plus a MODEL trial for small ranges; the
+    zstd fallback where the native coders are not built.  One trial per large record keeps the
     encoder fast."""
-    if lanes.available() and spec.nnz >= LANES_MIN_NNZ and spec.range_len >= LANES_MIN_RANGE:
+    if context and lanes.available() and spec.nnz >= LANES_MIN_NNZ and spec.range_len >= LANES_MIN_RANGE:
         return frozenset({Coding.LANES})
     out = set()
     if bucket.available():
@@ -176,7 +177,7 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
     if dense_ok:
         cands.append((spec.range_len * w, Coding.DENSE_RAW, None))
     cands.append((spec.nnz * (8 + w), Coding.SPARSE_RAW, None))
-    use = default_codings(spec) if codings is None else codings
+    use = default_codings(spec, base is not None) if codings is None else codings
     if not use <= ENTROPY_CODINGS:
         raise ValidationError(f"codings must be a subset of {sorted(c.name for c in ENTROPY_CODINGS)}")
     trials: dict[Coding, tuple[int, np.ndarray]] = {}
