@@ -169,8 +169,9 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
     ``base`` maps tensor names to their canonical base bits (flat ``BITS_DTYPE[dtype]``);
     a delta whose name is in it is coded in context mode, and decoding it needs the same
     base.  Metadata keys and values are strings (UTF-8 on the wire).  ``codings`` restricts
-    the entropy codings tried per record (``payload.ENTROPY_CODINGS``; default: BUCKET, plus
-    MODEL for small ranges); the raw codings are always candidates.
+    the entropy codings tried per record (``payload.ENTROPY_CODINGS``; default
+    ``payload.default_codings``: LANES for context-mode records of many changes, else BUCKET,
+    plus MODEL for small ranges); the raw codings are always candidates.
     """
     meta_body = _encode_meta(meta or {})
     if len(meta or {}) > _DEFAULT_LIMITS.max_meta_entries or len(meta_body) > _DEFAULT_LIMITS.max_meta_bytes:
