@@ -17,11 +17,18 @@
  * slot table (sym | bias | freq per slot), one multiply, a shuffled word load.  The scalar
  * decoder gives the same arrays; the encoder is scalar (16 independent chains).
  *
- * Decoding: tables, then G into a symbol array, then the gaps' raw bits give each bucket's
- * ranks; one segmented scan of the base turns ranks into positions (a segment's bucket
- * bitmaps are built only while some bucket's next rank falls in it... every segment up to
- * the last changed element is scanned, as BUCKET's decoder does); then H (and T) with
- * contexts from the positions, then the values' raw bits.
+ * Decoding, the hot path (n = range elements, m = changed elements):
+ *   tables        at most 66 slot tables of 4096 u32 (1 MiB, per-thread buffer)
+ *   G             m symbols, 8 lanes per AVX2 step (gather from the bucket's table)
+ *   gaps          m raw reads -> each bucket's ranks (8 bytes each)
+ *   positions     context mode: the segmented block scan of base[lo, hi) up to the last
+ *                 changed element (reads 2n bytes of bf16 base, builds each 64-element
+ *                 block's bucket bitmaps: the dominant cost at 0.5-10% changed) and a walk
+ *                 of each bucket's blocks from rank to position; context-free: ranks + lo
+ *   H, T          m (+ up to m) symbols, tables from the positions' buckets resp. h
+ *   values        m branch-free raw reads and reconstructions, written once to the output
+ * Work memory: 2 bytes per changed element context-free, 19 in context mode (see
+ * lanes_decode_record), reused between calls per thread up to ARENA_KEEP.
  */
 
 #include <pthread.h>
