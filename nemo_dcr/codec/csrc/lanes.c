@@ -97,7 +97,7 @@ static inline void bw_gamma(BitW *w, uint32_t v) {
 }
 
 /* n <= 64 raw bits; one unaligned load for n <= 56 (the reader's buffer has 16 zero bytes past the end) */
-static inline uint64_t br_getn(BitR *r, int n) {
+__attribute__((always_inline)) static inline uint64_t br_getn(BitR *r, int n) {
     if (__builtin_expect(n > 56, 0)) return br_get64(r, n);
     uint64_t w;
     memcpy(&w, r->buf + (r->pos >> 3), 8);
@@ -314,15 +314,21 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     if (P->context) {
         if (rank_scan(P, pos, nnz, bk, rank, basev, cnt, &active, NULL, 0) < 0) goto out;
     } else {
-        for (int64_t j = 0; j < nnz; j++) rank[j] = pos[j] - P->lo;
+        (void)rank; /* context-free: the rank is pos - lo, read through RK below */
         active = nnz ? 1u : 0u;
     }
     /* bucket order: a counting sort on the bucket, stable (rank order within a bucket) */
     int64_t nb[NB] = {0}, at[NB];
-    for (int64_t j = 0; j < nnz; j++) nb[bk[j]]++;
-    at[0] = 0;
-    for (int b = 1; b < NB; b++) at[b] = at[b - 1] + nb[b - 1];
-    for (int64_t j = 0; j < nnz; j++) order[at[bk[j]]++] = j;
+    if (P->context) {
+        for (int64_t j = 0; j < nnz; j++) nb[bk[j]]++;
+        at[0] = 0;
+        for (int b = 1; b < NB; b++) at[b] = at[b - 1] + nb[b - 1];
+        for (int64_t j = 0; j < nnz; j++) order[at[bk[j]]++] = j;
+    } else {
+        nb[0] = nnz; /* one bucket, in position order */
+    }
+    /* rank of the e-th element in bucket order */
+#define RK(e) (P->context ? rank[order[e]] : pos[e] - P->lo)
     /* Rice parameter per bucket: the least k with n_b 2^(k+2) >= sum of u */
     int kb[NB];
     uint64_t cq[NB][QA], ch[NB][MAXA], ct[MAXW + 1][1 << TOPB];
@@ -332,13 +338,8 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     {
         int64_t e0 = 0;
         for (int b = 0; b < NB; b++) {
-            unsigned __int128 sum = 0;
-            int64_t prev = -1;
-            for (int64_t e = e0; e < e0 + nb[b]; e++) {
-                int64_t r = rank[order[e]];
-                sum += (uint64_t)(r - prev - 1);
-                prev = r;
-            }
+            /* the u of a bucket telescope: their sum is its last rank + 1 - n_b */
+            unsigned __int128 sum = nb[b] ? (unsigned __int128)(uint64_t)(RK(e0 + nb[b] - 1) + 1 - nb[b]) : 0;
             int k = 0;
             while (k < 40 && ((unsigned __int128)nb[b] << (k + 2)) < sum) k++;
             kb[b] = k;
@@ -353,7 +354,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         for (int b = 0; b < NB; b++) {
             int64_t prev = -1;
             for (int64_t end = e + nb[b]; e < end; e++) {
-                int64_t r = rank[order[e]];
+                int64_t r = RK(e);
                 uint64_t q = (uint64_t)(r - prev - 1) >> kb[b];
                 prev = r;
                 cq[b][q < QA - 1 ? q : QA - 1]++;
@@ -406,7 +407,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
             if (nb[b])
                 for (int s = 0; s < QA; s++) cum[s + 1] = cum[s] + fq[b][s];
             for (int64_t end = e + nb[b]; e < end; e++) {
-                int64_t r = rank[order[e]];
+                int64_t r = RK(e);
                 uint64_t u = (uint64_t)(r - prev - 1), q = u >> kb[b];
                 prev = r;
                 uint32_t s = q < QA - 1 ? (uint32_t)q : QA - 1;
@@ -460,6 +461,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
             }
         }
     }
+#undef RK
     bw_flush(&bw);
     if (bw.oom) goto out;
     /* rANS, backwards: symbol i uses lane i mod LN; words are stored in decoding order */
@@ -467,18 +469,27 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         uint16_t *p = words + wcap;
         uint32_t x[LN];
         for (int l = 0; l < LN; l++) x[l] = RANS_L;
-        for (int64_t i = t - 1; i >= 0; i--) {
-            int l = (int)(i & (LN - 1));
-            uint32_t f = fc[i] >> 16, c = fc[i] & 0xFFFF, xs = x[l];
-            /* renormalise without a branch (it is as good as random): the word is always
-             * written below p, and kept by moving p only when it is emitted */
-            int e = (uint64_t)xs >= ((uint64_t)f << (32 - PB));
-            p[-1] = (uint16_t)xs;
-            p -= e;
-            xs = e ? xs >> 16 : xs;
-            uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);
-            x[l] = (q << PB) + (xs - q * f) + c;
+#define LANES_PUT(i, l)                                                                             \
+    do {                                                                                            \
+        uint32_t f = fc[i] >> 16, c = fc[i] & 0xFFFF, xs = x[l];                                    \
+        /* renormalise without a branch (it is as good as random): the word is always written  \
+         * below p, and kept by moving p only when it is emitted */                              \
+        int e = (uint64_t)xs >= ((uint64_t)f << (32 - PB));                                         \
+        p[-1] = (uint16_t)xs;                                                                       \
+        p -= e;                                                                                     \
+        xs = e ? xs >> 16 : xs;                                                                     \
+        uint32_t q = (uint32_t)(((__uint128_t)xs * RCP_M[f]) >> RCP_S[f]);                          \
+        x[l] = (q << PB) + (xs - q * f) + c;                                                        \
+    } while (0)
+        int64_t i = t - 1;
+        for (; i >= 0 && ((i + 1) & (LN - 1)); i--) LANES_PUT(i, (int)(i & (LN - 1))); /* the last, partial group */
+        for (; i >= 0; i -= LN) { /* whole groups, lanes 15 .. 0, unrolled: lane indices are constants */
+            LANES_PUT(i, 15); LANES_PUT(i - 1, 14); LANES_PUT(i - 2, 13); LANES_PUT(i - 3, 12);
+            LANES_PUT(i - 4, 11); LANES_PUT(i - 5, 10); LANES_PUT(i - 6, 9); LANES_PUT(i - 7, 8);
+            LANES_PUT(i - 8, 7); LANES_PUT(i - 9, 6); LANES_PUT(i - 10, 5); LANES_PUT(i - 11, 4);
+            LANES_PUT(i - 12, 3); LANES_PUT(i - 13, 2); LANES_PUT(i - 14, 1); LANES_PUT(i - 15, 0);
         }
+#undef LANES_PUT
         for (int l = LN - 1; l >= 0; l--) {
             *--p = (uint16_t)(x[l] >> 16);
             *--p = (uint16_t)x[l];
@@ -673,10 +684,10 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
             if (q == QA - 1) {
                 int L = (int)br_get(&br, 6);
                 if (L > 48) goto out;
-                q += br_get64(&br, L);
+                q += br_getn(&br, L);
             }
             if (q >> (62 - k)) goto out;
-            uint64_t u = (q << k) | br_get64(&br, k);
+            uint64_t u = (q << k) | br_getn(&br, k);
             if (br.bad || u >= (uint64_t)(range - 1 - prev)) goto out; /* rank past the range */
             prev += (int64_t)u + 1;
             rk[e] = prev;
