@@ -247,3 +247,40 @@ def test_fuzz_corpus_is_lanes_coded():
 
     for ctx, (chunk, _, _) in test_fuzz.LANES_CHUNKS.items():
         assert Coding.LANES in {r.coding for r in read_chunk_index(chunk).records}
+
+
+def test_threads_decode_concurrently():
+    """The decoder releases the GIL and keeps its work memory per thread: records decoded on
+    several threads at once (different sizes, so the buffers grow while others are in use)
+    give the same arrays as one thread."""
+    import threading
+
+    rng = np.random.default_rng(13)
+    jobs = []
+    for i, n in enumerate((20_000, 150_000, 60_000, 250_000)):
+        base = random_bits(rng, "bfloat16", n)
+        idx, vals = _record(rng, "bfloat16", 0.03, XOR, lo=0, hi=n, small=False)
+        b = base if i % 2 else None
+        args = _args("bfloat16", b, 0, n, XOR)
+        jobs.append((_crans.lanes_encode(idx, vals, b, *args), idx, vals, b, args))
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for _ in range(5):
+            for j in range(len(jobs)):
+                payload, idx, vals, b, args = jobs[(j + k) % len(jobs)]
+                pos, val = _native_decode(payload, idx.size, b, args)
+                if not (np.array_equal(pos, idx) and np.array_equal(val.view(np.int16), vals.view(np.int16))):
+                    errors.append(f"thread {k}, job {(j + k) % len(jobs)}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # negative control: the comparison sees a decoded array that differs
+    payload, idx, vals, b, args = jobs[0]
+    pos, _ = _native_decode(payload, idx.size, b, args)
+    pos[0] += 1
+    assert not np.array_equal(pos, idx)
