@@ -572,6 +572,93 @@ __attribute__((noinline)) static int lanes_positions(const Params *P, uint32_t a
     return (left || found != nnz) ? -1 : 0;
 }
 
+#if defined(__x86_64__)
+/* lanes_positions for 2-byte float bases on AVX2, with the walk fused into the block scan:
+ * each 64-element block's bucket ids become two 32-byte vectors, and for each bucket between
+ * the block's least and greatest id that still has ranks to place, one compare gives its
+ * mask there; the bucket's distance to its next target rank either falls inside the block
+ * (select the element, advance to the next rank) or shrinks by the mask's count.  Blocks go
+ * in order, so positions come out in order; no per-segment bitmaps are stored or walked
+ * again.  Same arrays as lanes_positions (tests/codec/test_lanes.py). */
+AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
+                                        const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko,
+                                        uint64_t *basev) {
+    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
+    const __m256i emask = _mm256_set1_epi16((short)((1u << P->ebits) - 1));
+    const __m256i elo = _mm256_set1_epi16((short)P->e_lo);
+    const __m256i top = _mm256_set1_epi16(NB - 1);
+    const uint16_t *base = (const uint16_t *)P->base;
+    int64_t dist[NB], idx[NB];
+    for (int b = 0; b < NB; b++) {
+        idx[b] = 0;
+        dist[b] = (active >> b & 1) ? rk[first[b]] : 0; /* rank of the next target minus b's elements passed */
+    }
+    uint32_t left = active;
+    int64_t found = 0;
+    for (int64_t s = P->lo; s < P->hi && left; s += BLK) {
+        __m256i b0, b1;
+        uint64_t valid = ~0ull;
+        if (P->hi - s >= BLK) {
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 16 * k));
+                __m256i e = _mm256_and_si256(_mm256_srl_epi16(v, sh), emask);
+                q[k] = _mm256_min_epu16(_mm256_subs_epu16(e, elo), top);
+            }
+            b0 = pack16_8(q[0], q[1]);
+            b1 = pack16_8(q[2], q[3]);
+        } else { /* the partial last block: ids element by element, 255 past the end */
+            uint8_t ids[BLK];
+            int n = (int)(P->hi - s);
+            for (int j = 0; j < BLK; j++) ids[j] = j < n ? (uint8_t)bucket_of(P, base[s + j]) : 255;
+            b0 = _mm256_loadu_si256((const __m256i *)ids);
+            b1 = _mm256_loadu_si256((const __m256i *)(ids + 32));
+            valid = (1ull << n) - 1;
+        }
+        /* least id in the low lane, 255 - greatest in the high lane (255 padding excluded by
+         * the min; the max may be 255, which only widens the range) */
+        __m256i mn = _mm256_min_epu8(b0, b1);
+        __m256i nx = _mm256_xor_si256(_mm256_max_epu8(b0, b1), _mm256_set1_epi8(-1));
+        __m128i l = _mm_min_epu8(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+        __m128i h = _mm_min_epu8(_mm256_castsi256_si128(nx), _mm256_extracti128_si256(nx, 1));
+        __m256i r = _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
+        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 8));
+        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 4));
+        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 2));
+        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 1));
+        int lo = _mm256_extract_epi8(r, 0) & 0xFF, hi = 255 - (_mm256_extract_epi8(r, 16) & 0xFF);
+        if (hi > NB - 1) hi = NB - 1;
+        uint32_t want = left & (uint32_t)(((2ull << hi) - 1) & ~((1ull << lo) - 1));
+        uint64_t ev = 0;
+        for (; want; want &= want - 1) {
+            int b = __builtin_ctz(want);
+            __m256i bv = _mm256_set1_epi8((char)b);
+            uint64_t m = ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b0, bv)) |
+                          (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b1, bv)) << 32) & valid;
+            int64_t c = __builtin_popcountll(m), d = dist[b];
+            if (d >= c) { dist[b] = d - c; continue; }
+            const int64_t *rb = rk + first[b];
+            int64_t i = idx[b];
+            while (d < c) {
+                ev |= 1ull << select_bit(m, d);
+                if (++i == nbk[b]) { left &= ~(1u << b); break; }
+                d += rb[i] - rb[i - 1];
+            }
+            idx[b] = i;
+            dist[b] = d - c;
+        }
+        for (; ev; ev &= ev - 1) {
+            int64_t at = s + __builtin_ctzll(ev);
+            if (found >= nnz) return -1;
+            basev[found] = base[at];
+            bko[found] = (uint8_t)bucket_of(P, basev[found]);
+            pos[found++] = at;
+        }
+    }
+    return (left || found != nnz) ? -1 : 0;
+}
+#endif
+
 /* 0, -1 malformed, -2 allocation failure */
 static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
                                int64_t nnz) {
@@ -694,7 +781,14 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
         }
     }
     if (P->context) {
-        if (lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev, bm) < 0) goto out;
+        int rp;
+#if defined(__x86_64__)
+        if (HAVE_AVX2 && P->width == 2 && P->ebits)
+            rp = lanes_positions_avx2_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
+        else
+#endif
+            rp = lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev, bm);
+        if (rp < 0) goto out;
     } else {
         for (int64_t j = 0; j < nnz; j++) pos[j] += P->lo; /* rk is pos */
     }
