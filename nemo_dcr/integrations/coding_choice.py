@@ -293,14 +293,17 @@ class CodingChooser:
 
 
 def describe(choice: str, projections: Mapping[str, Projection]) -> str:
-    """One log line: the choice and every candidate's projected wall and bottleneck."""
+    """One log line: the choice and every candidate's projected wall, with the side that
+    bounds it and that side's two stages."""
     if not projections:
         return f"coding {choice} (not measured yet)"
     parts = []
     for c, p in projections.items():
-        stages = {"encode": p.encode_s, "upload": p.upload_s, "download": p.download_s, "decode": p.decode_s}
-        neck = max(stages, key=stages.get)
-        parts.append(f"{c} {p.wall_s:.3f}s ({neck})")
+        if p.encode_s + p.upload_s >= p.download_s + p.decode_s:
+            side = f"trainer: encode {p.encode_s:.3f} + upload {p.upload_s:.3f}"
+        else:
+            side = f"receivers: download {p.download_s:.3f} + decode {p.decode_s:.3f}"
+        parts.append(f"{c} {p.wall_s:.3f}s ({side})")
     return f"coding {choice}: projected " + ", ".join(parts)
 
 

@@ -96,6 +96,8 @@ def test_nothing_is_chosen_before_a_measurement():
                                   upload_wall_s=0, chunks=0))  # a version without changes says nothing
     assert ch.choose("plain") == ("plain", {})
     assert describe("plain", {}) == "coding plain (not measured yet)"
+    line = describe(*_chooser(link_mbps=6.25, rx_decode_s=0.2).choose("context"))
+    assert line.startswith("coding context: projected context 2.5") and "(receivers: download 1.920 + decode " in line
 
 
 def test_real_versions_rescale_the_probe_for_every_coding():
