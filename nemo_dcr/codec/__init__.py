@@ -7,7 +7,7 @@ untrusted chunk before any payload is decoded); ``stream_chunk`` admits the same
 decodes one record at a time.  Apply: ``apply_delta_(bits, delta)``.
 A manifest names a chunk by ``chunk_digest(data)``.
 """
-from nemo_dcr.codec import bucket, lanes, lanes_ref
+from nemo_dcr.codec import bucket, lanes
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.chunk import (
@@ -51,7 +51,6 @@ __all__ = [
     "apply_delta_",
     "bucket",
     "lanes",
-    "lanes_ref",
     "chunk_digest",
     "decode_chunk",
     "encode_chunk",
