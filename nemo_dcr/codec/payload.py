@@ -144,8 +144,9 @@ ENTROPY_CODINGS = frozenset({Coding.SPARSE_ZSTD, Coding.MODEL, Coding.BUCKET, Co
 
 #: Context-mode records of at least this many changed elements (and ``LANES_MIN_RANGE`` elements
 #: of range) are coded LANES alone by default: there its static tables cost less than BUCKET's
-#: adaptive learning and it encodes and decodes faster; below, the tables' cost shows.  Context-free,
-#: LANES decodes faster but encodes slower than BUCKET, so BUCKET stays (docs/benchmarks.md "Codec").
+#: adaptive learning and it decodes faster (and encodes about as fast); below, the tables' cost
+#: shows.  Context-free, LANES decodes faster but encodes slower than BUCKET, so BUCKET stays
+#: (docs/benchmarks.md "Codec").
 LANES_MIN_NNZ = 1 << 13
 LANES_MIN_RANGE = 1 << 14
 
