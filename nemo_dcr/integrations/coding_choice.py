@@ -41,6 +41,18 @@ number comes from:
   speed; and its download seconds: per byte ``D1`` what the trainer's puts cost per byte
   (``U1``; at most the whole download), the rest per request (``D0``).
 
+**Measured correction.**  The model sees each stage's own rate, not what the stages cost each
+other: where the trainer ranks, the receivers and the store share cores (a test bed on one
+machine, receivers on the trainer's nodes), their CPU seconds add instead of overlapping,
+and the model runs short of the walls measured.  So every version also measures its refit
+wall (the first chunk handed to the encoder -> the last ack, less the rank's diff and
+projection time, which no coding changes) and keeps, per coding, ``corr[c]`` = EWMA of measured
+/ modelled wall of the versions coded ``c`` (clamped to ``[1/4, 4]``); a projection is the
+model's wall x ``corr[c]``.  A coding not tried yet is projected by the model alone
+(``corr = 1``): where the model runs short, the in-use coding's measured walls are higher than
+what the others are projected at, so the others are tried, once each at most until one
+of them measures better; after that each is compared at its own measured correction.
+
 A term whose input is missing (no ack carried decode times) is left out of the max.  To
 stop the choice from flapping between two codings whose projections are within noise, the
 coding in use is kept unless another one is projected at least ``margin`` faster.
@@ -155,6 +167,9 @@ class VersionObservation:
     """The slowest receiver's decode wall (decode CPU seconds / its fetch threads)."""
     rx_download_s: float | None = None
     """The slowest receiver's download seconds (its ``download_s``)."""
+    wall_s: float | None = None
+    """The version's measured refit wall past its diff and projection (rank 0: the start of
+    the version -> every ack in, less the slowest rank's diff + projection seconds)."""
 
 
 @dataclass(frozen=True)
@@ -167,10 +182,16 @@ class Projection:
     download_s: float
     decode_s: float
     fill_s: float
+    corr: float = 1.0
+    """The measured correction of this coding (measured / modelled wall; 1: not measured)."""
+
+    @property
+    def model_wall_s(self) -> float:
+        return max(self.encode_s + self.upload_s, self.download_s + self.decode_s) + self.fill_s
 
     @property
     def wall_s(self) -> float:
-        return max(self.encode_s + self.upload_s, self.download_s + self.decode_s) + self.fill_s
+        return self.model_wall_s * self.corr
 
 
 def latency_share(puts: Sequence[tuple[int, float]]) -> float:
@@ -219,6 +240,9 @@ class CodingChooser:
     rx_scale: float | None = None
     """The slowest receiver's decode rate (raw bytes per second of decode wall) / the probe's
     local decode rate of the coding it decoded."""
+    wall_corr: dict[str, float] = field(default_factory=dict)
+    """Per coding, EWMA of its versions' measured / modelled wall (module docstring)."""
+    corr_bounds: tuple[float, float] = (0.25, 4.0)
     last: VersionObservation | None = None
     """The newest version with changes (its sizes are the next version's projection)."""
     history: list[str] = field(default_factory=list)
@@ -267,6 +291,12 @@ class CodingChooser:
         self.ratio_scale = _ewma(self.ratio_scale, (obs.wire_bytes / obs.raw_bytes) / p.ratio, a)
         if obs.rx_decode_s:
             self.rx_scale = _ewma(self.rx_scale, (obs.raw_bytes / obs.rx_decode_s) / p.decode_rate, a)
+        if obs.wall_s and obs.wall_s > 0:
+            model = self.project(obs.coding).model_wall_s  # at the rates just folded in
+            if model > 0:
+                lo, hi = self.corr_bounds
+                c = _ewma(self.wall_corr.get(obs.coding), obs.wall_s / model, a)
+                self.wall_corr[obs.coding] = min(max(c, lo), hi)
 
     def project(self, coding: str) -> Projection:
         """``coding``'s projected stages for a version the size of the last one (needs the probe
@@ -278,7 +308,7 @@ class CodingChooser:
         down = (self.download_fixed_s or 0.0) + wire * (self.download_s_per_byte or 0.0)
         dec = obs.raw_bytes / (p.decode_rate * self.rx_scale) if self.rx_scale else 0.0
         fill = (enc + up + down + dec) / max(1, obs.chunks)
-        return Projection(coding, enc, up, down, dec, fill)
+        return Projection(coding, enc, up, down, dec, fill, self.wall_corr.get(coding, 1.0))
 
     def choose(self, current: str) -> tuple[str, dict[str, Projection]]:
         """The coding for the next version and every candidate's projection ({} while the
@@ -303,7 +333,8 @@ def describe(choice: str, projections: Mapping[str, Projection]) -> str:
             side = f"trainer: encode {p.encode_s:.3f} + upload {p.upload_s:.3f}"
         else:
             side = f"receivers: download {p.download_s:.3f} + decode {p.decode_s:.3f}"
-        parts.append(f"{c} {p.wall_s:.3f}s ({side})")
+        corr = f", measured x{p.corr:.2f}" if p.corr != 1.0 else ""
+        parts.append(f"{c} {p.wall_s:.3f}s ({side}{corr})")
     return f"coding {choice}: projected " + ", ".join(parts)
 
 

@@ -684,7 +684,8 @@ class RefitSender:
                     per_rank = [(st.raw_bytes, st.encode_cpu_s, st.upload_s, sum(r.nbytes for r in rrefs), st.puts)
                                 for rrefs, st, _ in gathered]  # before _decide turns rank 0's into totals
                     decision = self._decide(flight.version, stats, gathered, before_manifest)
-                    decision = (*decision, self._next_coding(stats, per_rank, errors=any(e for _, _, e in gathered)))
+                    decision = (*decision, self._next_coding(stats, per_rank, errors=any(e for _, _, e in gathered),
+                                                             t_start=flight.t_start))
                 except BaseException as e:  # noqa: BLE001 - every rank waits for rank 0's word: send it
                     decision = f"rank 0: {type(e).__name__}: {e}"
             decision = from_rank0(decision, self._group)
@@ -705,7 +706,7 @@ class RefitSender:
             flight.outcomes = None
 
     def _next_coding(self, stats: PublishStats, per_rank: list[tuple[int, float, float, int, list]], *,
-                     errors: bool) -> str:
+                     errors: bool, t_start: float | None = None) -> str:
         """Rank 0, ``refit.coding=auto``: fold this version's measurements (``per_rank``: each
         rank's raw bytes, encode CPU s, put s, wire bytes, (bytes, put s) per chunk; the acks
         in ``stats``) into
@@ -734,7 +735,9 @@ class RefitSender:
                     upload_wall_s=max(r[2] for r in per_rank) / self.cfg.upload_workers,
                     wire_bytes=sum(r[3] for r in per_rank), chunks=sum(len(r[4]) for r in per_rank),
                     puts=tuple(p for r in per_rank for p in r[4]),
-                    rx_decode_s=max(decode, default=None), rx_download_s=max(download, default=None)))
+                    rx_decode_s=max(decode, default=None), rx_download_s=max(download, default=None),
+                    wall_s=None if t_start is None else
+                    time.perf_counter() - t_start - stats.diff_s - stats.project_s))
             choice, projections = chooser.choose(current)
         except Exception as e:  # noqa: BLE001 - keep the coding in use
             _log(f"nemo_dcr: coding after v{stats.version}: the choice failed, {current} kept: {type(e).__name__}: {e}")

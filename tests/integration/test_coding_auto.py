@@ -223,3 +223,49 @@ def test_a_latency_bound_store_does_not_charge_bigger_codings_as_bandwidth():
     per_byte = tuple((int(w), w / (24 * MB)) for w in sizes)
     _, proj = _chooser(link_mbps=24, rx_decode_s=0.2, puts=per_byte).choose("context")
     assert proj["fast"].upload_s == pytest.approx(2 * proj["context"].upload_s, rel=0.01)
+
+
+def _observe(ch: CodingChooser, coding: str, *, wall_s: float | None) -> None:
+    """One more version coded ``coding`` at the probe's rates over a 1000 MB/s link, its refit
+    having measured ``wall_s``."""
+    p = PROBE[coding]
+    wire = int(RAW * p.ratio)
+    ch.observe(VersionObservation(coding=coding, raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=wire,
+                                  encode_cpu_s=RAW / p.encode_rate, upload_wall_s=wire / (1000 * MB), chunks=10,
+                                  rx_decode_s=RAW / p.decode_rate / 2, rx_download_s=wire / (1000 * MB),
+                                  wall_s=wall_s))
+
+
+def test_measured_walls_correct_the_model_per_coding():
+    # a slow link makes context the model's pick; its measured walls then run 3x the model's
+    # (stages sharing cores add): the untried codings, still at the model's word, get tried
+    ch = _chooser(link_mbps=6.25, rx_decode_s=0.2)
+    ch.alpha = 1.0
+    modelled = ch.project("context").model_wall_s
+    assert ch.choose("context")[0] == "context"
+    ch.observe(VersionObservation(**{**ch.last.__dict__, "wall_s": 3 * modelled}))
+    choice, proj = ch.choose("context")
+    assert proj["context"].corr == pytest.approx(3.0) and proj["context"].wall_s == pytest.approx(3 * modelled)
+    assert choice != "context" and proj[choice].corr == 1.0, describe(choice, proj)
+    assert "measured x3.00" in describe(choice, proj)
+    # once tried, a coding is compared at its own measured correction: the one tried measured
+    # 4x its model, which puts it behind context's 3x, and it is left
+    ch.observe(VersionObservation(**{**ch.last.__dict__, "coding": choice,
+                                     "wall_s": 4 * ch.project(choice).model_wall_s}))
+    assert ch.wall_corr[choice] == pytest.approx(4.0, rel=0.2)
+    again, proj = ch.choose(choice)
+    assert again != choice and proj[choice].wall_s > proj["context"].wall_s, describe(again, proj)
+    # control: measured walls matching the model change nothing
+    ch2 = _chooser(link_mbps=6.25, rx_decode_s=0.2)
+    ch2.observe(VersionObservation(**{**ch2.last.__dict__, "wall_s": ch2.project("context").model_wall_s}))
+    assert ch2.wall_corr["context"] == pytest.approx(1.0) and ch2.choose("context")[0] == "context"
+
+
+def test_the_correction_is_clamped_and_ignores_versions_without_a_wall():
+    ch = _chooser(link_mbps=1000, rx_decode_s=0.08)
+    _observe(ch, "plain", wall_s=None)
+    assert ch.wall_corr == {}
+    _observe(ch, "plain", wall_s=1e6)
+    assert ch.wall_corr["plain"] == ch.corr_bounds[1]
+    _observe(ch, "fast", wall_s=1e-9)
+    assert ch.wall_corr["fast"] == ch.corr_bounds[0]
