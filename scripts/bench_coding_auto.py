@@ -2,7 +2,7 @@
 is ``auto`` within 10% of the best fixed coding at each (issue 19)?
 
     sudo .venv/bin/python scripts/bench_coding_auto.py [--links 50,1000,unshaped] [--rounds 3]
-        [--lead-in 2] [--lr 2.4e-6] [--model mid|link|small|tiny] [--out-dir benchmarks/results]
+        [--lead-in 2] [--lr 1e-5] [--model mid|link|small|tiny] [--out-dir benchmarks/results]
         [hydra overrides for nemo_dcr/configs/demo.yaml ...]
     .venv/bin/python scripts/bench_coding_auto.py --summarize-run RUN_DIR   # tables from a run's rows
 
@@ -29,10 +29,13 @@ Writes ``<out-dir>/coding_auto.{json,png}``: per case ``link_mbit`` (null = unsh
 ``coding``, ``wall_s`` (median), ``auto_over_best`` (auto's wall / the best fixed coding's
 at that link); prints a table.  Default model (``mid``): the link benchmark's widths with 4
 layers (hidden 1024, FFN 2816, vocabulary 32000: 110.6 M canonical parameters, 221 MB BF16),
-sequence 16, one sequence per step, so a CPU step is short (about 7 s with its refit).  On
-the project's 2-core VM the defaults (3 links x (2 + 3 x 4) steps + 1) took 400 s, and
-``--rounds 6`` (79 steps) about 11 min; the walls of one coding vary by up to 30% between
-rounds on a loaded machine, so more rounds give steadier medians.
+sequence 16, one sequence per step.  The default learning rate (1e-5) changes 5.6-7.8% of
+the elements per step, 5-12 MB of chunks per version depending on the coding, so that the
+50 Mbit/s link carries a share of the wall that differs between codings; at 2.4e-6 (1.7-2.2%,
+1.7-4 MB) the link bounds nothing here and every case is a CPU race.  On the project's
+2-core VM ``--rounds 6`` (79 steps) took 814 s at 1e-5 and 567 s at 2.4e-6; the walls of one
+coding vary by up to 30% between rounds on a loaded machine, so more rounds give steadier
+medians.
 """
 from __future__ import annotations
 
@@ -91,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--links", default="50,1000,unshaped", help="link rates in Mbit/s (each direction) or 'unshaped'")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per link (one step per coding each)")
     ap.add_argument("--lead-in", type=int, default=2, help="untimed auto steps at the start of each link")
-    ap.add_argument("--lr", type=float, default=2.4e-6, help="learning rate (a few %% of BF16 elements per step)")
+    ap.add_argument("--lr", type=float, default=1e-5,
+                    help="learning rate (1e-5: 5.6-7.8%% of BF16 elements change per step, 5-12 MB per version, "
+                         "enough for the 50 Mbit/s link to matter; 2.4e-6: 1.7-2.2%%, 1.7-4 MB, which no link here bounds)")
     ap.add_argument("--model", choices=sorted(_models()), default="mid")
     ap.add_argument("--setup-mbit", type=float, default=10000.0,
                     help="link rate for version 0, the final verification and 'unshaped'")
