@@ -2,7 +2,7 @@
 ("LANES: static tables, 16 rANS lanes"), not from ``codec/csrc/lanes.c``.
 
 Same call shape as ``_crans.lanes_encode`` / ``_crans.lanes_decode`` (the decoder returns its
-arrays instead of filling output buffers); tests/codec/test_lanes.py checks byte-identical
+arrays instead of filling output buffers); tests/codec/test_lanes_coding.py checks byte-identical
 payloads and that each decodes the other's.  Everything that decides a bit is plain Python
 integer arithmetic.  A few dozen interpreter operations per symbol: for records of a few
 thousand changed elements.  The decoder makes the checks the spec lists.
