@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nemo_dcr.codec import Coding, TensorDelta, decode_chunk, encode_chunk
+from nemo_dcr.errors import ValidationError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,9 +251,9 @@ class CodingChooser:
     def __post_init__(self) -> None:
         unknown = [c for c in self.candidates if c not in CODINGS]
         if unknown or not self.candidates:
-            raise ValueError(f"candidates must be among {sorted(CODINGS)}, got {self.candidates}")
+            raise ValidationError(f"candidates must be among {sorted(CODINGS)}, got {self.candidates}")
         if self.encode_parallel < 1:
-            raise ValueError(f"encode_parallel must be >= 1, got {self.encode_parallel}")
+            raise ValidationError(f"encode_parallel must be >= 1, got {self.encode_parallel}")
 
     @property
     def needs_probe(self) -> bool:
@@ -261,7 +262,7 @@ class CodingChooser:
     def record_probe(self, results: Mapping[str, ProbeResult]) -> None:
         missing = [c for c in self.candidates if c not in results]
         if missing:
-            raise ValueError(f"probe lacks {missing}")
+            raise ValidationError(f"probe lacks {missing}")
         self.probed = {c: results[c] for c in self.candidates}
 
     def observe(self, obs: VersionObservation) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from nemo_dcr.codec import Coding, DeltaOp, TensorDelta, bucket, decode_chunk, read_chunk_index
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.integrations.coding_choice import (
     AUTO_START,
     CODING_SETTINGS,
@@ -121,11 +122,11 @@ def test_missing_receiver_times_leave_their_terms_out():
 
 
 def test_bad_chooser_inputs_are_refused():
-    with pytest.raises(ValueError, match="candidates"):
+    with pytest.raises(ValidationError, match="candidates"):
         CodingChooser(encode_parallel=1, candidates=("context", "lz4"))
-    with pytest.raises(ValueError, match="encode_parallel"):
+    with pytest.raises(ValidationError, match="encode_parallel"):
         CodingChooser(encode_parallel=0)
-    with pytest.raises(ValueError, match="probe lacks"):
+    with pytest.raises(ValidationError, match="probe lacks"):
         CodingChooser(encode_parallel=1).record_probe({"context": PROBE["context"]})
     assert encode_parallelism(upload_workers=8, local_ranks=10**6) == 1
     assert CODING_SETTINGS == ("auto", *CODINGS) and AUTO_START in CODINGS

@@ -579,7 +579,7 @@ __attribute__((noinline)) static int lanes_positions(const Params *P, uint32_t a
  * mask there; the bucket's distance to its next target rank either falls inside the block
  * (select the element, advance to the next rank) or shrinks by the mask's count.  Blocks go
  * in order, so positions come out in order; no per-segment bitmaps are stored or walked
- * again.  Same arrays as lanes_positions (tests/codec/test_lanes.py). */
+ * again.  Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
 AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
                                         const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko,
                                         uint64_t *basev) {
