@@ -40,7 +40,6 @@ medians.
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib.util
 import json
 import os
@@ -50,7 +49,7 @@ import sys
 import time
 
 from nemo_dcr.integrations.coding_choice import AUTO, CODINGS
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -361,22 +360,13 @@ def _main(args) -> int:
     stale = lb.remove_stale_links()
     if stale:
         _progress(f"removed namespaces left by killed runs: {', '.join(stale)}")
-    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = [round(x, 2) for x in os.getloadavg()]
     git = git_state(ROOT)
     args.rates = [m for m in args.links if m is not None]  # the link probes (bench_refit_link.Run.execute)
     args.stream = True
     run = _run_class()(args, cfg, run_dir)
-    atexit.register(run.cleanup)
-    restore = _interrupt_on_sigterm()
-    try:
-        out = run.execute()
-    finally:
-        try:
-            run.cleanup()
-        finally:
-            restore()
+    out = execute_run(run)
     rows = _read_rows(os.path.join(run_dir, "steps.jsonl"))
     return finish(args, cfg, rows, out["plan"], {"git": git, "loadavg_start": load0, "link_probe": out["link_checks"],
                                                  "wall_s": round(out["wall_s"], 1), "run_dir": run_dir})
@@ -402,20 +392,11 @@ def summarize_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_dcr.errors import DcrError
-
-    try:
+    def body() -> int:
         args = parse_args(argv)
         return summarize_run(args) if args.summarize_run else _main(args)
-    except BenchError as e:
-        _progress(f"error: {e}")
-        return e.exit_code
-    except KeyboardInterrupt:
-        _progress("interrupted; stopped every process and removed the link")
-        return 130
-    except (DcrError, OSError, TimeoutError) as e:
-        _progress(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
-        return 1
+
+    return run_cli("bench_coding_auto", body)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ version's ``diff_s + project_s`` (each the slowest rank's).  Writes
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib.util
 import json
 import os
@@ -42,7 +41,7 @@ import subprocess
 import sys
 import time
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 from nemo_dcr.testbed.linkbench import sh as _sh
 from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
@@ -359,20 +358,11 @@ def _main(args) -> int:
     stale = lb.remove_stale_links()
     if stale:
         _progress(f"removed namespaces left by killed runs: {', '.join(stale)}")
-    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = os.getloadavg()
     git = git_state(ROOT)
     run = _run_class()(args, cfg, run_dir)
-    atexit.register(run.cleanup)
-    restore = _interrupt_on_sigterm()
-    try:
-        out = run.execute()
-    finally:
-        try:
-            run.cleanup()
-        finally:
-            restore()
+    out = execute_run(run)
     link = {"namespace": run.link.ns, "host_if": run.link.host_if, "ns_if": run.link.ns_if,
             "host_addr": run.link.host_addr, "ns_addr": run.link.ns_addr}
     return write_results(args, cfg, out, {"git": git, "loadavg_start": load0, "link": link, "run_dir": run_dir})
@@ -481,20 +471,11 @@ def write_results(args, cfg, out: dict, extra: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_dcr.errors import DcrError
-
-    try:
+    def body() -> int:
         args = parse_args(argv)
         return summarize_run(args) if args.summarize_run else _main(args)
-    except BenchError as e:
-        _progress(f"error: {e}")
-        return e.exit_code
-    except KeyboardInterrupt:
-        _progress("interrupted; stopped every process and removed the link")
-        return 130
-    except (DcrError, OSError, TimeoutError) as e:
-        _progress(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
-        return 1
+
+    return run_cli("bench_pipeline", body)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ model takes ~110 s at 50 Mbit/s (311 MB put, then got, each way at the link rate
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import re
@@ -50,7 +49,7 @@ import subprocess
 import sys
 import time
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
 from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
@@ -506,19 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml (after the defaults: "
                     + " ".join(MODEL) + ")")
     args = ap.parse_args(argv)
-    from nemo_dcr.errors import DcrError
-
-    try:
-        return _main(args)
-    except BenchError as e:
-        _progress(f"error: {e}")
-        return e.exit_code
-    except KeyboardInterrupt:
-        _progress("interrupted; stopped every process and removed the link")
-        return 130
-    except (DcrError, OSError, TimeoutError) as e:  # e.g. the store failing after its retries
-        _progress(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
-        return 1
+    return run_cli("bench_refit_link", lambda: _main(args))
 
 
 def _main(args) -> int:
@@ -546,20 +533,11 @@ def _main(args) -> int:
     stale = remove_stale_links()
     if stale:
         _progress(f"removed namespaces left by killed runs: {', '.join(stale)}")
-    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = os.getloadavg()
     git = git_state(ROOT)
     run = Run(args, cfg, run_dir)
-    atexit.register(run.cleanup)
-    restore = _interrupt_on_sigterm()
-    try:
-        out = run.execute()
-    finally:
-        try:
-            run.cleanup()
-        finally:
-            restore()
+    out = execute_run(run)
 
     records = out["records"]
     cases = []

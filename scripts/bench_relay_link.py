@@ -52,7 +52,6 @@ Writes ``<out-dir>/relay_link.{json,png}``; prints a table on stdout, progress o
 from __future__ import annotations
 
 import argparse
-import atexit
 import bisect
 import json
 import os
@@ -67,7 +66,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, fresh_run_dir, git_state, progress
+from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
 from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
@@ -980,20 +979,11 @@ def _main(args) -> int:
     stale = remove_stale_links()
     if stale:
         _progress(f"removed namespaces left by killed runs: {', '.join(stale)}")
-    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
 
     load0 = os.getloadavg()
     git = git_state(ROOT)
     run = Run(args, cfg, run_dir)
-    atexit.register(run.cleanup)
-    restore = _interrupt_on_sigterm()
-    try:
-        out = run.execute()
-    finally:
-        try:
-            run.cleanup()
-        finally:
-            restore()
+    out = execute_run(run)
 
     records = out["records"]
     cases = []
@@ -1078,19 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
         return trainer_main(argv[1:])
     if argv and argv[0] == "probe":
         return probe_main(argv[1:])
-    from nemo_dcr.errors import DcrError
-
-    try:
-        return _main(parse_args(argv))
-    except BenchError as e:
-        _progress(f"error: {e}")
-        return e.exit_code
-    except KeyboardInterrupt:
-        _progress("interrupted; stopped every process and removed the link")
-        return 130
-    except (DcrError, OSError, TimeoutError) as e:
-        _progress(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
-        return 1
+    return run_cli("bench_relay_link", lambda: _main(parse_args(argv)))
 
 
 if __name__ == "__main__":

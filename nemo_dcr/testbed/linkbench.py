@@ -4,12 +4,14 @@ prerequisites and run directory, shell calls, stale network namespaces of a kill
 argument parsing, the git state and the JSON files they write.  Test bed, not product."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 class BenchError(Exception):
@@ -22,6 +24,40 @@ class BenchError(Exception):
 
 def progress(tag: str, msg: str) -> None:
     print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_cli(tag: str, body: Callable[[], int]) -> int:
+    """A link benchmark's command line: ``body()``'s exit code, or one line on stderr per
+    failure and its code (a BenchError its own, Ctrl-C 130, a library, OS or timeout error 1)."""
+    from nemo_dcr.errors import DcrError
+
+    try:
+        return body()
+    except BenchError as e:
+        progress(tag, f"error: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        progress(tag, "interrupted; stopped every process and removed the link")
+        return 130
+    except (DcrError, OSError, TimeoutError) as e:  # e.g. the store failing after its retries
+        progress(tag, f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1
+
+
+def execute_run(run) -> dict:
+    """``run.execute()`` of a benchmark's ``Run``, its processes stopped and its link removed
+    however it ends: on return, on an exception, at interpreter exit and on SIGTERM."""
+    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
+
+    atexit.register(run.cleanup)
+    restore = _interrupt_on_sigterm()
+    try:
+        return run.execute()
+    finally:
+        try:
+            run.cleanup()
+        finally:
+            restore()
 
 
 def sh(*cmd: str, check: bool = True) -> str:
