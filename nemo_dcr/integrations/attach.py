@@ -232,7 +232,8 @@ class RefitAttachment:
         """Collective: at the end of training, wait for the version still in flight (the
         pipelined refit) and return its metrics; None when nothing was in flight.  The
         framework callbacks call it at train end; a loop of its own calls it after its last
-        step, or the last version stays undecided on the store (receivers keep waiting)."""
+        step.  A process that ends without it settles the version in flight at interpreter
+        exit or SIGTERM (``RefitSender.settle_on_exit``: bounded, its metrics unreported)."""
         if self.hook is None:
             return None
         t_enter = time.perf_counter()

@@ -42,6 +42,10 @@ What Bridge's loop does, and what follows for the refit:
   checkpoint carries is taken once its iteration's version is decided: at the next
   iteration's event, or, for the newest iteration, when its save is reported (rank 0 waits
   for that decision there; the other ranks learn it at their next event).
+* An exit condition (``exit_duration_in_mins``, ``exit_interval``, a signal) ends the job
+  with ``sys.exit()`` in ``train.py`` BEFORE ``on_train_end``: the last version is then
+  settled at interpreter exit by the sender itself (``RefitSender.settle_on_exit``, bounded
+  by ``sender.exit_settle_bound_s``), so receivers end on it; its metrics are not logged.
 * Per decided version, ``refit/*`` scalars (``RefitMetrics.scalars()``: version, committed,
   committed version, wire bytes, compression, changed %, receivers, joined, evicted, refit
   seconds, trainer pause) go to ``context.state.tensorboard_logger`` (``add_scalar``) and

@@ -14,10 +14,13 @@ acknowledged the version.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -52,6 +55,26 @@ from nemo_dcr.protocol.run import RunState, claim_store, resume_position
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.protocol.snapshot import prune_snapshots, write_snapshot
 from nemo_dcr.transport.store import ObjectStore
+
+
+EXIT_PUBLISH_GRACE_S = 60.0
+"""Settling on exit (:meth:`RefitSender.settle_on_exit`): how long rank 0 waits for the
+version in flight to reach its manifest (its ranks' remaining uploads, their chunk refs
+gathered to rank 0).  Past it the version is given up before anything names it: no manifest,
+no HEAD, so receivers stay on the committed version."""
+EXIT_DECIDE_GRACE_S = 10.0
+"""Settling on exit: beyond ``ack_timeout_s`` from the manifest's publication, the time left
+for the decision record's (retried) put; rank 0 then gives the other ranks this long again
+to receive the decision."""
+_SETTLE_ON_EXIT = True
+"""Private switch for tests: False runs a process without the exit settle (the old
+behaviour, a control), set before the first version is submitted."""
+
+
+def exit_settle_bound_s(ack_timeout_s: float) -> float:
+    """The longest :meth:`RefitSender.settle_on_exit` holds a rank at interpreter exit or
+    SIGTERM: the publish grace, the ack timeout and the decide grace."""
+    return EXIT_PUBLISH_GRACE_S + ack_timeout_s + EXIT_DECIDE_GRACE_S
 
 
 class ReceiverRefused(ProtocolError):
@@ -215,6 +238,18 @@ class _InFlight:
     applied: bool = False
     next_coding: str = ""
     """The coding rank 0 decided for the next version ('' = unchanged)."""
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    """Guards the exit fields below (rank 0's background work and :meth:`RefitSender.settle_on_exit`)."""
+    publishing_at: float | None = None
+    """Rank 0: ``time.monotonic()`` when the manifest's publication began (None: not yet)."""
+    recorded: bool = False
+    """Rank 0: the background work is past the decision (recorded, or failed before any)."""
+    abandoned: bool = False
+    """Rank 0: the process exits and gave up on this version before its manifest: never publish it."""
+    exit_settled: bool = False
+    """:meth:`RefitSender.settle_on_exit` ran for this version (it reports once)."""
+    outcome: tuple | str | None = None
+    """Rank 0: the decision as recorded (what the background work broadcasts), for the exit report."""
 
 
 class RefitSender:
@@ -525,6 +560,7 @@ class RefitSender:
         flight.thread = threading.Thread(target=self._background, args=(flight, pool, futures, error, before_manifest),
                                          name=f"dcr-refit-v{version}", daemon=True)
         self._inflight = flight
+        _watch_exit(self)
         flight.thread.start()
         return settled
 
@@ -567,7 +603,8 @@ class RefitSender:
     def finish(self) -> PublishStats | None:
         """Collective: drain the pipeline at the end of training (the last version is decided
         and reported, and a snapshot upload still running is waited for); the callbacks call
-        it at train end.  Otherwise the same as :meth:`settle`."""
+        it at train end.  Otherwise the same as :meth:`settle`.  A process that ends without
+        it settles the version in flight anyway (:meth:`settle_on_exit`)."""
         try:
             return self.settle()
         finally:
@@ -659,6 +696,90 @@ class RefitSender:
         else:
             self.baseline.discard()
 
+    # ------------------------------------------------------------------ exit
+    @staticmethod
+    def _may_publish(flight: _InFlight) -> bool:
+        """Rank 0, the background work, before the manifest: False once the exit settle gave
+        up on ``flight`` (the process is exiting: a manifest now would have no decision)."""
+        with flight.cond:
+            if flight.abandoned:
+                return False
+            flight.publishing_at = time.monotonic()
+            flight.cond.notify_all()
+            return True
+
+    @staticmethod
+    def _mark_recorded(flight: _InFlight, outcome: tuple | str | None = None) -> None:
+        with flight.cond:
+            if not flight.recorded:
+                flight.recorded, flight.outcome = True, outcome
+            flight.cond.notify_all()
+
+    def settle_on_exit(self, why: str = "interpreter exit") -> str | None:
+        """This rank alone, no collective, bounded: at interpreter exit (``atexit``) or on
+        SIGTERM, let the version in flight reach its decision, so that receivers are not left
+        waiting on a version whose trainer is gone (a loop that never calls :meth:`finish`,
+        Megatron-Bridge's ``sys.exit()`` before ``on_train_end``).  Returns a one-line
+        report on rank 0 (also logged), None elsewhere or when nothing was in flight.
+
+        The background work decides as always: rank 0 publishes the manifest once every
+        rank's chunk refs are in, waits for the acks (``ack_timeout_s``) and records commit
+        only if every member acknowledged these bytes -- the joint-commit invariant is the
+        one of a normal settle.  What this adds is the bounded wait, and on rank 0 the
+        refusal to publish late: if the manifest is not being published within
+        ``EXIT_PUBLISH_GRACE_S`` (a peer rank gone, its collectives torn down), the version
+        is given up before anything names it, so receivers stay on the committed version.
+        Once published, rank 0 waits for the decision record up to ``ack_timeout_s +
+        EXIT_DECIDE_GRACE_S`` from the publication; the other ranks wait for their
+        background work at most :func:`exit_settle_bound_s`.  The decision is not applied
+        to the baseline (the process is ending; a Python SIGTERM handler chained after this
+        that lets training go on leaves it to the next :meth:`settle`)."""
+        flight = self._inflight
+        if flight is None or flight.applied or flight.thread is None or flight.thread.ident is None:
+            return None
+        with flight.cond:
+            if flight.exit_settled:
+                return None
+            flight.exit_settled = True
+        t0 = time.monotonic()
+        v = flight.version
+        if _rank() != 0:
+            flight.thread.join(exit_settle_bound_s(self.cfg.ack_timeout_s))
+            return None
+        with flight.cond:
+            while not flight.recorded and flight.thread.is_alive():
+                if flight.publishing_at is None:
+                    left = t0 + EXIT_PUBLISH_GRACE_S - time.monotonic()
+                    if left <= 0:
+                        flight.abandoned = True
+                        break
+                else:
+                    left = flight.publishing_at + self.cfg.ack_timeout_s + EXIT_DECIDE_GRACE_S - time.monotonic()
+                    if left <= 0:
+                        break
+                flight.cond.wait(min(left, 0.5))
+            recorded, outcome, abandoned = flight.recorded, flight.outcome, flight.abandoned
+        waited = time.monotonic() - t0
+        if recorded:  # let the other ranks receive the decision (they are released by it)
+            flight.thread.join(EXIT_DECIDE_GRACE_S)
+        if isinstance(outcome, tuple):
+            commit, reason = outcome[0], outcome[1]
+            report = (f"version {v} committed" if commit else f"version {v} aborted: {reason}")
+        elif isinstance(outcome, str):
+            report = f"version {v} not decided: {outcome}"
+        elif recorded or not flight.thread.is_alive():
+            report = f"version {v} not decided: {flight.failure or 'the background refit ended without a decision'}"
+        elif abandoned:
+            report = (f"version {v} given up, never published: its manifest was not reached within "
+                      f"{EXIT_PUBLISH_GRACE_S:.0f} s (a trainer rank gone?); receivers stay on version "
+                      f"{self.baseline.version}")
+        else:
+            report = (f"version {v} published but not decided within {self.cfg.ack_timeout_s + EXIT_DECIDE_GRACE_S:.0f} s "
+                      "of its publication; receivers wait for its decision until their timeout")
+        report = f"at {why}, after {waited:.1f} s: {report}"
+        _log(f"nemo_dcr: {report}")
+        return report
+
     def _background(self, flight: _InFlight, pool: ThreadPoolExecutor, futures: list[Future], error: str | None,
                     before_manifest) -> None:
         """One version after the hook returned, on every rank: finish the uploads, send the
@@ -679,7 +800,9 @@ class RefitSender:
             stats.publish_s = time.perf_counter() - flight.t_start
             gathered = _gather_to0((refs, stats, error), self._group)
             decision: tuple | str | None = None
-            if _rank() == 0:
+            if _rank() == 0 and not self._may_publish(flight):
+                decision = f"rank 0: the trainer process exited before version {flight.version} was published"
+            elif _rank() == 0:
                 try:
                     per_rank = [(st.raw_bytes, st.encode_cpu_s, st.upload_s, sum(r.nbytes for r in rrefs), st.puts)
                                 for rrefs, st, _ in gathered]  # before _decide turns rank 0's into totals
@@ -688,6 +811,7 @@ class RefitSender:
                                                              t_start=flight.t_start))
                 except BaseException as e:  # noqa: BLE001 - every rank waits for rank 0's word: send it
                     decision = f"rank 0: {type(e).__name__}: {e}"
+            self._mark_recorded(flight, decision)
             decision = from_rank0(decision, self._group)
             if isinstance(decision, str):
                 raise ProtocolError(decision)
@@ -696,6 +820,7 @@ class RefitSender:
         except BaseException as e:  # noqa: BLE001 - kept for settle(), which raises it on every rank
             flight.failure = f"{type(e).__name__}: {e}"
             flight.commit, flight.stop = False, False
+        self._mark_recorded(flight)
         # every rank learns every rank's outcome here, off the training loop, so that settle()
         # needs no collective: the hook never waits for a slower rank to reach it
         try:
@@ -801,3 +926,68 @@ class RefitSender:
             # an unrecorded abort is safe: receivers infer it from the chain of the next HEAD
             reason += f"; decision record not written ({type(e).__name__}: {e})"
         return commit, reason, self._failures.record(commit), decision_digest
+
+
+# ---------------------------------------------------------------------- settling on exit
+_exit_senders: weakref.WeakSet = weakref.WeakSet()
+_exit_hooks = {"installed": False, "settling": False}
+
+
+def _watch_exit(sender: RefitSender) -> None:
+    """Settle ``sender``'s version in flight at interpreter exit and on SIGTERM (installed
+    once per process, at the first submitted version, unless ``_SETTLE_ON_EXIT`` is off)."""
+    if not _SETTLE_ON_EXIT:
+        return
+    _exit_senders.add(sender)
+    if _exit_hooks["installed"]:
+        return
+    _exit_hooks["installed"] = True
+    atexit.register(_settle_all, "interpreter exit")
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread: atexit still settles
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None or previous is signal.SIG_IGN:
+        # a handler installed outside Python cannot be chained; an ignored SIGTERM stays ignored
+        if _rank() == 0:
+            _log("nemo_dcr: SIGTERM has a handler this process cannot chain (or is ignored): the version in "
+                 "flight is settled at interpreter exit only")
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(previous, signum, frame))
+
+
+def _settle_all(why: str) -> None:
+    if _exit_hooks["settling"]:
+        return
+    _exit_hooks["settling"] = True
+
+    def one(sender: RefitSender) -> None:
+        try:
+            sender.settle_on_exit(why)
+        except Exception as e:  # noqa: BLE001 - exiting: report, never raise
+            _log(f"nemo_dcr: settling on {why} failed: {type(e).__name__}: {e}")
+
+    try:
+        senders = [s for s in list(_exit_senders) if s.in_flight is not None]
+        if len(senders) == 1:  # the usual case: one refit per process, waited for on this thread
+            one(senders[0])
+            return
+        # several (a test process): side by side, so the wait is the longest one's, not their sum
+        threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in senders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _exit_hooks["settling"] = False
+
+
+def _on_sigterm(previous, signum, frame) -> None:
+    """Settle (bounded; a second SIGTERM meanwhile skips straight to the next step), then
+    do what SIGTERM did before: the previous Python handler, or the default (terminate
+    by the signal)."""
+    _settle_all("SIGTERM")
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -85,7 +85,7 @@ def latest_checkpoint(root: str) -> int | None:
 def train(*, bridge, callbacks, state: GlobalState, model: list, optimizer, train_iters: int,
           step_fn: Callable[[int], Iteration], save_fn: Callable[[str, int], None] | None = None,
           after_step_end: Callable[[int, Iteration], None] | None = None,
-          after_checkpoint: Callable[[int], None] | None = None) -> None:
+          after_checkpoint: Callable[[int], None] | None = None, exit_after: int = 0) -> None:
     """Run iterations until ``state.train_state.step == train_iters``.
 
     bridge: Bridge's callbacks module; callbacks: what ``pretrain(..., callbacks=...)`` takes.
@@ -95,6 +95,9 @@ def train(*, bridge, callbacks, state: GlobalState, model: list, optimizer, trai
         barrier before ``on_checkpoint_save`` (Bridge's ``_post_save_global_barrier``).
     after_step_end(iteration, result): the caller's own check after ``on_train_step_end``.
     after_checkpoint(step): after ``on_checkpoint_save`` (e.g. a test kills the job there).
+    exit_after: Bridge's exit condition (``exit_interval``, ``exit_duration_in_mins``, a
+        signal) is met after this iteration (0: never): as ``train.py`` does, the loop breaks
+        after the iteration's checkpoint and ``sys.exit(0)`` is called BEFORE ``on_train_end``.
     """
     import torch.distributed as dist
 
@@ -131,4 +134,10 @@ def train(*, bridge, callbacks, state: GlobalState, model: list, optimizer, trai
             fire("on_checkpoint_save")
             if after_checkpoint is not None:
                 after_checkpoint(step)
+        if exit_after and step >= exit_after:  # train.py's checkpoint_and_decide_exit: break, then sys.exit
+            break
+    if exit_after and state.train_state.step >= exit_after:
+        import sys
+
+        sys.exit(0)  # train.py: `if should_exit: ... sys.exit(exit_code)`, on_train_end never fires
     fire("on_train_end")  # Bridge 0.6.2's train(): after the loop and its final save

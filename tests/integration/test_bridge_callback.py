@@ -307,3 +307,48 @@ def test_bridge_vpp_every_second_iteration_bit_exact(bridge, tmp_path):
     assert receiver.returncode == 0, rx_out[-4000:]
     _clean(out)
     _check_versions(tmp_path, store, dense, dump, [2, 4])
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["exit-settle", "control-no-exit-settle"])
+def test_bridge_exit_condition_sys_exit_before_on_train_end_leaves_the_last_version_decided(bridge, tmp_path,
+                                                                                           settle):
+    """Bridge 0.6.2's ``train.py`` on an exit condition (``exit_duration_in_mins``,
+    ``exit_interval``, a signal): break, then ``sys.exit()`` before ``on_train_end``, with the
+    pipelined refit's last version (3) in flight.  The refit settles it at interpreter exit:
+    the receiver ends on version 3, committed and bit-exact, and the trainer exits within the
+    exit settle's bound (a bounded wait).  Control, the exit settle switched off (the
+    behaviour before it): the job exits at once and version 3 has no decision record, so a
+    receiver waiting on it would wait until its own timeout (this one stops at version 2)."""
+    from nemo_dcr.integrations.sender import exit_settle_bound_s
+    from nemo_dcr.protocol.manifest import Decision, decision_key
+    from nemo_dcr.transport.store import LocalDirStore
+
+    store, dense, dump = tmp_path / "store", tmp_path / "dense", tmp_path / "dump"
+    dense.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "bridge_exit_worker.py"), "--store", str(store), "--dense", str(dense),
+           "--iters", "5", "--exit-after", "3", *([] if settle else ["--no-exit-settle"])]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _wait_for_version0(store, trainer)
+    receiver = _receiver(store, dump, 3 if settle else 2, env)
+    out, _ = trainer.communicate(timeout=300 + exit_settle_bound_s(300))  # start-up + the exit settle's bound
+    rx_out, _ = receiver.communicate(timeout=600)
+    # the control's job may even fail: a rank's background refit still inside a gloo collective
+    # when the interpreter ends is killed by std::terminate (seen: rank 1 SIGABRT)
+    assert trainer.returncode == 0 or not settle, out[-4000:]
+    assert "worker: exit condition after iteration 3; version 3 in flight (decided: 2)" in out, out[-4000:]
+    assert "on_train_end fired" not in out  # Bridge's order: sys.exit first
+    assert receiver.returncode == 0, rx_out[-4000:]
+    _clean(out)
+    decisions = LocalDirStore(str(store))
+    assert Decision.from_json(decisions.get(decision_key(2))).commit
+    if settle:
+        _check_versions(tmp_path, store, dense, dump, [1, 2, 3])
+        assert Decision.from_json(decisions.get(decision_key(3))).commit
+        assert "nemo_dcr: at interpreter exit, after" in out and "version 3 committed" in out, out[-4000:]
+        done = [json.loads(line) for line in rx_out.splitlines() if line.startswith("{") and '"done"' in line]
+        assert done and done[-1]["held"] == 3, rx_out[-4000:]
+    else:
+        assert not decisions.exists(decision_key(3)), out[-4000:]
+        assert sorted(os.listdir(dump)) == ["v1.safetensors", "v2.safetensors"]
