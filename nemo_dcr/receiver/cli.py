@@ -4,11 +4,13 @@ runtime (any name in ``receiver/registry.py``) at the versions a store publishes
 Exit status: 0 when the run ended as asked (``--until-version``); 2 with one line on
 stderr for bad input, found before anything is loaded (arguments, the receiver id, the
 store URI, the key file, options the runtime does not support); 1 with one line on stderr
-for a run that failed (``DcrError``, a timeout).
+for a run that failed (``DcrError``, a timeout, a local file error such as a full
+``--state-dir``: ENOSPC).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import tempfile
@@ -97,6 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, *setup)
     except (DcrError, TimeoutError) as e:
         return _fail(f"{type(e).__name__}: {e}", 1)
+    except OSError as e:  # the local disk: a full or unwritable --state-dir, a missing file
+        return _fail(_os_error(e, args), 1)
+
+
+def _os_error(e: OSError, args) -> str:
+    """One line for a local file error; a full disk names what to do about it."""
+    line = f"{type(e).__name__}: {e}"
+    if e.errno == errno.ENOSPC:
+        where = f"--state-dir {args.state_dir}" if args.state_dir else "the state directory"
+        line = f"{where} is full ({line}): free space and restart"
+        if args.persistent_weights:
+            line += ("; the weights there are repaired from the apply journal at the restart (the version "
+                     "being recorded is rolled back, then fetched again)")
+    return line
 
 
 def _fail(message: str, status: int) -> int:
@@ -156,7 +172,8 @@ def _serve(args, store, sealer, cfg, options) -> int:
         print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": session.run_id,
                           "held": session.committed}), flush=True)
         session.run(until_version=args.until_version, timeout_s=args.timeout_s)
-        print(json.dumps({"receiver": args.receiver_id, "done": True, "held": session.committed,
+        # the version held now (session.committed is the one held at the start)
+        print(json.dumps({"receiver": args.receiver_id, "done": True, "held": session.follower.state.committed,
                           "origin_chunk_bytes": origin_chunk_bytes(store)}), flush=True)  # the demo sums these
     return 0
 

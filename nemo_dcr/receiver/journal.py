@@ -127,7 +127,15 @@ class ApplyJournal:
                  "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
                               "element_range": list(e.element_range) if e.element_range else None}
                              for e in self._entries]}
-        write_durably(os.path.join(self.directory, _STATE), lambda p: write_text(p, json.dumps(state)))
+        try:
+            write_durably(os.path.join(self.directory, _STATE), lambda p: write_text(p, json.dumps(state)))
+        except OSError:
+            if phase == "writing":  # nothing written to the weights yet: no journal of this version either
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
 
     @classmethod
     def load(cls, directory: str) -> ApplyJournal:
@@ -163,10 +171,22 @@ def write_text(path: str, text: str) -> None:
 def write_durably(path: str, write) -> None:
     """``write(tmp)``, fsync, then rename over ``path``: a crash leaves the old file or the new."""
     tmp = path + ".tmp"
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        # e.g. ENOSPC: ``path`` keeps its old content; the partial temporary file goes, so
+        # a full disk is not made fuller.  The OSError itself propagates unchanged: it is
+        # not a refusal the follower may answer and go on from (the weights may already
+        # hold bits this record was to describe); the receiver stops, and a restart
+        # repairs from the journal.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_committed(path: str, version: int, digest: str) -> None:

@@ -1,5 +1,7 @@
 """``nemo-dcr receive``: bad input is one line on stderr and exit status 2, found before a
 run is waited for or a model loaded; every runtime in the registry is accepted."""
+import os
+
 import pytest
 
 from nemo_dcr import cli
@@ -69,3 +71,142 @@ def test_a_run_that_fails_is_exit_1(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("nemo-dcr receive: ProtocolError: ") and "no run record" in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+# --- a run followed in this process: the `done` line, a full --state-dir -----------------------
+
+NAME = "model.layers.0.mlp.down_proj.weight"
+
+
+def _trainer(tmp_path):
+    """The real sender in this process (no torch.distributed): one trainer parameter mapped
+    onto the receiver's ``down_proj`` of layer 0 (as in test_persistent_restart.py)."""
+    import torch
+    from receiver_helpers import llama
+
+    from nemo_dcr.integrations.hf_export import write_checkpoint
+    from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
+    from nemo_dcr.layout.shards import ParamView, ShardSpec
+    from nemo_dcr.protocol.signing import new_key_file
+    from nemo_dcr.transport.store import LocalDirStore
+
+    key = new_key_file(str(tmp_path / "key"))
+    model = llama(seed=5)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    w = state[NAME].clone()
+    spec = ShardSpec(key="w", local_shape=tuple(w.shape), global_shape=tuple(w.shape), global_offset=(0, 0),
+                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
+    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
+                     ffn_hidden_size=8, vocab_size=8)
+    store = LocalDirStore(str(tmp_path / "store"))
+    sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
+                         CanonicalProjector((Rule("w", {"": NAME}),), dims), store,
+                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=60,
+                                      ack_poll_s=0.02))
+    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
+                                     run_id=sender.claim()))
+    return sender, w, key
+
+
+def _refits(sender, w, versions, out: dict):
+    import threading
+
+    import torch
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        for v in versions:
+            b = w.view(torch.int16).view(-1)
+            idx = torch.randperm(b.numel(), generator=g)[:64]
+            b[idx] ^= 1 << 2
+            out[v] = sender.refit(v)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _events(text: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_the_done_line_names_the_version_held_at_the_end(tmp_path, capsys, monkeypatch):
+    """The last JSON line, ``done``, prints the committed version the receiver ended on (3),
+    not the one it started on (0: the ``ready`` line's, which the done line repeated)."""
+    monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
+    sender, w, key = _trainer(tmp_path)
+    out: dict = {}
+    t = _refits(sender, w, (1, 2, 3), out)
+    argv = [*_base(tmp_path), "--key-file", key, "--until-version", "3", "--timeout-s", "60"]
+    assert receive_cli.main(argv) == 0
+    t.join(60)
+    assert [out[v].committed for v in (1, 2, 3)] == [True, True, True]
+    events = _events(capsys.readouterr().out)
+    ready = next(e for e in events if e.get("ready"))
+    done = events[-1]
+    assert done["done"] is True and done["held"] == 3, events
+    assert ready["held"] == 0  # control: the held version the session started with differs
+
+
+def test_a_full_state_dir_is_one_line_exit_1_and_a_restart_repairs(tmp_path, capsys, monkeypatch):
+    """ENOSPC on the state dir with --persistent-weights, while the receiver records the
+    version it committed (``journal.write_committed``): one line on stderr, exit status 1
+    (a run that failed), nothing half-written left behind, and a restart over the same
+    weights repairs from the journal and ends on the committed version, bit-exact.
+
+    A full disk cannot be made here (no tmpfs of our own): the fault is injected at the
+    journal's one file-writing seam, ``journal.write_text`` (it writes half the text, then
+    raises ``OSError(ENOSPC)`` as a full disk would), for ``committed.json`` only."""
+    import errno
+
+    import torch
+    from safetensors.torch import load_file
+
+    from nemo_dcr.receiver import journal
+
+    monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
+    sender, w, key = _trainer(tmp_path)
+    real = journal.write_text
+    hits = []
+
+    def full_disk(path: str, text: str) -> None:
+        if os.path.basename(path).startswith("committed.json"):
+            hits.append(path)
+            real(path, text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, text)
+
+    monkeypatch.setattr(journal, "write_text", full_disk)
+    out: dict = {}
+    t = _refits(sender, w, (1,), out)
+    state = tmp_path / "state"
+    argv = [*_base(tmp_path), "--key-file", key, "--until-version", "1", "--timeout-s", "60",
+            "--persistent-weights", "--state-dir", str(state), "--dump-dir", str(tmp_path / "dump")]
+    assert receive_cli.main(argv) == 1
+    t.join(60)
+    assert out[1].committed  # the receiver had acknowledged it: the trainer committed v1
+    err = capsys.readouterr().err.strip().splitlines()  # also transformers' "Loading weights" progress
+    ours = [x for x in err if x.startswith("nemo-dcr receive:")]
+    assert len(ours) == 1 and err[-1] == ours[0] and not [x for x in err if "Traceback" in x], err
+    line = ours[0]
+    assert line.startswith(f"nemo-dcr receive: --state-dir {state} is full (OSError: [Errno 28] No space left on "
+                           "device: "), line
+    assert "repaired from the apply journal at the restart" in line, line
+    assert hits and not os.path.exists(hits[0]) and not (state / "committed.json").exists()
+    assert (state / "journal" / "journal.json").exists()  # v1's journal: what the restart repairs from
+
+    monkeypatch.setattr(journal, "write_text", real)  # space freed: the same command again
+    assert receive_cli.main(argv) == 0
+    events = _events(capsys.readouterr().out)
+    repaired = [e for e in events if e.get("event") == "repaired"]
+    assert repaired and repaired[0]["version"] == 1 and repaired[0]["held"] == 0, events
+    assert events[-1]["done"] and events[-1]["held"] == 1, events
+    got = load_file(str(tmp_path / "dump" / "v1.safetensors"))[NAME]
+    assert torch.equal(got.view(torch.int16), w.view(torch.int16))
+    flipped = got.clone()
+    flipped.view(torch.int16).view(-1)[3] ^= 1  # control: one flipped bit is seen
+    assert not torch.equal(flipped.view(torch.int16), w.view(torch.int16))
+    assert (state / "committed.json").exists()
