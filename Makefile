@@ -26,7 +26,8 @@ BRIDGE_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versi
 # * test_shim_reports_and_scopes_its_patches: the CPU shim's patches on 0.19 (one launch);
 # * test_refit_layouts.py qwen3_moe-ep2 (MoE experts, expert parallelism, Qwen3 q/k norms) and
 #   llama-tied-pp2 (tied embeddings across pipeline stages);
-# * test_param_gather.py: the distributed optimizer's deferred param gather the hook forces.
+# * test_param_gather.py: the distributed optimizer's deferred param gather the hook forces;
+# * test_exit_settle.py: settling at interpreter exit, where Python 3.12 refuses new threads.
 # Left to .venv's run: the NeMo callback (test_callbacks.py; NeMo 2.7.3 pins megatron-core
 # 0.16.1), the test bed's own training checks, and layouts whose megatron paths the above
 # already take (qwen3-tp2, distopt-dp2, uneven-pp2, the 4-rank ones). Node ids are quoted: [].
@@ -35,7 +36,7 @@ BRIDGE_TESTS := tests/integration/test_bridge_callback.py tests/layout \
 	tests/megatron/test_megatron_training.py::test_shim_reports_and_scopes_its_patches \
 	'tests/integration/test_refit_layouts.py::test_layout_refits_bit_exactly[qwen3_moe-ep2]' \
 	'tests/integration/test_refit_layouts.py::test_layout_refits_bit_exactly[llama-tied-pp2]' \
-	tests/integration/test_param_gather.py
+	tests/integration/test_param_gather.py tests/integration/test_exit_settle.py
 
 # Test lanes (docs/testing.md).  tests/conftest.py marks every test that starts a process
 # (torchrun, vLLM, moto_server, a receiver, a `python -c` probe) `spawns`, and fails a test

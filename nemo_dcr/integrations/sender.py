@@ -972,9 +972,16 @@ def _settle_all(why: str) -> None:
             one(senders[0])
             return
         # several (a test process): side by side, so the wait is the longest one's, not their sum
-        threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in senders]
-        for t in threads:
-            t.start()
+        # (at interpreter exit on Python >= 3.12 no thread can start: one after the other)
+        threads = []
+        for s in senders:
+            t = threading.Thread(target=one, args=(s,), daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                one(s)
+                continue
+            threads.append(t)
         for t in threads:
             t.join()
     finally:

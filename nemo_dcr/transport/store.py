@@ -276,7 +276,8 @@ class _Attempt:
 
 def _in_watched_thread(fn: Callable[[_Attempt], Any], att: _Attempt) -> Any:
     """Run ``fn(att)`` in a daemon thread; give up on it at ``att.deadline`` (a thread
-    stuck in the kernel cannot be killed: it is left behind, marked abandoned)."""
+    stuck in the kernel cannot be killed: it is left behind, marked abandoned).  At
+    interpreter shutdown on Python >= 3.12 (no new threads): on this thread, unwatched."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -288,7 +289,14 @@ def _in_watched_thread(fn: Callable[[_Attempt], Any], att: _Attempt) -> Any:
         finally:
             done.set()
 
-    threading.Thread(target=target, name="nemo-dcr-store-call", daemon=True).start()
+    try:
+        threading.Thread(target=target, name="nemo-dcr-store-call", daemon=True).start()
+    except RuntimeError:
+        # Python >= 3.12 refuses new threads at interpreter shutdown ("can't create new thread
+        # at interpreter shutdown"), where the refit's exit settle still reads acks and writes
+        # the decision: the attempt runs on the calling thread, bounded by the back end's own
+        # timeouts (socket, s3fs) instead of the watchdog; the exit settle bounds its wait
+        target()
     while not done.wait(max(0.0, att.deadline - time.monotonic())):
         if time.monotonic() >= att.deadline:
             att.abandoned = True

@@ -268,3 +268,24 @@ def test_an_abandoned_local_put_publishes_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert not store.exists("v/00000002/MANIFEST.json")
     assert list(d.iterdir()) == []
+
+
+def test_store_calls_work_where_no_thread_can_start(tmp_path, monkeypatch):
+    """Python >= 3.12 refuses new threads at interpreter shutdown ("can't create new thread
+    at interpreter shutdown"), where the refit's exit settle still reads acks and writes the
+    decision.  Simulated here by a Thread.start that raises as 3.12's does: the calls run on
+    the calling thread and succeed.  Control: the same start raising without the fallback
+    (calling the watchdog's thread directly) is the RuntimeError the exit settle hit."""
+    store = LocalDirStore(str(tmp_path / "s"), policy=StorePolicy(timeout_s=5, retries=0))
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):  # control: a thread really cannot start
+        threading.Thread(target=print).start()
+    store.put("v/00000001/DECISION.json", b"{}")
+    assert store.get("v/00000001/DECISION.json") == b"{}"
+    assert store.stat("v/00000001/DECISION.json").size == 2
+    with pytest.raises(ObjectNotFound):
+        store.get("v/00000002/DECISION.json")
