@@ -64,6 +64,7 @@ from nemo_dcr.protocol.manifest import (
 from nemo_dcr.protocol.reader import DocReader
 from nemo_dcr.protocol.run import read_run
 from nemo_dcr.protocol.signing import Sealer
+from nemo_dcr.transport.failover import answered_by
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -99,6 +100,30 @@ def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, time
         if deadline is not None and time.monotonic() > deadline:
             raise ProtocolError(f"store {store.uri}: no run record (RUN.json) within {timeout_s}s")
         time.sleep(poll_s)
+
+
+HEAD_PROBE_S = 10.0
+"""How long ``HEAD.json`` may name nothing newer than what a receiver answered before it
+asks the other upstreams of its list for a newer one (once; then again every this long
+while it stays so).  What a relay that freezes or hides ``HEAD.json`` costs: at most this
+long per version it hides (it is then demoted for the list's ``retry_after_s``); what the
+probe costs a quiet run: one read of ``HEAD.json`` per upstream per this long."""
+
+
+def _names(version: int):
+    """A document's check: it names ``version`` (a genuine document of another version under
+    this key is refused, and asked of the next upstream)."""
+    return lambda doc: None if doc.version == version else f"names version {doc.version}, not {version}"
+
+
+def _ack_missed(reason: str, receiver_id: str) -> bool:
+    """Whether an abort's reason names ``receiver_id``'s ack as not read by the trainer.
+    The reason is the trainer's ``; ``-joined ``"<receiver>: <why>"`` list
+    (``CommitCoordinator.collect_acks``); a receiver that acked ``ok`` appears in it only
+    when its ack was missing (``no acknowledgement``), unreadable (``ack rejected: ...``,
+    e.g. flipped on the way) or not read (``store error reading its ack``): a valid ``ok``
+    ack adds nothing.  The decision carries no per-receiver field, so this is its text."""
+    return any(part.startswith(f"{receiver_id}: ") for part in reason.split("; "))
 
 
 class _Broken(ProtocolError):
@@ -137,26 +162,43 @@ class Follower:
         self._requested: tuple[int, str] | None = None  # (version, digest) of the last join request written
         self._log = log or (lambda event: print(json.dumps(event), flush=True))
         self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
+        self._head_moved = time.monotonic()  # when HEAD.json last named a version not answered yet
+        self._acked: dict[int, str] = {}  # version -> uri of the upstream that took its ok ack (last 2)
 
     # ------------------------------------------------------------------ reads
     def _decision(self, version: int) -> tuple[Decision, str] | None:
-        """(decision, digest of its bytes) of ``version``, if present and authentic."""
-        got = self.docs.read(decision_key(version), Decision)
-        if got is None:
-            return None
-        if got.doc.version != version:
-            self.docs.reject(decision_key(version), f"names version {got.doc.version}")
-            return None
-        return got.doc, got.digest
+        """(decision, digest of its bytes) of ``version``, if present and authentic.  Every
+        decision this follower reads is one its signed evidence says exists or will (a
+        version it answered, a base a signed manifest names): one that an upstream does
+        not serve, or serves for another version, is asked of the next (``DocReader``)."""
+        got = self.docs.read(decision_key(version), Decision, check=_names(version), expect=True)
+        return None if got is None else (got.doc, got.digest)
 
     def _manifest(self, version: int) -> tuple[Manifest, str] | None:
-        got = self.docs.read(manifest_key(version), Manifest)
-        if got is None:
-            return None
-        if got.doc.version != version:
-            self.docs.reject(manifest_key(version), f"names version {got.doc.version}")
-            return None
-        return got.doc, got.digest
+        """(manifest, digest) of ``version``; named by a signed ``HEAD.json`` or decision, so
+        expected like a decision."""
+        got = self.docs.read(manifest_key(version), Manifest, check=_names(version), expect=True)
+        return None if got is None else (got.doc, got.digest)
+
+    def _head(self) -> Head | None:
+        """``HEAD.json``; when it has named nothing newer than what this receiver answered
+        for ``HEAD_PROBE_S``, the other upstreams are asked once for a newer one (a relay
+        that serves a frozen or hidden ``HEAD.json`` is left), and again every
+        ``HEAD_PROBE_S`` while it stays so."""
+        got = self.docs.read(HEAD_KEY, Head)
+        handled = self.state.handled
+        if got is not None and got.doc.version > handled:
+            self._head_moved = time.monotonic()
+            return got.doc
+        now = time.monotonic()
+        if now - self._head_moved < HEAD_PROBE_S:
+            return None if got is None else got.doc
+        self._head_moved = now
+        newer = self.docs.probe(HEAD_KEY, Head, check=lambda h: None if h.version > handled
+                                else f"names v{h.version}, not newer than v{handled}")
+        if newer is not None:
+            return newer.doc
+        return None if got is None else got.doc
 
     # ------------------------------------------------------------------ membership
     def _membership(self, d: Decision) -> None:
@@ -229,6 +271,8 @@ class Follower:
             d = Decision(run_id=st.run_id, version=st.awaiting, base_version=min(st.committed, st.awaiting - 1),
                          commit=False, receivers=(),
                          reason=f"no decision record; v{m.version}'s chain does not pass through v{st.awaiting}")
+        if not d.commit and d.version in self._acked and _ack_missed(d.reason, self.receiver_id):
+            self._ack_lost(d.version)
         if d.commit and st.tentative == d.version and d.manifest_digest != st.tentative_digest:
             # committed bytes other than the ones applied under this number: what this
             # receiver applied was not committed
@@ -334,9 +378,24 @@ class Follower:
                    **{k: v for k, v in stats.items() if k in ("composed_changed", "changed", "wire_bytes")}})
         return True
 
+    def _ack_lost(self, version: int) -> None:
+        """The trainer aborted ``version`` without this receiver's ``ok`` ack, which it wrote:
+        the upstream that took it (a relay that dropped or altered it) is left for the next
+        one, through which the next versions' acks go."""
+        uri = self._acked.pop(version)
+        demote = getattr(self.store, "demote", None)
+        left = bool(uri) and demote is not None and demote(uri, f"the trainer did not read this receiver's "
+                                                               f"ack of v{version} written through it")
+        self._log({"receiver": self.receiver_id, "version": version, "event": "ack lost",
+                   "written_through": uri, "left": left})
+
     def _put_ack(self, ack: Ack) -> None:
         try:
             self.store.put(ack_key(self.receiver_id, ack.version), ack.to_json(self.sealer))
+            if ack.ok:
+                self._acked[ack.version] = answered_by(self.store)
+                while len(self._acked) > 2:
+                    del self._acked[min(self._acked)]
         except TransportError as e:
             # the trainer misses this ack and aborts at its timeout; the decision settles us
             self._log({"receiver": self.receiver_id, "version": ack.version, "store_error": "ack put",
@@ -393,12 +452,13 @@ class Follower:
         """One poll; True when something happened (so the caller need not sleep)."""
         st = self.state
         if st.awaiting is not None:
+            self._head_moved = time.monotonic()  # not idle: HEAD_PROBE_S counts from the settling
             return self._settle()
-        head = self.docs.read(HEAD_KEY, Head)
-        if head is None or head.doc.version <= st.handled:
+        head = self._head()
+        if head is None or head.version <= st.handled:
             self._request_join()  # nothing newer published: the held version is the latest commit
             return self._prefetch()
-        got = self._manifest(head.doc.version)
+        got = self._manifest(head.version)
         if got is None:
             return False
         manifest, digest = got
@@ -422,7 +482,7 @@ class Follower:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 what = (f"decision on v{self.state.awaiting}" if self.state.awaiting is not None
-                        else f"a version after v{self.state.handled}")
+                        else f"version after v{self.state.handled}")
                 raise TimeoutError(f"receiver {self.receiver_id}: no {what} within {timeout_s}s")
             time.sleep(poll_s)
         return self.state.committed

@@ -18,6 +18,16 @@ list (the grandparent, ..., the origin store).  ``FailoverStore`` is that list:
 * what the node already holds is never fetched again: the store keeps nothing, the
   caller (relay spool, receiver's decoded chunks) does, and only asks for what it lacks.
 
+**Second opinions** (``second_opinion``): a caller that can tell a genuine copy of a
+document (it opens with the run's key and says what the caller's signed evidence expects)
+asks every upstream in order for one when the upstream it read from rejected, refused
+(too large) or did not have it.  Upstreams that disagreed are demoted only when another
+one serves a genuine copy: a document that no upstream has (not written yet) or that fails
+everywhere (a forgery planted at the origin, which every faithful relay passes on) demotes
+nobody.  ``answered_by()`` names the upstream that answered this thread's last call, so a
+reader can key what it caches to the upstream it came from, and ``demote`` lets a caller
+leave an upstream on evidence of its own (an ack the trainer never saw).
+
 Writes (``put``: acks through a relay) follow the same order.  Counters per upstream
 (``upstream_stats``) tell how many bytes each served, chunk bytes apart: the demo's
 ``origin_read_bytes`` and the relay benchmark read them.
@@ -75,6 +85,7 @@ class FailoverStore:
         self._stats = [UpstreamStats(s.uri, is_relay(s)) for s in self.stores]
         self.switches = 0
         self._last: int | None = None
+        self._tls = threading.local()  # .source: uri of the upstream that answered this thread's last call
 
     # ------------------------------------------------------------------ bookkeeping
     def _order(self) -> list[int]:
@@ -95,6 +106,23 @@ class FailoverStore:
                 self.switches += 1
                 _log.warning("%s: now reading from %s (was %s)", self.uri, st.uri, self._stats[self._last].uri)
             self._last = i
+        self._tls.source = st.uri
+
+    def answered_by(self) -> str:
+        """The uri of the upstream that answered this thread's last successful call ('' before any)."""
+        return getattr(self._tls, "source", "")
+
+    def demote(self, uri: str, why: str) -> bool:
+        """Leave the upstream ``uri`` for ``retry_after_s`` on the caller's evidence (e.g. the
+        trainer's signed decision says an ack written through it never arrived).  False when
+        ``uri`` is not an upstream of this list, or the only one."""
+        if len(self.stores) < 2:
+            return False
+        for i, st in enumerate(self._stats):
+            if st.uri == uri:
+                self._demote(i, why, bad_bytes=True)
+                return True
+        return False
 
     def _demote(self, i: int, why: str, *, bad_bytes: bool = False) -> None:
         with self._lock:
@@ -187,6 +215,59 @@ class FailoverStore:
             reason = f"{self.stores[i].uri}: {why}"
         raise VerificationFailed(f"{self.uri}: {key!r}: no upstream served good bytes; last: {reason}",
                                  uri=self.uri, op="get", key=key) from last
+
+
+    def second_opinion(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],
+                       skip: Callable[[str, str], bool] | None = None) -> tuple[bytes, str] | None:
+        """The first genuine copy of ``key`` (``check`` returns None) any upstream serves, in
+        order, with the uri of the upstream that served it; None when none does.  The
+        upstreams that had none (not found, too large, ``check`` failed) before the one
+        that served it are demoted (they lied or lag); when no upstream serves one nobody
+        is demoted (the document may not exist yet).  ``skip(uri, tag)``: an identity this
+        caller already judged bad is not read again (one ``stat`` instead of a ``get``)."""
+        disagreed: list[tuple[int, str]] = []
+        for i in self._order():
+            up = self.stores[i]
+            try:
+                if skip is not None:
+                    info = up.stat(key)
+                    if info is None:
+                        disagreed.append((i, "not found"))
+                        continue
+                    if skip(up.uri, info.tag):
+                        disagreed.append((i, "serves a copy already refused"))
+                        continue
+                blob = up.get(key, max_bytes=max_bytes)
+            except (ObjectNotFound, FormatError, ValidationError) as e:
+                disagreed.append((i, str(e)))
+                continue
+            except TransportError as e:
+                self._demote(i, str(e))
+                continue
+            why = check(blob)
+            if why is not None:
+                disagreed.append((i, why))
+                continue
+            for j, reason in disagreed:
+                self._demote(j, f"{key}: {reason}, while {up.uri} serves a genuine copy", bad_bytes=True)
+            self._served(i, len(blob))
+            return blob, up.uri
+        return None
+
+
+def second_opinion(store: ObjectStore, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],
+                   skip: Callable[[str, str], bool] | None = None) -> bytes | None:
+    """:meth:`FailoverStore.second_opinion` on an upstream list of two or more; None on any
+    other store (there is nobody else to ask)."""
+    if not isinstance(store, FailoverStore) or len(store.stores) < 2:
+        return None
+    got = store.second_opinion(key, max_bytes=max_bytes, check=check, skip=skip)
+    return None if got is None else got[0]
+
+
+def answered_by(store: ObjectStore) -> str:
+    """Which upstream answered this thread's last call on ``store`` ('' for a plain store)."""
+    return store.answered_by() if isinstance(store, FailoverStore) else ""
 
 
 def fetch_verified(store: ObjectStore, key: str, *, max_bytes: int | None,

@@ -1,0 +1,229 @@
+"""A lying relay can only delay: after one bad answer the next version commits.
+
+The trainer writes to a real directory store (the origin).  Each receiver reads through an
+upstream list (``transport/failover.py``): a lying relay first, the origin after it.  The
+liar is a small ``ObjectStore`` wrapper over the origin that, for chosen keys and a chosen
+number of times, swaps a document for another genuine one (another version's), answers
+413, hides it (404 for HEAD and GET), serves a frozen ``HEAD.json``, or drops or flips an
+ack it is asked to write.  Each case has a control without the second upstream (the liar
+alone), where the same lie costs the version.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
+
+from nemo_dcr.protocol import follower as follower_mod
+from nemo_dcr.protocol.manifest import HEAD_KEY, Decision, ack_key, decision_key, manifest_key
+from nemo_dcr.transport.failover import FailoverStore
+from nemo_dcr.transport.store import LocalDirStore, ObjectInfo, ObjectNotFound, ObjectTooLarge
+
+
+class Liar:
+    """A relay over ``inner`` that lies about the keys of its rules.  A rule is
+    ``(pattern, kind, times)``: ``kind`` in ``swap:<key>`` (serve that key's genuine bytes,
+    with the asked key's own tag), ``413``, ``hide`` (404 for stat and get), ``freeze``
+    (serve the copy held when the rule was added), ``drop`` / ``flip`` (puts); ``times``:
+    how many answers lie (None: every one).  A read lies only where the origin has the key
+    (a lie about something not there yet is just "not found")."""
+
+    is_relay = True
+
+    def __init__(self, inner: LocalDirStore, uri: str = "relay://liar:1"):
+        self.inner, self.uri = inner, uri
+        self.rules: list[list] = []
+        self.lies = 0
+
+    def lie(self, pattern: str, kind: str, times: int | None = 1) -> Liar:
+        frozen = self.inner.get_with_info(pattern.replace("\\", "")) if kind == "freeze" else None
+        self.rules.append([re.compile(pattern), kind, times, frozen])
+        return self
+
+    def _rule(self, key: str, kinds: tuple[str, ...]):
+        for r in self.rules:
+            if r[0].fullmatch(key) and r[1].split(":")[0] in kinds and (r[2] is None or r[2] > 0):
+                return r
+        return None
+
+    def _take(self, r) -> str:
+        if r[2] is not None:
+            r[2] -= 1
+        self.lies += 1
+        return r[1]
+
+    def stat(self, key):
+        info = self.inner.stat(key)
+        r = self._rule(key, ("hide", "freeze"))
+        if info is None or r is None:
+            return info
+        if r[1] == "freeze":
+            return r[3][1]
+        self._take(r)
+        return None
+
+    def exists(self, key):
+        return self.stat(key) is not None
+
+    def get_with_info(self, key, *, max_bytes=None):
+        data, info = self.inner.get_with_info(key, max_bytes=max_bytes)
+        r = self._rule(key, ("swap", "413", "hide", "freeze"))
+        if r is None:
+            return data, info
+        kind = r[1] if r[1] == "freeze" else self._take(r)
+        if kind == "hide":
+            raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object")
+        if kind == "413":
+            raise ObjectTooLarge(self.uri, key, 1 << 30, max_bytes or 0)
+        if kind == "freeze":
+            return r[3]
+        other = self.inner.get(kind.split(":", 1)[1])
+        return other, ObjectInfo(key, len(other), info.tag)  # the genuine copy's identity
+
+    def get(self, key, *, max_bytes=None):
+        return self.get_with_info(key, max_bytes=max_bytes)[0]
+
+    def put(self, key, data):
+        r = self._rule(key, ("drop", "flip"))
+        if r is None:
+            return self.inner.put(key, data)
+        if self._take(r) == "flip":
+            self.inner.put(key, data.replace(b'"ok": true', b'"ok": false'))
+        # drop: answered 204, not forwarded
+
+    def list(self, prefix, *, limit=None):
+        return self.inner.list(prefix, limit=limit)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+
+def _run(tmp_path, key, lies, *, failover=True, versions=3, ack_timeout_s=3.0):
+    """Train ``versions`` versions with one receiver reading through the liar (then the
+    origin, with ``failover``); returns (per-version committed, receiver, liar, trainer
+    bits, failover store)."""
+    rng = np.random.default_rng(7)
+    w = torch.randn(32, 16).to(torch.bfloat16)
+    sender, origin = _sender(tmp_path, {"w": w}, key, ack_timeout_s=ack_timeout_s)
+    liar = Liar(LocalDirStore(origin.uri))
+    fs = FailoverStore([liar, LocalDirStore(origin.uri + "/.")]) if failover else liar
+    r = Rx("r0", fs, key, sender.run_id, w)
+    r.start(until=versions)
+    committed = {}
+    for v in range(1, versions + 1):
+        if v in lies:
+            lies[v](liar)
+        _step(w, rng)
+        committed[v] = sender.refit(v).committed
+    r.join()
+    return committed, r, liar, bits_of(w), fs
+
+
+def _swap_decision(v):
+    return lambda liar: liar.lie(re.escape(decision_key(v)), f"swap:{decision_key(v - 1)}")
+
+
+CASES = {
+    "one swapped decision": {2: _swap_decision(2)},
+    "one 413 for a decision": {2: lambda liar: liar.lie(re.escape(decision_key(2)), "413")},
+    "one 413 for a manifest": {2: lambda liar: liar.lie(re.escape(manifest_key(2)), "413")},
+    "one swapped manifest": {2: lambda liar: liar.lie(re.escape(manifest_key(2)), f"swap:{manifest_key(1)}")},
+    "every manifest hidden": {2: lambda liar: liar.lie(r"v/\d+/MANIFEST\.json", "hide", None)},
+    "every decision hidden": {2: lambda liar: liar.lie(r"v/\d+/DECISION\.json", "hide", None)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_after_one_lie_about_a_document_the_version_commits(tmp_path, key, case):
+    committed, r, liar, want, fs = _run(tmp_path, key, dict(CASES[case]))
+    # the lie was told (a hidden document: or the receiver's bounded ask found it at the
+    # origin before the liar was asked for it; the liar is demoted either way, below)
+    assert liar.lies >= 1 or "hidden" in case
+    assert committed == {1: True, 2: True, 3: True}
+    np.testing.assert_array_equal(r.w, want)
+    assert [e for e in r.events if e.get("event") == "document read from the next upstream"]
+    assert fs.upstream_stats()[0]["bad_bytes"] >= 1  # the liar was demoted
+
+
+@pytest.mark.parametrize("case", ["one swapped decision", "every manifest hidden"])
+def test_control_the_same_lie_without_a_second_upstream_costs_the_version(tmp_path, key, case):
+    """Negative control: with the liar as the only upstream the receiver has nobody else to
+    ask: the lied-about version does not commit (the receiver stays on the one before)."""
+    with pytest.raises(TimeoutError, match="no decision on v2|no version after"):
+        _run(tmp_path, key, dict(CASES[case]), failover=False, versions=2, ack_timeout_s=1.0)
+
+
+def test_control_an_honest_relay_commits_without_a_second_opinion(tmp_path, key):
+    committed, r, liar, want, fs = _run(tmp_path, key, {})
+    assert committed == {1: True, 2: True, 3: True} and liar.lies == 0
+    np.testing.assert_array_equal(r.w, want)
+    assert not [e for e in r.events if e.get("event") == "document read from the next upstream"]
+    assert fs.upstream_stats()[0]["failures"] == 0 and fs.upstream_stats()[0]["current"]
+
+
+@pytest.mark.parametrize("kind", ["drop", "flip"])
+def test_a_relay_that_drops_or_flips_acks_costs_one_version(tmp_path, key, kind):
+    """Every ack written through the liar is dropped (answered, not forwarded) or flipped:
+    v2 aborts for "no acknowledgement" / "ack rejected"; the receiver, which acked ok, leaves
+    the relay it wrote through, and v3's ack goes to the origin: v3 commits."""
+    lies = {2: lambda liar: liar.lie(r"acks/r0/.*", kind, None)}
+    committed, r, liar, want, fs = _run(tmp_path, key, lies, ack_timeout_s=1.0)
+    assert committed == {1: True, 2: False, 3: True}
+    lost = [e for e in r.events if e.get("event") == "ack lost"]
+    assert [e["version"] for e in lost] == [2] and lost[0]["written_through"] == liar.uri and lost[0]["left"]
+    np.testing.assert_array_equal(r.w, want)
+    assert liar.lies == 1  # v3's ack did not go through it
+
+
+def test_control_acks_dropped_without_a_second_upstream_abort_every_version(tmp_path, key):
+    lies = {2: lambda liar: liar.lie(r"acks/r0/.*", "drop", None)}
+    committed, r, liar, want, fs = _run(tmp_path, key, lies, failover=False, ack_timeout_s=1.0)
+    assert committed == {1: True, 2: False, 3: False}
+    assert [e["left"] for e in r.events if e.get("event") == "ack lost"] == [False, False]
+
+
+def test_ack_missed_reads_the_trainers_reason_for_this_receiver_only():
+    m = follower_mod._ack_missed
+    assert m("r0: no acknowledgement within 20s", "r0")
+    assert m("r1: not ok; r0: ack rejected: bad signature within 20s", "r0")
+    assert not m("r1: no acknowledgement within 20s", "r0")  # another receiver's
+    assert not m("r10: no acknowledgement within 20s", "r1")
+    assert not m("1 member(s) ['r0'], fewer than min_receivers=2", "r0")
+
+
+def test_a_frozen_head_is_left_after_the_probe_interval(tmp_path, key, monkeypatch):
+    """The liar serves the HEAD.json of v1 for ever (a frozen tag): after HEAD_PROBE_S with
+    nothing newer the receiver asks the origin, sees v2, and leaves the liar."""
+    monkeypatch.setattr(follower_mod, "HEAD_PROBE_S", 0.3)
+    lies = {2: lambda liar: liar.lie(re.escape(HEAD_KEY), "freeze", None)}
+    committed, r, liar, want, fs = _run(tmp_path, key, lies)
+    assert committed == {1: True, 2: True, 3: True}
+    np.testing.assert_array_equal(r.w, want)
+    assert fs.upstream_stats()[0]["bad_bytes"] >= 1
+
+
+def test_control_a_frozen_head_without_a_second_upstream_stalls(tmp_path, key, monkeypatch):
+    monkeypatch.setattr(follower_mod, "HEAD_PROBE_S", 0.3)
+    lies = {2: lambda liar: liar.lie(re.escape(HEAD_KEY), "freeze", None)}
+    with pytest.raises(TimeoutError, match="no version after v1"):
+        _run(tmp_path, key, lies, failover=False, versions=2, ack_timeout_s=1.0)
+
+
+def test_a_hidden_head_is_asked_of_the_next_upstream(tmp_path, key, monkeypatch):
+    monkeypatch.setattr(follower_mod, "HEAD_PROBE_S", 0.3)
+    lies = {2: lambda liar: liar.lie(re.escape(HEAD_KEY), "hide", None)}
+    committed, r, liar, want, fs = _run(tmp_path, key, lies)
+    assert committed == {1: True, 2: True, 3: True}
+    np.testing.assert_array_equal(r.w, want)
+
+
+def test_swapped_decision_is_genuine_but_of_another_version(tmp_path, key):
+    """The lie in "one swapped decision" is a genuine signed document: only the version
+    check refuses it (so the test exercises the caller's check, not the signature)."""
+    committed, r, liar, want, fs = _run(tmp_path, key, {2: _swap_decision(2)})
+    ignored = [e for e in r.events if e.get("ignored") == decision_key(2)]
+    assert len(ignored) == 1 and "names version 1, not 2" in ignored[0]["error"]
+    assert Decision.from_json(LocalDirStore(fs.stores[1].uri).get(decision_key(2))).version == 2
