@@ -113,18 +113,89 @@ RELAY_CLASSES = ("relay_kill", "relay_stop", "relay_flip", "relay_restart_empty"
 PIPELINE_CLASSES = ("trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged",
                     "store_stall_inflight")
 ELASTIC_CLASSES = ("receiver_dies", "receiver_joins_midversion", "join_forged")
-CLASSES = STORE_CLASSES + RELAY_CLASSES + PIPELINE_CLASSES
+# a relay that lies to its children (relay epochs; testbed/relay_faults.py's LyingStore): one
+# wrong document answer, documents hidden or HEAD frozen, acks dropped or flipped, bootstrap
+# objects flipped or stalled.  Checked for safety as every trial and for liveness: a version
+# within LIAR_BOUNDS commits with every receiver on it (a "failure" otherwise)
+LIAR_CLASSES = ("relay_doc_lie", "relay_hides", "ack_drop", "bootstrap_lie")
+RELAY_TREE_CLASSES = RELAY_CLASSES + LIAR_CLASSES  # they need a relay epoch
+# the driver alone, in an epoch of any kind: planted keys (a key-less writer), a claim race
+# (trainers starting on one fresh prefix at once, the product's claim_store in N processes)
+DRIVER_CLASSES = ("planted_keys", "claim_race")
+# pipelined epochs only: the trainer's loop ends in sys.exit() with a version in flight, without
+# finish() (Bridge's exit_duration_in_mins); ends the epoch
+EXIT_CLASSES = ("exit_without_finish",)
+PIPELINE_EPOCH_CLASSES = PIPELINE_CLASSES + EXIT_CLASSES  # they make an epoch pipelined
+CLASSES = STORE_CLASSES + RELAY_CLASSES + PIPELINE_CLASSES + LIAR_CLASSES + DRIVER_CLASSES + EXIT_CLASSES
 # store classes that also run in a relay epoch (they need no store injector in the receivers)
 RELAY_EPOCH_CLASSES = ("none", "apply_exception", "one_refuses")
 # --classes aliases
-CLASS_GROUPS = {"store": STORE_CLASSES, "relay": ("none",) + RELAY_CLASSES, "pipeline": ("none",) + PIPELINE_CLASSES}
+CLASS_GROUPS = {"store": STORE_CLASSES, "relay": ("none",) + RELAY_CLASSES, "pipeline": ("none",) + PIPELINE_CLASSES,
+                "liars": ("none",) + LIAR_CLASSES + DRIVER_CLASSES, "exits": ("none",) + EXIT_CLASSES + DRIVER_CLASSES}
 # relative frequency in a random campaign (trainer kills restart everything: rare)
 WEIGHTS = {"none": 12, "apply_exception": 10, "receiver_kill": 5, "trainer_kill": 0.5, "store_stall": 4,
            "store_error": 10, "chunk_tamper": 10, "manifest_tamper": 10, "decision_tamper": 6,
            "ack_tamper": 10, "one_refuses": 6, "pointer_attack": 8, "hostile_doc": 8,
            "relay_kill": 24, "relay_stop": 24, "relay_flip": 24, "relay_restart_empty": 24,
            "trainer_kill_inflight": 6, "receiver_dies": 6, "receiver_joins_midversion": 6, "join_forged": 6,
-           "store_stall_inflight": 6}
+           "store_stall_inflight": 6, "relay_doc_lie": 24, "relay_hides": 24, "ack_drop": 24, "bootstrap_lie": 12,
+           "planted_keys": 10, "claim_race": 10, "exit_without_finish": 6}
+# liar and planted-key trials: (how many versions from v on the relay lies, the offset from v
+# of the latest version that must commit with every receiver on it).  A one-shot lie
+# (relay_doc_lie: one upstream fetch, cached by the relay as any object; bootstrap_lie: one
+# receiver's bootstrap) is over after v: v or v+1 must commit.  A relay that hides or drops
+# acks does it on every version up to the bound, so the version that must commit is routed
+# around the liar, not merely after it: a hide is answered by a second opinion within the
+# version (v may abort at the ack timeout, v+1 commits); a dropped ack is seen only when v
+# aborts for "no acknowledgement", then the ack is re-sent through the next upstream and the
+# relay demoted (v+1 commits; v+2 allowed when the demotion rests out before v+1's ack)
+LIAR_BOUNDS = {"relay_doc_lie": (1, 1), "relay_hides": (2, 1), "ack_drop": (3, 2), "bootstrap_lie": (1, 0),
+               "planted_keys": (1, 1)}
+
+
+def liar_bound(cls: str, fault: dict, ack_timeout_s: float) -> tuple[int, int]:
+    """LIAR_BOUNDS[cls], but for a hidden or frozen HEAD.json: no second opinion is due
+    there (nothing signed says a newer version exists), the follower probes the other
+    upstreams once HEAD has named nothing newer for HEAD_PROBE_S (protocol/follower.py),
+    and that probe's phase is anything relative to the go.  The versions before it may all
+    abort at the ack timeout, so the liar hides HEAD on every version up to
+    ceil(HEAD_PROBE_S / ack timeout) past v, and the last of them must commit (routed
+    around the demoted liar)."""
+    if cls == "relay_hides" and fault.get("doc") == "head":
+        from nemo_dcr.protocol.follower import HEAD_PROBE_S
+
+        n = int(np.ceil(HEAD_PROBE_S / ack_timeout_s))
+        return n + 1, n
+    return LIAR_BOUNDS[cls]
+# relay epochs: how long a node rests an upstream it left (FailoverStore's retry_after_s; the
+# product's default is 30 s).  Short, so that a tree heals within a trial.  A liar is demoted
+# for this long and then preferred again, so a liar trial's bound holds only while the
+# demotion lasts over the versions it spans (ack_drop: r0's ack goes through rb then ra, two
+# demotions, about 2 x 4 s apart): liar epochs rest LIAR_RETRY_AFTER_S.  With 2 s a relay that
+# keeps dropping acks costs a version after every rest (measured: v..v+2 all abort)
+RETRY_AFTER_S = 2.0
+LIAR_RETRY_AFTER_S = 12.0
+# bootstrap_lie: what the liar flips (testbed/relay_faults.py BOOTSTRAP_KEYS), and which receiver
+# reads it first (the one restarted from scratch)
+BOOTSTRAP_OBJS = ("run", "init_record", "init_model")
+FIRST_READER = {"ra": "r1", "rb": "r0"}
+# planted_keys: what a key-less writer plants before the go of v (see plant_keys)
+PLANTS = ("far_versions", "ahead_junk", "ack_flood")
+# planted_keys, far_versions: this many bare version numbers at the top of the 8-digit space,
+# more than a relay's keep_versions (4), so that a window counted from listed numbers is full
+FAR_VERSIONS = 10
+# planted_keys, ack_flood: junk ack objects planted on the origin per trial; through a relay
+# (relay epochs) this many of RELAY_ACK_FLOOD_BYTES each, which a relay must refuse (an ack
+# is a few KB)
+ACK_FLOOD = 200
+RELAY_ACK_FLOOD = 4
+RELAY_ACK_FLOOD_BYTES = 1 << 20
+# claim_race: processes claiming one fresh prefix at once (the product's claim_store)
+CLAIM_RACERS = (2, 4)
+# exit_without_finish: how long after the go the trainer must be gone and v decided (the
+# version's step and uploads, the ack timeout of the settle at exit, and slack for a loaded
+# machine: a hang past it is recorded as one)
+EXIT_SLACK_S = 60.0
 # trainer_kill_inflight: when the driver SIGKILLs the trainer ranks, version v being in flight:
 # once its first chunk is on the store (uploads running), once its manifest is (receivers
 # fetching), once every live receiver's ack is (the decision due), or once its decision is
@@ -261,6 +332,29 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
               "over_ack_timeout_s": round(rng.uniform(1.0, 5.0), 2) if length == "long" else None},
              # rank 0 holds v's decision put, so that v is still in flight when the stall starts
              {"kind": "hold", "target": "rank0", "key_kind": "decision", "hold_s": round(rng.uniform(1.5, 3.0), 2)}]
+    elif cls == "relay_doc_lie":  # one upstream fetch of v's document answered wrongly
+        doc = rng.choice(["decision", "manifest"])
+        f = [{"kind": "doc_lie", "target": rng.choice(RELAYS), "doc": doc,
+              "mode": rng.choice(["older", "oversize"]) if doc == "decision" else "older"}]
+    elif cls == "relay_hides":  # not found for v's HEAD / manifest / decision, or HEAD frozen
+        doc = rng.choice(["head", "manifest", "decision"])
+        f = [{"kind": "hide", "target": rng.choice(RELAYS), "doc": doc,
+              "mode": rng.choice(["not_found", "frozen"]) if doc == "head" else "not_found"}]
+    elif cls == "ack_drop":  # ack PUTs answered 204, not forwarded (or forwarded with a bit flipped)
+        f = [{"kind": "ack_drop", "target": rng.choice(RELAYS), "mode": rng.choice(["drop", "flip"])}]
+    elif cls == "bootstrap_lie":
+        obj = rng.choice(BOOTSTRAP_OBJS)
+        f = [{"kind": "bootstrap_lie", "target": rng.choice(RELAYS), "obj": obj,
+              "mode": rng.choice(["flip", "stall"]) if obj == "init_model" else "flip",
+              "offset": round(rng.random(), 3), "bit": rng.randint(0, 7)}]
+    elif cls == "planted_keys":
+        f = [{"kind": "planted", "target": "driver", "what": sorted(rng.sample(PLANTS, rng.randint(1, len(PLANTS)))),
+              "ahead": rng.randint(1, 3)}]
+    elif cls == "claim_race":
+        f = [{"kind": "claim_race", "target": "driver", "backend": rng.choice(["s3", "local"]),
+              "n": rng.randint(*CLAIM_RACERS)}]
+    elif cls == "exit_without_finish":
+        f = [{"kind": "exit", "target": "driver", "delay_s": round(rng.uniform(0.0, 0.5), 2)}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -390,7 +484,9 @@ class ReceiverProc:
         self.proc: subprocess.Popen | None = None
         self.start()
 
-    def start(self) -> None:
+    def start(self, download_init: bool = False) -> None:
+        """(Re)start from scratch; ``download_init``: version 0 through its upstream list (the
+        product's bootstrap), not from the driver's copy."""
         self.incarnation += 1
         state_dir = os.path.join(self.dir, f"state-{self.incarnation}")  # from scratch
         log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
@@ -399,6 +495,8 @@ class ReceiverProc:
                "--plan-dir", self.epoch.plan_dir, "--dir", self.dir, "--state-dir", state_dir]
         if self.join:
             cmd.append("--join")
+        if download_init:
+            cmd.append("--download-init")
         if self.epoch.relays:  # faults are the relays' here (see main: no receiver store faults)
             cmd += ["--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s),
                     "--no-store-faults"]
@@ -587,6 +685,7 @@ class Epoch:
         self.committed = 0
         self.heads: dict[int, bytes] = {}  # HEAD.json bytes after each trial (genuine, signed)
         self.aborted: set[int] = set()
+        self.planted: set[int] = set()  # version numbers a key-less writer planted (planted_keys)
         self.rows_seen = 0
         self.setup_s = time.monotonic() - t0
 
@@ -882,12 +981,18 @@ def _flips(ep: Epoch) -> int:
 
 
 # ----------------------------------------------------------------------------- one trial
-def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
-    """Returns (record, epoch_must_end)."""
+def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int, liveness: bool = False,
+              wait_quiet: bool = True) -> tuple[dict, bool]:
+    """Returns (record, epoch_must_end).  ``liveness``: a receiver that lags (its committed
+    version below the trainer's, serving exactly the bits of the version it holds) goes to
+    the record's ``lagging``, not to its violations (see :func:`check_receivers`).
+    ``wait_quiet=False``: start at once, even while nodes rest an upstream they left (a liar
+    trial's later versions: they must be routed around the liar while it is demoted)."""
     from nemo_dcr.protocol.manifest import Decision, decision_key
     from nemo_dcr.protocol.signing import Sealer, load_key
 
-    time.sleep(max(0.0, ep.quiet_at - time.monotonic()))
+    if wait_quiet:
+        time.sleep(max(0.0, ep.quiet_at - time.monotonic()))
     v = ep.version + 1
     ep.version = v
     base = ep.committed
@@ -901,7 +1006,7 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
            "topology": "relay" if ep.relays else "store", "ack_timeout_s": ep.ack_timeout_s,
            "epoch": ep.index, "version": v, "base_version": base, "violations": [], "hang": False,
            "unplanned_restarts": 0, "planned_restarts": 0}
-    if plan["cls"] in RELAY_CLASSES and not ep.relays:
+    if plan["cls"] in RELAY_TREE_CLASSES and not ep.relays:
         raise ValueError(f"{plan['cls']} needs a relay epoch (--classes relay)")
     attacker = StoreAttacker(ep, v, plan)
     attacker.before_go()
@@ -975,18 +1080,24 @@ def run_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]
         ep.aborted.add(v)
     # ---- every receiver settles, then its served bits are compared
     planned_kill = {f["target"] for f in plan["faults"] if f["kind"] == "kill"}
-    end_epoch = check_receivers(ep, rec, v, expect_committed, allowed_tentative, planned_kill) or end_epoch
+    if liveness:
+        rec["lagging"] = []
+    end_epoch = check_receivers(ep, rec, v, expect_committed, allowed_tentative, planned_kill,
+                                lag=rec.get("lagging")) or end_epoch
     return _finish_trial(ep, rec, v, end_epoch, ignored_before, refused_before, left_before, switches_before,
                          flips_before)
 
 
 def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed_tentative: set,
-                    planned_kill: set = frozenset()) -> bool:
+                    planned_kill: set = frozenset(), lag: list | None = None) -> bool:
     """Every receiver of ``ep`` settles after the decision on ``v``; its committed version
     must be ``expect_committed``, it may hold no tentative version outside
     ``allowed_tentative``, and the bits it serves must equal the trainer's dense state of
     the version it holds (integer views).  Violations go to ``rec``; returns whether the
-    epoch must end (a receiver that never settled)."""
+    epoch must end (a receiver that never settled).  With ``lag`` (a list), a receiver
+    that is only behind (committed below ``expect_committed``, holding nothing aborted,
+    serving exactly the bits of the version it holds) is a liveness matter: it goes to
+    ``lag``, not to the violations."""
     from safetensors.torch import load_file
 
     end_epoch = False
@@ -1012,16 +1123,22 @@ def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed
             continue
         info = {k: st.get(k) for k in ("committed", "tentative", "awaiting", "handled", "held_version", "member")}
         rec["receivers"][rid] = info
-        if st["committed"] != expect_committed:
-            rec["violations"].append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
-        if st["tentative"] not in allowed_tentative:
-            rec["violations"].append(f"{rid}: serves tentative v{st['tentative']} after the decision")
         held = st["tentative"] if st["tentative"] is not None else st["committed"]
         if held not in dense_cache:
             dense_cache[held] = ep.dense(held)
         served = load_file(st["dump"])
         os.unlink(st["dump"])
         bad = compare_state(served, dense_cache[held])
+        tent = st["tentative"]
+        if lag is not None and not bad and st["committed"] < expect_committed \
+                and (tent is None or (tent <= expect_committed and tent not in ep.aborted)):
+            lag.append(f"{rid}: committed v{st['committed']} (tentative {tent}, awaiting {st.get('awaiting')}), "
+                       f"the trainer committed v{expect_committed}")
+            continue
+        if st["committed"] != expect_committed:
+            rec["violations"].append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
+        if st["tentative"] not in allowed_tentative:
+            rec["violations"].append(f"{rid}: serves tentative v{st['tentative']} after the decision")
         if bad:
             rec["violations"].append(f"{rid}: {len(bad)} tensors differ from the dense state of v{held}: {bad[:3]}")
         if st["committed"] != expect_committed or bad:
@@ -1067,6 +1184,262 @@ def _finish_trial(ep: Epoch, rec: dict, v: int, end_epoch: bool, ignored_before:
     rec["silent"] = bool(rec["violations"]) and not rec["hang"]
     # after a violation the run's state is not trusted: the next trial starts a fresh run
     return rec, end_epoch or bool(rec["violations"])
+
+
+# ----------------------------------------------------------------------------- liars, planted keys, claim race
+def _lies(ep: Epoch) -> int:
+    """Lies the relays have told so far (relay_faults.py's LyingStore logs each)."""
+    return sum(r.log_count('"relay_lie"') for r in ep.relays.values())
+
+
+def plant_keys(ep: Epoch, v: int, f: dict) -> dict:
+    """The driver as a store writer WITHOUT the key, before the go of ``v``: bare keys at the
+    top of the 8-digit version space (``v/99999999/x``, ``v/9999999<i>/chunks/x``), junk
+    under the next versions' prefixes, junk acks.  In a relay epoch the far keys are also
+    read through both relays (as a child would, so a relay counts their versions) and a
+    few oversized acks are PUT through ``ra``.  Returns what was planted and what a relay
+    accepted; planted version numbers go to ``ep.planted`` (never "in use" for the checks)."""
+    from nemo_dcr.transport.store import open_store
+
+    out: dict = {"what": f["what"]}
+    keys: list[tuple[str, bytes]] = []
+    if "far_versions" in f["what"]:
+        keys.append(("v/99999999/x", b""))
+        keys += [(f"v/{99999999 - 1 - i:08d}/chunks/x", b"junk") for i in range(FAR_VERSIONS)]
+        ep.planted.update([99999999] + [99999999 - 1 - i for i in range(FAR_VERSIONS)])
+    if "ahead_junk" in f["what"]:
+        keys += [(f"v/{v + k:08d}/chunks/x{k}", b"junk") for k in range(f["ahead"])]
+    if "ack_flood" in f["what"]:
+        keys += [(f"acks/flood{i}/{v:08d}.json", b"{}") for i in range(ACK_FLOOD)]
+    for k, data in keys:
+        ep.store.put(k, data)
+    out["planted"] = len(keys)
+    if ep.relays:
+        far = [k for k, _ in keys if k.startswith("v/9999")]
+        for relay in ep.relays.values():
+            st = open_store(relay.uri)
+            for k in far:
+                try:
+                    st.get(k)
+                except Exception:  # noqa: BLE001 - a relay may refuse it: that is its business
+                    pass
+        if "ack_flood" in f["what"]:
+            accepted = 0
+            st = open_store(ep.relays["ra"].uri)
+            for i in range(RELAY_ACK_FLOOD):
+                try:
+                    st.put(f"acks/flood-relay{i}/{v:08d}.json", b" " * RELAY_ACK_FLOOD_BYTES)
+                    accepted += 1
+                except Exception:  # noqa: BLE001 - refused: what a bounded relay does
+                    pass
+            out["relay_acks_accepted"] = accepted
+    return out
+
+
+def _relay_versions(ep: Epoch) -> dict[str, list[int]]:
+    """The versions each relay keeps (its /v1/stats)."""
+    import urllib.request
+
+    out = {}
+    for role, relay in ep.relays.items():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{relay.port}/v1/stats", timeout=5) as r:
+                out[role] = json.loads(r.read())["versions"]
+        except (OSError, ValueError, KeyError):
+            out[role] = None
+    return out
+
+
+def _bootstrap_restart(ep: Epoch, plan: dict, v: int, rec: dict) -> None:
+    """bootstrap_lie: the liar restarted on an empty spool (so it fetches RUN.json and init/
+    again, and lies about them), then the receiver that reads it first restarted from
+    scratch, downloading version 0 through its upstream list.  It must come up (a receiver
+    that exits is a failure; it is then started from the driver's copy, so the epoch goes on)."""
+    f = plan["faults"][0]
+    with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as fh:  # the liar reads the newest plan
+        json.dump(plan, fh)
+    relay = ep.relays[f["target"]]
+    relay.kill()
+    relay.start()
+    relay.wait_ready()
+    rid = FIRST_READER[f["target"]]
+    rx = ep.receivers[rid]
+    _kill(rx.proc)
+    lies_before = _lies(ep)
+    rx.start(download_init=True)
+    log = os.path.join(rx.dir, f"log-{rx.incarnation}.txt")
+    t0 = time.monotonic()
+    boot = {"receiver": rid}
+    while True:
+        with open(log, errors="replace") as fh:
+            if '"ready": true' in fh.read():
+                boot["ready_s"] = round(time.monotonic() - t0, 2)
+                break
+        if not rx.alive():
+            boot["exited"] = rx.proc.returncode
+            rec["failures"].append(f"{rid} exited ({rx.proc.returncode}) bootstrapping through lying {f['target']}: "
+                                   + _tail(log, 2).strip()[-300:])
+            rx.start()
+            Epoch.wait_ready(rx, time.monotonic())
+            break
+        if time.monotonic() - t0 > 300:
+            boot["timeout"] = True
+            rec["failures"].append(f"{rid} not up within 300s bootstrapping through lying {f['target']}")
+            _kill(rx.proc)
+            rx.start()
+            Epoch.wait_ready(rx, time.monotonic())
+            break
+        time.sleep(0.1)
+    boot["lies"] = _lies(ep) - lies_before
+    rec["bootstrap"] = boot
+
+
+def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
+    """A liar class (relay epochs) or planted_keys in a store or relay epoch: version v
+    with the fault, then, while no version has committed with every receiver on it, the
+    next ones (the fault on the first ``LIAR_BOUNDS[cls][0]`` of them) up to v + the
+    bound.  Every version is checked bit for bit as any trial (violations); a receiver only
+    behind is noted (``lagging``), and no clean commit within the bound is a failure, which
+    ends the epoch (its state is not trusted).  The liar relay is restarted after the trial
+    (on an empty spool), so that a lie it cached does not outlive the trial."""
+    cls = plan["cls"]
+    f = plan["faults"][0]
+    lies_on, bound = liar_bound(cls, f, ep.ack_timeout_s)
+    v0 = ep.version + 1
+    head = {"failures": []}
+    lies_before = _lies(ep) if ep.relays else 0
+    if cls == "planted_keys":
+        head["planted"] = plant_keys(ep, v0, f)
+    if cls == "bootstrap_lie":
+        _bootstrap_restart(ep, plan, v0, head)
+    parts = []
+    end = False
+    while True:
+        k = len(parts)
+        p = {"trial": plan["trial"], "cls": cls, "faults": plan["faults"] if k < lies_on else []}
+        r, end = run_trial(ep, moto, p, seed, liveness=True, wait_quiet=k == 0)
+        parts.append(r)
+        if end or (r["committed"] and not r["lagging"]) or k >= bound:
+            break
+    rec = parts[0]
+    rec["faults"] = plan["faults"]
+    rec.update(head)
+    rec["versions"] = [{"version": r["version"], "committed": r["committed"], "lagging": r["lagging"]}
+                       for r in parts]
+    for r in parts[1:]:
+        rec["violations"] += r["violations"]
+        rec["hang"] = rec["hang"] or r["hang"]
+        rec["unplanned_restarts"] += r["unplanned_restarts"]
+        for key in ("reparents", "switches"):
+            for n, c in (r.get(key) or {}).items():
+                rec.setdefault(key, {})[n] = rec.get(key, {}).get(n, 0) + c
+        rec["detected"] = rec["detected"] or r["detected"]
+    last = parts[-1]
+    rec.update(committed=last["committed"], t_decided=last["t_decided"], receivers=last.get("receivers"))
+    clean = last["committed"] and not last["lagging"]
+    if not clean and not rec["violations"]:
+        rec["failures"].append(f"no version within v{v0}..v{v0 + bound} committed with every receiver on it "
+                               f"(versions {[(e['version'], e['committed']) for e in rec['versions']]}; "
+                               f"{'; '.join(last['lagging'])[:300]})")
+    if ep.relays:
+        rec["lies"] = _lies(ep) - lies_before
+        rec["struck"] = rec["lies"] > 0 or cls == "planted_keys"
+    if cls == "planted_keys" and ep.relays:
+        kept = _relay_versions(ep)
+        rec["relay_versions"] = kept
+        for role, vs in kept.items():  # planted numbers must not push the real versions out
+            if vs is not None and last["version"] not in vs and any(w in ep.planted for w in vs):
+                rec["failures"].append(f"{role} keeps {vs}: planted versions pushed v{last['version']} out")
+        if head["planted"].get("relay_acks_accepted"):
+            rec["failures"].append(f"ra forwarded {head['planted']['relay_acks_accepted']} acks of "
+                                   f"{RELAY_ACK_FLOOD_BYTES} bytes to the origin")
+    if cls in LIAR_CLASSES and not end:  # the liar forgets what it cached
+        relay = ep.relays[f["target"]]
+        relay.kill()
+        relay.start()
+        relay.wait_ready()
+        rec.setdefault("healed", []).append(f"{f['target']}: liar restarted on an empty spool")
+        ep.quiet_at = time.monotonic() + ep.retry_after_s
+    rec["duration_s"] = round(time.time() - rec["t_go"], 3)
+    rec["silent"] = bool(rec["violations"]) and not rec["hang"]
+    return rec, end or bool(rec["failures"]) or bool(rec["violations"])
+
+
+CLAIM_SCRIPT = """
+import json, os, sys, time
+from nemo_dcr.protocol.run import claim_store
+from nemo_dcr.protocol.signing import Sealer, load_key
+from nemo_dcr.transport.store import open_store
+store, sealer = open_store(sys.argv[1]), Sealer(load_key(None))
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.0005)
+try:
+    out = {"won": claim_store(store, sealer, "claim-race").run_id}
+except Exception as e:
+    out = {"lost": type(e).__name__, "error": str(e)[:200]}
+print(json.dumps(out), flush=True)
+"""
+
+
+def run_claim_race(ep: Epoch, plan: dict, seed: int) -> dict:
+    """claim_race: N processes call the product's ``claim_store`` (``nemo_dcr.protocol.run``)
+    on one fresh prefix at once (the epoch's moto S3 server or a local directory), released
+    together by a file once every one has imported and opened its store.  Checked: exactly
+    one wins, every other one gets one ``ForeignRunError``, and ``RUN.json`` names the
+    winner.  Anything else is a failure (the claim is not atomic)."""
+    from nemo_dcr.protocol.run import read_run
+    from nemo_dcr.transport.store import open_store
+
+    f = plan["faults"][0]
+    t_go = time.time()
+    rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
+           "topology": "pipeline" if ep.pipeline else "relay" if ep.relays else "store",
+           "ack_timeout_s": ep.ack_timeout_s, "epoch": ep.index, "version": ep.version, "base_version": ep.committed,
+           "violations": [], "failures": [], "hang": False, "unplanned_restarts": 0, "planned_restarts": 0,
+           "t_go": t_go, "committed": None, "t_decided": t_go, "detected": True}
+    tag = f"claim-{plan['trial']}-{uuid.uuid4().hex[:8]}"
+    uri = f"{ep.uri.rsplit('/', 1)[0]}/{tag}" if f["backend"] == "s3" else os.path.join(ep.dir, "claims", tag)
+    go = os.path.join(ep.dir, f"{tag}.go")
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIM_SCRIPT, uri, go], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=ep.env, cwd=ROOT, text=True, start_new_session=True)
+             for _ in range(f["n"])]
+    outs = []
+    try:
+        for pr in procs:  # every one ready (imports done, store open) before the release
+            line = pr.stdout.readline()
+            if line.strip() != "ready":
+                rec["failures"].append(f"a claimant did not start: {line.strip()[:200]}")
+        open(go, "w").close()
+        for pr in procs:
+            try:
+                out, _ = pr.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                rec["hang"] = True
+                rec["violations"].append("a claimant did not return within 120s")
+                continue
+            lines = [x for x in out.splitlines() if x.startswith("{")]
+            outs.append(json.loads(lines[-1]) if lines else {"lost": "no answer", "error": out[-200:]})
+    finally:
+        for pr in procs:
+            _kill(pr)
+    winners = [o["won"] for o in outs if "won" in o]
+    losers = [o["lost"] for o in outs if "lost" in o]
+    rec["claims"] = {"backend": f["backend"], "n": f["n"], "winners": len(winners), "losers": losers}
+    if len(winners) != 1:
+        rec["failures"].append(f"{len(winners)} of {f['n']} claimants won the prefix")
+    if any(x != "ForeignRunError" for x in losers):
+        rec["failures"].append(f"losers got {losers}, not ForeignRunError each")
+    try:
+        held = read_run(open_store(uri), _sealer())
+        if len(winners) == 1 and (held is None or held.run_id != winners[0]):
+            rec["failures"].append("RUN.json does not name the winner")
+    except Exception as e:  # noqa: BLE001 - recorded
+        rec["failures"].append(f"RUN.json unreadable after the race: {str(e)[:200]}")
+    rec["committed"] = not rec["failures"]
+    rec["duration_s"] = round(time.time() - t_go, 3)
+    rec["silent"] = False
+    return rec
 
 
 # ----------------------------------------------------------------------------- pipelined epochs
@@ -1210,6 +1583,11 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
         _trial_join_forged(ep, plan, rec)
     elif cls == "store_stall_inflight":
         _trial_stall_inflight(ep, plan, rec)
+    elif cls == "planted_keys":
+        end = _trial_planted_resume(ep, plan, rec)
+    elif cls == "exit_without_finish":
+        _trial_exit(ep, plan, rec)
+        end = True
     else:
         raise ValueError(f"{cls} does not run in a pipelined epoch")
     rec["duration_s"] = round(time.time() - rec["t_go"], 3)
@@ -1220,7 +1598,8 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
 
 
 def _listed_versions(ep: Epoch) -> list[int]:
-    return sorted({int(k.split("/")[1]) for k in ep.store.list("v/") if k.count("/") >= 2})
+    """Version numbers listed under ``v/``, without those the driver planted (planted_keys)."""
+    return sorted({int(k.split("/")[1]) for k in ep.store.list("v/") if k.count("/") >= 2} - ep.planted)
 
 
 def _trial_trainer_kill(ep: Epoch, plan: dict, rec: dict) -> bool:
@@ -1431,6 +1810,88 @@ def _trial_stall_inflight(ep: Epoch, plan: dict, rec: dict) -> None:
         rec["failures"].append(f"members changed across the stall: {sorted(members_before)} -> {sorted(d.receivers)}")
 
 
+def _trial_planted_resume(ep: Epoch, plan: dict, rec: dict) -> bool:
+    """planted_keys in a pipelined epoch: keys planted before the go of v (plant_keys); v
+    must commit (or v+1); then the trainer is SIGKILLed between versions (v's checkpoint
+    written) and resumed from it: its next version must be one past the last it published
+    (planted numbers do not raise the floor), and it must commit.  Returns whether the
+    epoch must end (a refused resume or a raised floor)."""
+    rec["planted"] = plant_keys(ep, ep.version + 1, plan["faults"][0])
+    for i in range(2):
+        v, row, _ = _pstep(ep, plan if i == 0 else {**plan, "faults": []}, rec)
+        if row is None or row["committed"] or rec["violations"]:
+            break
+    if row is None or rec["violations"]:
+        return True
+    if not row["committed"]:
+        rec["failures"].append(f"neither v{v - 1} nor v{v} committed after the planted keys")
+        return True
+    survivors = ep.kill_trainer()  # between versions: v decided and checkpointed (its row is written after)
+    if survivors:
+        rec["violations"].append(f"trainer ranks {survivors} survived the SIGKILL")
+        return True
+    ep.incarnation += 1
+    ready = ep.start_trainer(resume=True)
+    rec["resume"] = {k: ready.get(k) for k in ("next_version", "committed", "refused")}
+    if "refused" in ready:
+        rec["failures"].append(f"resume after planted keys refused: {ready['refused']['error'][:300]}")
+        return True
+    if ready["next_version"] != ep.version + 1:
+        rec["failures"].append(f"resumed trainer's next version is {ready['next_version']}, one past the last "
+                               f"published is {ep.version + 1}: planted keys set the floor")
+        return True
+    for _ in range(3):
+        w, row, _ = _pstep(ep, {**plan, "faults": []}, rec)
+        if row is None or row["committed"] or rec["violations"]:
+            break
+    if not rec["committed"]:
+        rec["failures"].append("the resumed run did not commit within 3 versions")
+    return False
+
+
+def _trial_exit(ep: Epoch, plan: dict, rec: dict) -> None:
+    """exit_without_finish: every trainer rank leaves its loop with sys.exit() right after
+    the hook call of v (v in flight), calling no finish().  Within the ack timeout plus
+    EXIT_SLACK_S of the go the trainer must be gone and v decided (a signed decision on the
+    store; none is a failure, a trainer still there a hang); then every receiver must hold
+    what was decided (v, or its base after an abort), checked bit for bit."""
+    f = plan["faults"][0]
+    base = ep.committed
+    os.makedirs(os.path.join(ep.dir, "exit"), exist_ok=True)
+    with open(os.path.join(ep.dir, "exit", str(ep.version + 1)), "w") as fh:
+        json.dump({"delay_s": f["delay_s"]}, fh)
+    v = _go(ep, plan)
+    t0 = time.monotonic()
+    bound = ep.ack_timeout_s + EXIT_SLACK_S
+    while ep.trainer.poll() is None and time.monotonic() - t0 < bound:
+        time.sleep(0.05)
+    gone = ep.trainer.poll() is not None
+    d = None
+    while time.monotonic() - t0 < bound:  # the decision of a settle at exit is on the store
+        d = _decision(ep, v)
+        if d is not None or gone:
+            break
+        time.sleep(0.05)
+    if d is None:
+        d = _decision(ep, v)
+    rec["exit"] = {"trainer_gone": gone, "rc": ep.trainer.returncode, "after_s": round(time.monotonic() - t0, 2),
+                   "decision": None if d is None else ("commit" if d.commit else "abort")}
+    rec["versions"].append({"version": v, "committed": bool(d and d.commit)})
+    if not gone:
+        rec["hang"] = True
+        rec["violations"].append(f"v{v}: the trainer did not end within {bound:.0f}s of its sys.exit()")
+        ep.kill_trainer()
+    if d is None:
+        rec["failures"].append(f"v{v}: no signed decision after the trainer exited without finish()")
+    elif d.commit:
+        ep.committed = v
+    else:
+        ep.aborted.add(v)
+    rec["committed"] = bool(d and d.commit)
+    rec["t_decided"] = time.time()
+    check_receivers(ep, rec, v, v if (d and d.commit) else base, {None} if d is not None else {None, v})
+
+
 def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
     """A store writer without the key plants a join request; it must admit nobody and change
     nothing: the next two versions name the same members and commit."""
@@ -1497,9 +1958,11 @@ def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
 def _row(r: dict) -> str:
     """The summary row of a record: its class; a store class run in a relay epoch (the
     "none" control of a relay campaign) is a row of its own, ``<class>@relay``."""
-    if r.get("topology", "store") == "relay" and r["cls"] not in RELAY_CLASSES:
+    if r["cls"] not in STORE_CLASSES:
+        return r["cls"]
+    if r.get("topology", "store") == "relay":
         return f"{r['cls']}@relay"
-    if r.get("topology", "store") == "pipeline" and r["cls"] not in PIPELINE_CLASSES:
+    if r.get("topology", "store") == "pipeline":
         return f"{r['cls']}@pipeline"
     return r["cls"]
 
@@ -1529,7 +1992,7 @@ def summarize(records: list[dict]) -> dict:
         if rs:
             by_class[row] = _class_summary(rs)
     classes = {c: {"trials": b["trials"], "silent_corruptions": b["silent"]} for c, b in by_class.items()}
-    relay_rs = [r for r in records if r["cls"] in RELAY_CLASSES]
+    relay_rs = [r for r in records if r["cls"] in RELAY_TREE_CLASSES]
     pipe_rs = [r for r in records if r.get("topology") == "pipeline"]
     return {
         "trials": len(records),
@@ -1565,8 +2028,11 @@ def _class_summary(rs: list[dict]) -> dict:
         "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
         "modes": _modes(rs),
     }
-    if any(r.get("topology") == "pipeline" for r in rs):
+    if any("failures" in r for r in rs):
         out["failed"] = sum(1 for r in rs if r.get("failures"))
+    if any("struck" in r for r in rs):  # liar trials whose relay told at least one lie
+        out["struck"] = sum(1 for r in rs if r.get("struck"))
+    if any(r.get("topology") == "pipeline" for r in rs):
         out["versions"] = sum(len(r.get("versions") or ()) for r in rs)
         out["mean_duration_s"] = round(float(np.mean([r["duration_s"] for r in rs])), 3)
         out["outcomes"] = _outcomes(rs)
@@ -1692,23 +2158,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ack-timeout-s", type=float, default=3.0)
     ap.add_argument("--hop-timeout-s", type=float, default=2.0,
                     help="relay epochs: one attempt's timeout on every upstream but the origin (2 attempts)")
-    ap.add_argument("--retry-after-s", type=float, default=2.0,
-                    help="relay epochs: how long a node leaves a failed upstream before preferring it again")
+    ap.add_argument("--retry-after-s", type=float, default=None,
+                    help="relay epochs: how long a node leaves a failed upstream before preferring it again "
+                         f"(default {RETRY_AFTER_S:g} s; {LIAR_RETRY_AFTER_S:g} s when a liar class runs, see "
+                         "LIAR_RETRY_AFTER_S)")
     ap.add_argument("--max-wall-s", type=float, default=None, help="stop starting trials after this long")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
     classes = tuple(x for c in args.classes.split(",") if c for x in CLASS_GROUPS.get(c, (c,)))
+    if args.retry_after_s is None:
+        args.retry_after_s = LIAR_RETRY_AFTER_S if any(c in LIAR_CLASSES for c in classes) else RETRY_AFTER_S
     if args.schedule == "random":
         classes = tuple(dict.fromkeys(classes))
     for c in classes:
         if c not in CLASSES:
             ap.error(f"unknown class {c!r}")
-    if any(c in PIPELINE_CLASSES for c in classes) and not set(classes) <= set(PIPELINE_CLASSES + ("none",)):
+    if any(c in PIPELINE_EPOCH_CLASSES for c in classes) \
+            and not set(classes) <= set(PIPELINE_EPOCH_CLASSES + ("none",) + DRIVER_CLASSES):
         ap.error(f"pipelined classes run in pipelined epochs (the trainer resumes from checkpoints, membership is "
-                 f"elastic): with them only none (got {args.classes})")
-    if any(c in RELAY_CLASSES for c in classes) and not set(classes) <= set(RELAY_CLASSES + RELAY_EPOCH_CLASSES):
+                 f"elastic): with them only none, {', '.join(DRIVER_CLASSES)} (got {args.classes})")
+    if any(c in RELAY_TREE_CLASSES for c in classes) \
+            and not set(classes) <= set(RELAY_TREE_CLASSES + RELAY_EPOCH_CLASSES + DRIVER_CLASSES):
         ap.error(f"relay classes run in relay epochs, whose receivers read the upstream list without the store "
-                 f"injectors: with them only {', '.join(RELAY_EPOCH_CLASSES)} (got {args.classes})")
+                 f"injectors: with them only {', '.join(RELAY_EPOCH_CLASSES + DRIVER_CLASSES)} (got {args.classes})")
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     records = load_records(args.results)
     if not args.report_only:
@@ -1720,7 +2192,7 @@ def main(argv: list[str] | None = None) -> int:
                     "command": "scripts/fault_campaign.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "sources": {os.path.relpath(p, ROOT): _source(rs) for p, rs in
                                 [(args.results, records), *merged.items()]}})
-    if any(c in RELAY_CLASSES for c in classes):
+    if any(c in RELAY_TREE_CLASSES for c in classes):
         summary.update(hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
@@ -1766,16 +2238,22 @@ def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
                 new_epoch = ep is None
                 if ep is None:
                     ep = Epoch(work, epoch_index, moto, key_file, args.ack_timeout_s, args.seed,
-                               relays=any(c in RELAY_CLASSES for c in classes), hop_timeout_s=args.hop_timeout_s,
-                               retry_after_s=args.retry_after_s,
-                               pipeline=any(c in PIPELINE_CLASSES for c in classes),
+                               relays=any(c in RELAY_TREE_CLASSES for c in classes),
+                               hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s,
+                               pipeline=any(c in PIPELINE_EPOCH_CLASSES for c in classes),
                                elastic=any(c in ELASTIC_CLASSES for c in classes))
                     print(f"epoch {epoch_index}: trainer + receivers up in {ep.setup_s:.1f}s", file=sys.stderr)
                     epoch_index += 1
                 cls = choose_class(args.seed, t, args.schedule, classes)
                 plan = make_plan(args.seed, t, cls)
-                rec, end = run_pipeline_trial(ep, plan, args.seed) if ep.pipeline else run_trial(ep, moto, plan,
-                                                                                                 args.seed)
+                if cls == "claim_race":
+                    rec, end = run_claim_race(ep, plan, args.seed), False
+                elif ep.pipeline:
+                    rec, end = run_pipeline_trial(ep, plan, args.seed)
+                elif cls in LIAR_BOUNDS:
+                    rec, end = run_liar_trial(ep, moto, plan, args.seed)
+                else:
+                    rec, end = run_trial(ep, moto, plan, args.seed)
                 rec["epoch_start"] = new_epoch
                 out.write(json.dumps(rec) + "\n")
                 out.flush()

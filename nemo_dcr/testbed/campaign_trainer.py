@@ -20,6 +20,11 @@ run state with ``weights_version=v``, in a temporary directory renamed into plac
 which the hook returns at the next call, go to ``D/settled.jsonl``.  ``--resume`` starts
 from ``D/ckpt/LATEST`` (``load_weights`` + ``hook.resume(RunState.from_dict(...))``)
 instead of exporting version 0; ``D/ready-<incarnation>.json`` names the next version.
+When ``D/exit/<v>`` exists (the campaign's exit_without_finish), every rank leaves the loop
+right after the hook call of ``v`` (``v`` in flight) with ``sys.exit(0)``, after the
+file's ``delay_s``, and calls neither ``finish()`` nor anything else of the hook: what
+Megatron-Bridge's ``train.py`` does on ``exit_duration_in_mins`` (``sys.exit`` before
+``on_train_end``).
 """
 from __future__ import annotations
 
@@ -202,6 +207,11 @@ def pipelined(args, trainer, hook, dump_dense, restored) -> int:
         settled.clear()
         trainer.train_step()  # returns with v in flight
         t_returned = time.time()
+        exit_at = os.path.join(args.dir, "exit", str(v))
+        if os.path.exists(exit_at):  # a job's time limit: out without finish(), v in flight
+            with open(exit_at) as f:
+                time.sleep(json.load(f)["delay_s"])
+            sys.exit(0)
         state = hook.run_state()  # waits for v's decision
         ok = state.committed_version == v
         if ok:

@@ -73,6 +73,13 @@ class Plans:
             self._cache[version] = {**mine[0], "trial": plan["trial"]} if mine else None
         return self._cache[version]
 
+    def latest(self) -> dict | None:
+        """The fault of the newest plan (the highest ``v<n>.json`` written so far) that
+        targets this process: what applies to objects of no version (``RUN.json``,
+        ``init/*``), which a node reads when it bootstraps."""
+        numbers = [int(n[1:-5]) for n in os.listdir(self.dir) if re.fullmatch(r"v[0-9]+\.json", n)]
+        return self.get(max(numbers)) if numbers else None
+
     def once(self, plan: dict, what: str) -> bool:
         """True the first time ``what`` is asked for this plan (across process restarts)."""
         marker = os.path.join(self.dir, f"done-{plan['trial']}-{self.role}-{what}")
@@ -323,6 +330,9 @@ def receiver_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-store-faults", action="store_true",
                     help="read the store as opened, without FaultyStore (relay epochs: the faults are the relays', "
                          "and the receiver's chunk reads must reach the upstream list's verified fetch)")
+    ap.add_argument("--download-init", action="store_true",
+                    help="download version 0 through --store (the product's bootstrap: RUN.json, init/INIT.json, "
+                         "the init files, each checked) instead of loading --init-dir (bootstrap_lie trials)")
     ap.add_argument("--join", action="store_true",
                     help="elastic membership: ask to join (the product's Follower.join, as nemo-dcr receive --join)")
     args = ap.parse_args(argv)
@@ -355,7 +365,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
     # the journal on disk (as over persistent weights); one an earlier incarnation left is
     # dropped, since this one reloads version 0
     session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id),
-                             state_dir=args.state_dir, init_dir=args.init_dir, timeout_s=120, durable_journal=True,
+                             state_dir=args.state_dir, init_dir=None if args.download_init else args.init_dir, timeout_s=120, durable_journal=True,
                              wrap_served=wrap, before_fetch=before_fetch)
     rx, follower = session.receiver, session.follower
     follower.join = args.join

@@ -105,3 +105,89 @@ def test_relay_campaign(tmp_path):
     assert by["none@relay"]["committed"] == 1
     recs = [json.loads(x) for x in results.read_text().splitlines()]
     assert all(r["topology"] == "relay" for r in recs)
+
+
+def _plan(plan_dir, v, fault, trial=0):
+    (plan_dir / f"v{v}.json").write_text(json.dumps({"trial": trial, "cls": "x", "faults": [fault]}))
+
+
+def test_lying_store_documents(tmp_path):
+    """The liar's document lies act on the planned version and role only (controls: another
+    role, another version, and the lie served once per plan, counted across restarts)."""
+    from nemo_dcr.testbed.relay_faults import OVERSIZE_PAD, LyingStore
+
+    origin = LocalDirStore(str(tmp_path / "store"))
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    for v in (1, 2, 3):
+        origin.put(f"v/{v:08d}/DECISION.json", f"decision {v}".encode())
+        origin.put(f"v/{v:08d}/MANIFEST.json", f"manifest {v}".encode())
+    _plan(plan_dir, 3, {"kind": "doc_lie", "target": "ra", "doc": "decision", "mode": "older"})
+    liar, honest = LyingStore(origin, Plans(str(plan_dir), "ra")), LyingStore(origin, Plans(str(plan_dir), "rb"))
+    key = "v/00000003/DECISION.json"
+    info = liar.stat(key)  # the relay stats before it fetches: the lie's own size and tag
+    assert info.size == len(b"decision 2") and liar.get_with_info(key, max_bytes=info.size)[0] == b"decision 2"
+    assert liar.get(key) == b"decision 3"  # once: the next fetch is honest
+    assert LyingStore(origin, Plans(str(plan_dir), "ra")).get(key) == b"decision 3"  # a restarted liar too
+    assert honest.get(key) == b"decision 3" and liar.get("v/00000002/DECISION.json") == b"decision 2"
+    _plan(plan_dir, 2, {"kind": "doc_lie", "target": "ra", "doc": "decision", "mode": "oversize"}, trial=1)
+    assert liar.stat("v/00000002/DECISION.json").size == OVERSIZE_PAD + len(b"decision 2")
+    _plan(plan_dir, 1, {"kind": "hide", "target": "ra", "doc": "manifest", "mode": "not_found"}, trial=2)
+    assert liar.stat("v/00000001/MANIFEST.json") is None and not liar.exists("v/00000001/MANIFEST.json")
+    with pytest.raises(KeyError):
+        liar.get("v/00000001/MANIFEST.json")
+    assert honest.get("v/00000001/MANIFEST.json") == b"manifest 1" and liar.lies == 5  # 2 lies + 3 hidden reads
+
+
+def test_lying_store_head_acks_bootstrap(tmp_path):
+    from nemo_dcr.testbed.relay_faults import LyingStore
+
+    origin = LocalDirStore(str(tmp_path / "store"))
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    liar = LyingStore(origin, Plans(str(plan_dir), "rb"))
+    origin.put("HEAD.json", json.dumps({"version": 4}).encode())
+    assert json.loads(liar.get("HEAD.json"))["version"] == 4  # honest: remembered
+    _plan(plan_dir, 5, {"kind": "hide", "target": "rb", "doc": "head", "mode": "frozen"})
+    origin.put("HEAD.json", json.dumps({"version": 5}).encode())
+    assert json.loads(liar.get("HEAD.json"))["version"] == 4 and liar.stat("HEAD.json").tag.startswith("frozen")
+    _plan(plan_dir, 5, {"kind": "hide", "target": "rb", "doc": "head", "mode": "not_found"}, trial=1)
+    liar = LyingStore(origin, Plans(str(plan_dir), "rb"))
+    assert liar.stat("HEAD.json") is None
+    origin.put("HEAD.json", json.dumps({"version": 6}).encode())  # control: the next version is not hidden
+    assert json.loads(liar.get("HEAD.json"))["version"] == 6
+    _plan(plan_dir, 6, {"kind": "ack_drop", "target": "rb", "mode": "drop"})
+    liar.put("acks/r0/00000006.json", b"ack")
+    assert not origin.exists("acks/r0/00000006.json")
+    liar.put("acks/r0/00000005.json", b"ack")  # control: another version's ack is forwarded
+    assert origin.get("acks/r0/00000005.json") == b"ack"
+    _plan(plan_dir, 7, {"kind": "ack_drop", "target": "rb", "mode": "flip"})
+    liar.put("acks/r0/00000007.json", b"ack")
+    assert origin.get("acks/r0/00000007.json") == flip(b"ack", 0.5, 0)
+    origin.put("RUN.json", b"run record")
+    _plan(plan_dir, 8, {"kind": "bootstrap_lie", "target": "rb", "obj": "run", "mode": "flip", "offset": 0.0, "bit": 0})
+    assert liar.stat("RUN.json") is not None and liar.get("RUN.json") == flip(b"run record", 0.0, 0)
+    assert liar.get("RUN.json") == b"run record"  # once per plan
+    _plan(plan_dir, 9, {"kind": "none", "target": "x"})  # the newest plan has no lie: honest
+    assert LyingStore(origin, Plans(str(plan_dir), "rb")).get("RUN.json") == b"run record"
+
+
+def test_new_class_plans_and_groups():
+    fc = _campaign()
+    for t in range(40):
+        for cls in fc.LIAR_CLASSES:
+            (f,) = fc.make_plan(6, t, cls)["faults"]
+            assert f["target"] in fc.RELAYS
+        for cls in fc.DRIVER_CLASSES + fc.EXIT_CLASSES:
+            assert fc.make_plan(6, t, cls)["faults"][0]["target"] == "driver"
+    assert set(fc.LIAR_BOUNDS) == {*fc.LIAR_CLASSES, "planted_keys"}
+    assert all(lies_on >= 1 and bound >= 0 for lies_on, bound in fc.LIAR_BOUNDS.values())
+    # a hidden HEAD is probed after HEAD_PROBE_S (10 s): the liar hides it past that, and the
+    # version that must commit is the last it hides (control: a hidden manifest keeps (2, 1))
+    assert fc.liar_bound("relay_hides", {"doc": "head"}, 3.0) == (5, 4)
+    assert fc.liar_bound("relay_hides", {"doc": "head"}, 6.0) == (3, 2)
+    assert fc.liar_bound("relay_hides", {"doc": "manifest"}, 3.0) == fc.LIAR_BOUNDS["relay_hides"] == (2, 1)
+    with pytest.raises(SystemExit):  # a relay epoch and a pipelined one cannot be one epoch
+        fc.main(["--classes", "relay_hides,exit_without_finish", "--report-only", "--results", os.devnull])
+    assert fc._row({"cls": "planted_keys", "topology": "relay"}) == "planted_keys"
+    assert fc._row({"cls": "none", "topology": "relay"}) == "none@relay"
