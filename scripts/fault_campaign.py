@@ -1119,6 +1119,8 @@ def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed
         if st is None:
             rec["hang"] = True
             rec["violations"].append(f"{rid}: no settled state within 120s (was_dead={was_dead})")
+            log = os.path.join(rx.dir, f"log-{rx.incarnation}.txt")
+            rec.setdefault("hang_logs", {})[rid] = _tail(log, 6)[-1500:]
             end_epoch = True
             continue
         info = {k: st.get(k) for k in ("committed", "tentative", "awaiting", "handled", "held_version", "member")}

@@ -313,6 +313,33 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+BUSY_LOG_S = 30.0
+
+
+class BusyWatch:
+    """A settle request starts at the first follower step that makes no progress.  While
+    steps keep progressing it waits; once it has waited ``BUSY_LOG_S`` :meth:`note`
+    returns what to log, once per wait (``"settle delayed"`` with the follower's state):
+    what the driver's record of a receiver that never settled then shows."""
+
+    def __init__(self, after_s: float = BUSY_LOG_S):
+        self.after_s = after_s
+        self.since: float | None = None
+        self.steps = 0
+        self.logged = False
+
+    def note(self, waiting_on_progress: bool, t_step: float, now: float) -> dict | None:
+        if not waiting_on_progress:
+            self.since, self.steps, self.logged = None, 0, False
+            return None
+        self.since = t_step if self.since is None else self.since
+        self.steps += 1
+        if self.logged or now - self.since <= self.after_s:
+            return None
+        self.logged = True
+        return {"busy_s": round(now - self.since, 1), "steps": self.steps, "last_step_s": round(now - t_step, 2)}
+
+
 def receiver_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.faults")
     ap.add_argument("--store", required=True)
@@ -365,7 +392,8 @@ def receiver_main(argv: list[str] | None = None) -> int:
     # the journal on disk (as over persistent weights); one an earlier incarnation left is
     # dropped, since this one reloads version 0
     session = build_receiver(store, sealer, ReceiverConfig(receiver_id=rid, model_id=args.model_id),
-                             state_dir=args.state_dir, init_dir=None if args.download_init else args.init_dir, timeout_s=120, durable_journal=True,
+                             state_dir=args.state_dir, init_dir=None if args.download_init else args.init_dir,
+                             timeout_s=120, durable_journal=True,
                              wrap_served=wrap, before_fetch=before_fetch)
     rx, follower = session.receiver, session.follower
     follower.join = args.join
@@ -374,13 +402,21 @@ def receiver_main(argv: list[str] | None = None) -> int:
     print(json.dumps({"receiver": rid, "ready": True, "run_id": run_id}), flush=True)
     req_path, stop_path = os.path.join(args.dir, "req"), os.path.join(args.dir, "stop")
     answered = None
+    busy = BusyWatch()
     while not os.path.exists(stop_path):
         try:
             with open(req_path) as f:
                 req = f.read().strip()
         except FileNotFoundError:
             req = None
+        t_step = time.monotonic()
         progressed = follower.step()
+        late = busy.note(bool(req and req != answered and progressed), t_step, time.monotonic())
+        if late is not None:  # the driver's settle timeout would otherwise be a hang with nothing to show
+            st = follower.state
+            print(json.dumps({"receiver": rid, "event": "settle delayed", **late, "committed": st.committed,
+                              "handled": st.handled, "awaiting": st.awaiting, "tentative": st.tentative,
+                              "member": follower.member}), flush=True)
         if req and req != answered and not progressed:
             # settle what the trainer decided (bounded: a decision may be unreadable for a while)
             deadline = time.monotonic() + 20

@@ -109,3 +109,19 @@ def test_pipeline_campaign(tmp_path):
     # the store stopped while v was in flight: v decided one way, then a version commits, members unchanged
     assert stall["stall"]["moment_seen"] and stall["stall"]["outcome"] in ("commit", "abort")
     assert stall["versions"][-1]["committed"] and not any(e.get("evicted") for e in stall["versions"])
+
+
+def test_busy_watch_logs_a_settle_waiting_on_progress_once():
+    """The receiver's settle starts at the first idle follower step; a request that waits
+    longer than BUSY_LOG_S on steps that keep progressing is logged once (the old record's
+    hang, 'j2: no settled state within 120s', had nothing to show why).  Controls: an idle
+    step resets the wait; a wait under the bound logs nothing."""
+    from nemo_dcr.testbed.faults import BusyWatch
+
+    w = BusyWatch(after_s=30.0)
+    assert w.note(True, 0.0, 0.5) is None and w.note(True, 10.0, 29.0) is None  # under the bound
+    late = w.note(True, 30.0, 31.5)
+    assert late == {"busy_s": 31.5, "steps": 3, "last_step_s": 1.5}
+    assert w.note(True, 40.0, 41.0) is None  # once per wait
+    assert w.note(False, 50.0, 50.1) is None  # an idle step: the settle runs, the wait ends
+    assert w.note(True, 60.0, 61.0) is None and w.note(True, 62.0, 92.0)["steps"] == 2
