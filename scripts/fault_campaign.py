@@ -73,6 +73,63 @@ driver reads the signed decision and checks every live receiver as above.
   once v's manifest is out.  Checked over two versions: nobody is admitted, the members
   do not change, both commit.
 
+* ``exit_without_finish`` (``--classes exits``: none, it and the driver classes; the
+  trainer runs pipelined, not elastic): after 0-2 clean versions, every trainer rank leaves its loop
+  with ``sys.exit(0)`` 0-0.5 s after the hook call of v (v in flight), calling neither
+  ``finish()`` nor anything else of the hook (Megatron-Bridge's ``train.py`` on
+  ``exit_duration_in_mins``; ``campaign_trainer.py``'s ``D/exit/<v>``).  Checked: within the
+  ack timeout + ``EXIT_SLACK_S`` (60 s) of the go the trainer is gone (else a hang) and v has
+  a signed decision (the product's settle at exit; none is a failure); every receiver then
+  holds what was decided (v, or its base after an abort), bit for bit.  Ends the epoch.
+
+Liar trials (relay epochs, ``--classes liars``: none, the four below and the driver
+classes).  A relay of the tree (``ra`` or ``rb``) is run by someone without the key and lies
+to its children (``nemo_dcr/testbed/relay_faults.py``'s ``LyingStore``, each lie logged as a
+``"relay_lie"`` line):
+
+* ``relay_doc_lie``: ONE upstream fetch of v's ``DECISION.json`` or ``MANIFEST.json`` is
+  answered with the newest earlier version's genuine document, or (decision) with the genuine
+  one padded over its byte cap (a 413 to a child); the relay caches the lie as any object;
+* ``relay_hides``: "not found" for v's manifest or decision, or ``HEAD.json`` hidden or
+  frozen at the last one passed on honestly, on every version up to the bound;
+* ``ack_drop``: every ack PUT of the versions up to the bound answered 204 and not
+  forwarded, or forwarded with a bit flipped;
+* ``bootstrap_lie``: the liar, restarted on an empty spool, flips a bit of ``RUN.json``,
+  ``init/INIT.json`` or the init model, or stalls the init model, and the receiver that reads
+  it first is restarted from scratch, downloading version 0 through its upstream list
+  (``--download-init``); it must come up (exiting or 300 s without "ready" is a failure).
+
+Safety is checked on every version as above.  Liveness (``LIAR_BOUNDS``, ``liar_bound``):
+version v and the next ones run, the lie on the first ``lies_on`` of them, until one commits
+with every receiver on it; none by v + ``bound`` is a failure (which ends the epoch).  A
+receiver only behind there (committed below the trainer, serving exactly the bits it holds)
+is noted as ``lagging``, not a violation.  The bounds, from what the product promises: a
+one-shot document lie is answered by a second opinion within the version (v or v+1); a hidden
+manifest or decision too (v may abort, v+1 commits, the liar still hiding it); a dropped or
+flipped ack is seen when v aborts, then the receiver demotes the upstream it wrote through,
+and ``r0``'s ack behind ``rb`` -> ``ra`` may need two demotions (v+2 commits); a hidden or
+frozen HEAD has no signed evidence against it and is probed on the other upstreams only
+after ``HEAD_PROBE_S`` (10 s) without a newer one, so it is hidden on every version up to
+ceil(10 s / ack timeout) past v and the last of them must commit; a bootstrap lie must not
+cost v.  A demotion lasts ``retry_after_s``: liar epochs use ``LIAR_RETRY_AFTER_S`` (12 s)
+so that it outlasts the versions of the bound, and a liar trial's later versions start at
+once (no wait for the tree to heal).  After the trial the liar is restarted on an empty
+spool (its cached lies go).  ``struck``: the liar told at least one lie (a lie can miss:
+children that left it, or read v's document before it existed).
+
+Driver classes (any epoch kind): ``planted_keys``: before v's go a writer without the key
+plants bare keys at the top of the version space (``v/99999999/x`` and 10 more, over a
+relay's version window, also read through both relays), junk under the next versions'
+prefixes and 200 junk acks (through ``ra``: 4 acks of 1 MiB, which a relay must refuse).
+Checked: v or v+1 commits with every receiver on it, planted numbers push no real version
+out of a relay's window and no 1 MiB ack is forwarded; in a pipelined epoch the trainer is
+then SIGKILLed and resumed from its checkpoint, and its next version must be one past the
+last it published (planted numbers do not raise the floor) and commit within 3.
+``claim_race``: 2-4 processes call the product's ``claim_store`` on one fresh prefix (moto S3
+or a local directory) at once; exactly one must win, each other one get ``ForeignRunError``,
+and ``RUN.json`` name the winner.  bootstrap_lie, planted_keys and claim_race test product
+work that lands after these classes (bootstrap failover, relay bounds, an atomic claim).
+
 A death with one live receiver is redrawn as a join, a join with four as a death (the
 record says ``redrawn_from``).  Liveness checks that do not hold (``failures``: an
 eviction, admission or resumed commit not within its bound) are counted apart from
@@ -354,7 +411,8 @@ def make_plan(seed: int, trial: int, cls: str) -> dict:
         f = [{"kind": "claim_race", "target": "driver", "backend": rng.choice(["s3", "local"]),
               "n": rng.randint(*CLAIM_RACERS)}]
     elif cls == "exit_without_finish":
-        f = [{"kind": "exit", "target": "driver", "delay_s": round(rng.uniform(0.0, 0.5), 2)}]
+        f = [{"kind": "exit", "target": "driver", "delay_s": round(rng.uniform(0.0, 0.5), 2),
+              "before": rng.randint(0, 2)}]
     elif cls != "none":
         raise ValueError(cls)
     return {"trial": trial, "cls": cls, "faults": f}
@@ -1256,7 +1314,9 @@ def _bootstrap_restart(ep: Epoch, plan: dict, v: int, rec: dict) -> None:
     """bootstrap_lie: the liar restarted on an empty spool (so it fetches RUN.json and init/
     again, and lies about them), then the receiver that reads it first restarted from
     scratch, downloading version 0 through its upstream list.  It must come up (a receiver
-    that exits is a failure; it is then started from the driver's copy, so the epoch goes on)."""
+    that exits is a failure; then the liar is restarted on an empty spool, since it caches
+    the lie as any immutable object, and the receiver started from the driver's copy, so the
+    epoch goes on)."""
     f = plan["faults"][0]
     with open(os.path.join(ep.plan_dir, f"v{v}.json"), "w") as fh:  # the liar reads the newest plan
         json.dump(plan, fh)
@@ -1272,6 +1332,14 @@ def _bootstrap_restart(ep: Epoch, plan: dict, v: int, rec: dict) -> None:
     log = os.path.join(rx.dir, f"log-{rx.incarnation}.txt")
     t0 = time.monotonic()
     boot = {"receiver": rid}
+
+    def fallback() -> None:
+        relay.kill()
+        relay.start()
+        relay.wait_ready()
+        rx.start()
+        Epoch.wait_ready(rx, time.monotonic())
+
     while True:
         with open(log, errors="replace") as fh:
             if '"ready": true' in fh.read():
@@ -1281,15 +1349,13 @@ def _bootstrap_restart(ep: Epoch, plan: dict, v: int, rec: dict) -> None:
             boot["exited"] = rx.proc.returncode
             rec["failures"].append(f"{rid} exited ({rx.proc.returncode}) bootstrapping through lying {f['target']}: "
                                    + _tail(log, 2).strip()[-300:])
-            rx.start()
-            Epoch.wait_ready(rx, time.monotonic())
+            fallback()
             break
         if time.monotonic() - t0 > 300:
             boot["timeout"] = True
             rec["failures"].append(f"{rid} not up within 300s bootstrapping through lying {f['target']}")
             _kill(rx.proc)
-            rx.start()
-            Epoch.wait_ready(rx, time.monotonic())
+            fallback()
             break
         time.sleep(0.1)
     boot["lies"] = _lies(ep) - lies_before
@@ -1858,6 +1924,10 @@ def _trial_exit(ep: Epoch, plan: dict, rec: dict) -> None:
     store; none is a failure, a trainer still there a hang); then every receiver must hold
     what was decided (v, or its base after an abort), checked bit for bit."""
     f = plan["faults"][0]
+    for _ in range(f.get("before", 0)):  # clean versions first: the exit is not always the run's first
+        _, row, _ = _pstep(ep, {**plan, "faults": []}, rec)
+        if row is None or rec["violations"]:
+            return
     base = ep.committed
     os.makedirs(os.path.join(ep.dir, "exit"), exist_ok=True)
     with open(os.path.join(ep.dir, "exit", str(ep.version + 1)), "w") as fh:
