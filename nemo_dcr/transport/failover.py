@@ -216,7 +216,6 @@ class FailoverStore:
         raise VerificationFailed(f"{self.uri}: {key!r}: no upstream served good bytes; last: {reason}",
                                  uri=self.uri, op="get", key=key) from last
 
-
     def second_opinion(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],
                        skip: Callable[[str, str], bool] | None = None) -> tuple[bytes, str] | None:
         """The first genuine copy of ``key`` (``check`` returns None) any upstream serves, in
