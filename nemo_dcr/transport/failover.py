@@ -24,7 +24,10 @@ asks every upstream in order for one when the upstream it read from rejected, re
 (too large) or did not have it.  Upstreams that disagreed are demoted only when another
 one serves a genuine copy: a document that no upstream has (not written yet) or that fails
 everywhere (a forgery planted at the origin, which every faithful relay passes on) demotes
-nobody.  ``answered_by()`` names the upstream that answered this thread's last call, so a
+nobody.  A bad or oversized copy demotes at once; a *not-found* may be lag (a relay reuses
+a not-found for its freshness window, 50 ms by default, and a deeper relay adds its
+parent's), so that upstream is asked again ``LAG_GRACE_S`` later and demoted only if it
+still has nothing (one ``stat``; the reader meanwhile uses the genuine copy).  ``answered_by()`` names the upstream that answered this thread's last call, so a
 reader can key what it caches to the upstream it came from, and ``demote`` lets a caller
 leave an upstream on evidence of its own (an ack the trainer never saw).
 
@@ -44,6 +47,15 @@ from nemo_dcr.errors import FormatError, TransportError, ValidationError
 from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
 _log = logging.getLogger(__name__)
+
+LAG_GRACE_S = 2.0
+"""How long an upstream may still answer "not found" for a document another upstream
+already served genuinely before it is demoted as hiding it (a relay's not-found freshness
+is 50 ms by default; two seconds covers a three-level tree under load).  The cost of a
+relay that hides documents: this long per document until it is left, then nothing for
+``retry_after_s``."""
+SUSPECTS = 256
+"""Pending "not found here, genuine elsewhere" re-checks kept (the oldest are dropped)."""
 
 
 class VerificationFailed(StoreError):
@@ -72,7 +84,7 @@ class FailoverStore:
     is_relay = False  # a list is a relay's client only through its members
 
     def __init__(self, stores: Sequence[ObjectStore], *, retry_after_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 lag_grace_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         if not stores:
             raise ValidationError("a failover store needs at least one upstream")
         if retry_after_s < 0:
@@ -80,7 +92,9 @@ class FailoverStore:
         self.stores = list(stores)
         self.uri = ",".join(s.uri for s in self.stores)
         self.retry_after_s = retry_after_s
+        self.lag_grace_s = LAG_GRACE_S if lag_grace_s is None else lag_grace_s
         self._clock = clock
+        self._suspects: dict[tuple[int, str], tuple[float, str]] = {}  # (upstream, key) -> (due, who had it)
         self._lock = threading.Lock()
         self._stats = [UpstreamStats(s.uri, is_relay(s)) for s in self.stores]
         self.switches = 0
@@ -92,6 +106,8 @@ class FailoverStore:
         """Upstreams to try, best first: those not resting after a failure in list order,
         then the resting ones (a node whose every upstream failed recently still tries)."""
         now = self._clock()
+        if self._suspects:
+            self._recheck(now)
         with self._lock:
             up = [i for i, s in enumerate(self._stats) if s.down_until <= now]
             down = sorted((i for i, s in enumerate(self._stats) if s.down_until > now),
@@ -123,6 +139,34 @@ class FailoverStore:
                 self._demote(i, why, bad_bytes=True)
                 return True
         return False
+
+    def _suspect(self, i: int, key: str, other: str) -> None:
+        """Upstream ``i`` had no ``key`` while ``other`` served a genuine copy: lag or a lie;
+        asked again ``lag_grace_s`` from now (:meth:`_recheck`)."""
+        with self._lock:
+            self._suspects.setdefault((i, key), (self._clock() + self.lag_grace_s, other))
+            while len(self._suspects) > SUSPECTS:
+                self._suspects.pop(next(iter(self._suspects)))
+
+    def _recheck(self, now: float) -> None:
+        """The suspects now due: still nothing at ``key`` -> demoted (it hides the
+        document); a copy now -> it was lagging, forgotten.  A failing upstream is
+        demoted as any failure is."""
+        with self._lock:
+            due = [(ik, v) for ik, v in self._suspects.items() if v[0] <= now]
+            for ik, _ in due:
+                del self._suspects[ik]
+        for (i, key), (_, other) in due:
+            try:
+                there = self.stores[i].stat(key) is not None
+            except (ObjectNotFound, FormatError, ValidationError):
+                there = False
+            except TransportError as e:
+                self._demote(i, str(e))
+                continue
+            if not there:
+                self._demote(i, f"{key}: still not found {self.lag_grace_s:g} s after {other} served "
+                                f"a genuine copy", bad_bytes=True)
 
     def _demote(self, i: int, why: str, *, bad_bytes: bool = False) -> None:
         with self._lock:
@@ -223,21 +267,26 @@ class FailoverStore:
         upstreams that had none (not found, too large, ``check`` failed) before the one
         that served it are demoted (they lied or lag); when no upstream serves one nobody
         is demoted (the document may not exist yet).  ``skip(uri, tag)``: an identity this
-        caller already judged bad is not read again (one ``stat`` instead of a ``get``)."""
-        disagreed: list[tuple[int, str]] = []
+        caller already judged bad is not read again (one ``stat`` instead of a ``get``).
+        An upstream that only had nothing is not demoted at once: it may lag
+        (``LAG_GRACE_S``, :meth:`_suspect`)."""
+        disagreed: list[tuple[int, str | None]] = []  # reason; None: not found there
         for i in self._order():
             up = self.stores[i]
             try:
                 if skip is not None:
                     info = up.stat(key)
                     if info is None:
-                        disagreed.append((i, "not found"))
+                        disagreed.append((i, None))
                         continue
                     if skip(up.uri, info.tag):
                         disagreed.append((i, "serves a copy already refused"))
                         continue
                 blob = up.get(key, max_bytes=max_bytes)
-            except (ObjectNotFound, FormatError, ValidationError) as e:
+            except ObjectNotFound:
+                disagreed.append((i, None))
+                continue
+            except (FormatError, ValidationError) as e:
                 disagreed.append((i, str(e)))
                 continue
             except TransportError as e:
@@ -248,7 +297,10 @@ class FailoverStore:
                 disagreed.append((i, why))
                 continue
             for j, reason in disagreed:
-                self._demote(j, f"{key}: {reason}, while {up.uri} serves a genuine copy", bad_bytes=True)
+                if reason is None:
+                    self._suspect(j, key, up.uri)
+                else:
+                    self._demote(j, f"{key}: {reason}, while {up.uri} serves a genuine copy", bad_bytes=True)
             self._served(i, len(blob))
             return blob, up.uri
         return None

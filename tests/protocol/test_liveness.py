@@ -11,6 +11,7 @@ alone), where the same lie costs the version.
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -109,7 +110,7 @@ def _run(tmp_path, key, lies, *, failover=True, versions=3, ack_timeout_s=3.0):
     w = torch.randn(32, 16).to(torch.bfloat16)
     sender, origin = _sender(tmp_path, {"w": w}, key, ack_timeout_s=ack_timeout_s)
     liar = Liar(LocalDirStore(origin.uri))
-    fs = FailoverStore([liar, LocalDirStore(origin.uri + "/.")]) if failover else liar
+    fs = FailoverStore([liar, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.2) if failover else liar
     r = Rx("r0", fs, key, sender.run_id, w)
     r.start(until=versions)
     committed = {}
@@ -145,7 +146,29 @@ def test_after_one_lie_about_a_document_the_version_commits(tmp_path, key, case)
     assert committed == {1: True, 2: True, 3: True}
     np.testing.assert_array_equal(r.w, want)
     assert [e for e in r.events if e.get("event") == "document read from the next upstream"]
-    assert fs.upstream_stats()[0]["bad_bytes"] >= 1  # the liar was demoted
+    # the liar was demoted (at once for a bad or oversized copy; for a hidden one when it
+    # still has nothing lag_grace_s after the origin served it: the next call re-checks)
+    time.sleep(0.25)
+    fs.current
+    assert fs.upstream_stats()[0]["bad_bytes"] >= 1
+
+
+def test_a_lagging_relay_is_not_demoted(tmp_path):
+    """A relay that answers "not found" for a document the origin already has, and has it
+    when asked again within the grace, was lagging: it stays current.  Control: one that
+    still has nothing after the grace is demoted."""
+    origin = LocalDirStore(str(tmp_path / "o"))
+    for still_missing in (False, True):
+        lagging = Liar(LocalDirStore(origin.uri))
+        lagging.lie(re.escape("v/00000001/DECISION.json"), "hide", 1 if not still_missing else None)
+        fs = FailoverStore([lagging, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.1)
+        origin.put("v/00000001/DECISION.json", b"genuine")
+        got = fs.second_opinion("v/00000001/DECISION.json", max_bytes=None, check=lambda b: None)
+        assert got == (b"genuine", origin.uri + "/.")
+        assert fs.upstream_stats()[0]["failures"] == 0  # not at once
+        time.sleep(0.15)
+        assert (fs.current is lagging) is not still_missing
+        assert fs.upstream_stats()[0]["bad_bytes"] == int(still_missing)
 
 
 @pytest.mark.parametrize("case", ["one swapped decision", "every manifest hidden"])
