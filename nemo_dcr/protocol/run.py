@@ -2,8 +2,10 @@
 
 A run id (128 random bits, hex) is created when version 0 is written.  Every manifest,
 chunk header, ack and decision carries it, and both sides check it: a run never adopts
-another run's objects.  The trainer claims a prefix by writing ``RUN.json`` before
-anything else, and refuses a prefix that already holds another run's record, or objects
+another run's objects.  The trainer claims a prefix by creating ``RUN.json`` before
+anything else, only if absent (``ObjectStore.put_if_absent``: ``link(2)`` on a directory,
+``If-None-Match: *`` on S3), so of N trainers started on one prefix exactly one owns it;
+it refuses a prefix that already holds another run's record, or objects
 of a run that has none (written by an older nemo_dcr or by someone else).
 
 Resuming a run starts from the trainer's checkpoint, which carries the run's
@@ -46,7 +48,7 @@ from nemo_dcr.protocol.manifest import (
     doc_digest,
 )
 from nemo_dcr.protocol.signing import UNSIGNED, Sealer, SignatureError, signature_of
-from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
+from nemo_dcr.transport.store import ObjectNotFound, ObjectStore, put_if_absent
 
 
 class ForeignRunError(ProtocolError):
@@ -142,11 +144,18 @@ def claim_store(store: ObjectStore, sealer: Sealer, model_id: str, *, resume_run
         raise ForeignRunError(f"store {store.uri} already holds objects of another run (e.g. {others[0]!r}) "
                               "and no run record; use a fresh prefix per run")
     record = RunRecord(run_id=new_run_id(), model_id=model_id, created_unix=time.time())
-    store.put(RUN_KEY, record.to_json(sealer))
-    # a concurrent claimant would have overwritten it: read back before going on
-    back = read_run(store, sealer)
+    # the claim itself: created only if absent (link(2) / If-None-Match), so of N trainers
+    # started on one fresh prefix exactly one wins; the read-back covers a retried create
+    # that found its own first attempt, and a back end without a conditional create
+    put_if_absent(store, RUN_KEY, record.to_json(sealer))
+    try:
+        back = read_run(store, sealer, allow_unverified=True)
+    except ForeignRunError:
+        back = None
     if back is None or back.run_id != record.run_id:
-        raise ForeignRunError(f"store {store.uri}: another run claimed the prefix at the same time")
+        who = "" if back is None else f" (run {back.run_id}, model {back.model_id!r})"
+        raise ForeignRunError(f"store {store.uri}: another run claimed the prefix at the same time{who}; "
+                              "use a fresh prefix per run")
     return record
 
 

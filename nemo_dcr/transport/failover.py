@@ -229,6 +229,10 @@ class FailoverStore:
     def put(self, key: str, data: bytes) -> None:
         self._each("put", key, lambda s: s.put(key, data), lambda r: 0)
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        from nemo_dcr.transport.store import put_if_absent
+        return self._each("put", key, lambda s: put_if_absent(s, key, data), lambda r: 0)
+
     def delete(self, key: str) -> None:
         self._each("delete", key, lambda s: s.delete(key), lambda r: 0)
 

@@ -223,6 +223,19 @@ _PERMANENT = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirecto
               FileExistsError, SymlinkRefused, ValueError, TypeError)
 
 
+def _http_status(exc: BaseException) -> int:
+    """The HTTP status of the botocore error behind ``exc`` (0 when there is none)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        e = e.__cause__
+    return 0
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures another attempt may cure: connection errors, timeouts, HTTP 5xx
     and throttling; False for not-found, permission and validation errors (and anything
@@ -368,6 +381,13 @@ class ObjectStore(Protocol):
     def put(self, key: str, data: bytes) -> None:
         """Atomically create or replace ``key``."""
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if nothing is there, atomically against every other writer
+        of the store (a directory: ``link(2)`` of a written temporary file; S3:
+        ``If-None-Match: *``); False, nothing written, when ``key`` exists.  After a retry
+        the object may be this call's own first attempt: the caller reads back (the run
+        claim, ``protocol/run.py``, compares the run id)."""
+
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """Whole object; ``ObjectNotFound`` if absent; ``ObjectTooLarge`` (body unread)
         if over ``max_bytes``."""
@@ -387,6 +407,19 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove ``key`` if present."""
+
+
+def put_if_absent(store: ObjectStore, key: str, data: bytes) -> bool:
+    """``store.put_if_absent`` where the store has it; otherwise (a wrapper that does not
+    forward it) ``stat`` then ``put``, which a concurrent writer can race: callers read
+    back what they created."""
+    fn = getattr(store, "put_if_absent", None)
+    if fn is not None:
+        return fn(key, data)
+    if store.stat(key) is not None:
+        return False
+    store.put(key, data)
+    return True
 
 
 # --- the embedded default: a directory ------------------------------------------------
@@ -450,10 +483,19 @@ class LocalDirStore(_BoundedStore):
             raise
 
     def put(self, key: str, data: bytes) -> None:
+        self._publish(key, data, exclusive=False)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._publish(key, data, exclusive=True)
+
+    def _publish(self, key: str, data: bytes, *, exclusive: bool) -> bool:
+        """Write a temporary file beside ``key``, then rename it over ``key`` or, with
+        ``exclusive``, hard-link it to ``key`` (``link(2)`` fails on an existing name:
+        the one atomic create-if-absent every POSIX file system has, NFS included)."""
         parts = check_key(key).split("/")
         data = memoryview(data).cast("B")
 
-        def attempt(att: _Attempt) -> None:
+        def attempt(att: _Attempt) -> bool:
             fd = self._open_dir(parts[:-1], create=True)
             tmp = f"{_TMP_PREFIX}{secrets.token_hex(8)}"
             try:
@@ -468,7 +510,16 @@ class LocalDirStore(_BoundedStore):
                     os.close(out)
                 if att.abandoned:  # the caller gave up on this attempt: publish nothing
                     raise att.timed_out()
-                os.replace(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
+                if not exclusive:
+                    os.replace(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
+                    return True
+                try:
+                    os.link(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp, dir_fd=fd)
+                return True
             except BaseException:
                 try:
                     os.unlink(tmp, dir_fd=fd)
@@ -478,7 +529,7 @@ class LocalDirStore(_BoundedStore):
             finally:
                 os.close(fd)
 
-        self._call("put", key, attempt, nbytes=len(data))
+        return self._call("put", key, attempt, nbytes=len(data))
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         return self.get_with_info(key, max_bytes=max_bytes)[0]
@@ -661,6 +712,30 @@ class FsspecStore(_BoundedStore):
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         self._call("put", key, lambda att: self._fs_call("pipe_file", att, path, data), nbytes=len(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """S3: one ``PutObject`` with ``If-None-Match: *`` (a 412 -> False).  Other fsspec
+        file systems offer no conditional create: ``stat``, then ``put`` when absent
+        (atomic only within one process; the caller's read-back catches a race)."""
+        path = self._path(key)
+        if not self._socket_timeouts:
+            if self.stat(key) is not None:
+                return False
+            self.put(key, data)
+            return True
+
+        def attempt(att: _Attempt) -> bool:
+            try:
+                self._fs_call("pipe_file", att, path, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as e:  # a 412 that s3fs did not map (no Condition in the answer)
+                if _http_status(e) == 412:
+                    return False
+                raise
+            return True
+
+        return self._call("put", key, attempt, nbytes=len(data))
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         if max_bytes is not None:
