@@ -50,7 +50,7 @@ from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.runs import CanonicalRuns, canonical_runs
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
-from nemo_dcr.protocol.manifest import ChunkRef, Manifest, chunk_key
+from nemo_dcr.protocol.manifest import ChunkRef, Manifest, check_version, chunk_key
 from nemo_dcr.protocol.run import RunState, claim_store, resume_position
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.protocol.snapshot import prune_snapshots, write_snapshot
@@ -439,6 +439,7 @@ class RefitSender:
         its chunks to ``pool`` for encoding and upload.  Records submitted but not yet encoded
         are capped at ``pipeline_max_staged_bytes``: past it this waits for the encoder."""
         base = self.baseline.version
+        check_version(version)
         if version <= max(base, self._floor):
             raise ProtocolError(f"version {version} must be newer than the committed {base} and the last "
                                 f"published {self._floor} (a version number is never reused)")

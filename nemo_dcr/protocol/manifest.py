@@ -57,8 +57,23 @@ class ManifestError(FormatError):
     pass
 
 
+VERSION_DIGITS = 8
+"""Width of the version number in every key (``v/00000042/``, ``acks/<rx>/00000042.json``,
+``snapshots/v00000042/``): keys sort by version, and a version beyond ``MAX_VERSION``
+has no key (refused at publish, ``check_version``)."""
+MAX_VERSION = 10 ** VERSION_DIGITS - 1
+
+
+def check_version(version: int) -> int:
+    """``version`` if it fits a key (0..``MAX_VERSION``), else ``ValidationError``."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise ValidationError(f"version {version!r} does not fit the store's {VERSION_DIGITS}-digit version keys "
+                              f"(0..{MAX_VERSION}): start a new run on a fresh prefix")
+    return version
+
+
 def version_prefix(version: int) -> str:
-    return f"v/{version:08d}"
+    return f"v/{check_version(version):08d}"
 
 
 def manifest_key(version: int) -> str:
@@ -74,7 +89,7 @@ def dense_key(version: int) -> str:
 
 
 def ack_key(receiver: str, version: int) -> str:
-    return f"acks/{check_receiver_id(receiver)}/{version:08d}.json"
+    return f"acks/{check_receiver_id(receiver)}/{check_version(version):08d}.json"
 
 
 JOIN_PREFIX = "acks/join.d/"
@@ -109,7 +124,7 @@ SNAPSHOT_RECORD = "SNAPSHOT.json"
 
 def snapshot_key(version: int, name: str) -> str:
     """A file of the committed-version snapshot of ``version`` (``protocol/snapshot.py``)."""
-    return f"{SNAPSHOT_PREFIX}v{version:08d}/{name}"
+    return f"{SNAPSHOT_PREFIX}v{check_version(version):08d}/{name}"
 
 
 def check_receiver_id(rid: str) -> str:

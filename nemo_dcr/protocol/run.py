@@ -27,6 +27,8 @@ import os
 import re
 import secrets
 import time
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nemo_dcr.errors import DcrError, FormatError, ProtocolError, ValidationError
@@ -41,11 +43,13 @@ from nemo_dcr.protocol.manifest import (
     Decision,
     Head,
     InitRecord,
+    Manifest,
     RunRecord,
     check_digest,
     check_run_id,
     decision_key,
     doc_digest,
+    manifest_key,
 )
 from nemo_dcr.protocol.signing import UNSIGNED, Sealer, SignatureError, signature_of
 from nemo_dcr.transport.store import ObjectNotFound, ObjectStore, put_if_absent
@@ -55,6 +59,7 @@ class ForeignRunError(ProtocolError):
     """The store prefix belongs to another run (or holds objects of an unknown one)."""
 
 
+_warn = logging.getLogger(__name__).warning
 _VERSION_DIR = re.compile(r"^v/([0-9]{8})/")
 
 
@@ -210,15 +215,75 @@ class RunState:
             raise ValidationError(str(e)) from None
 
 
+FLOOR_MISSES = 64
+"""Listed version numbers in a row above the committed one that hold no signed manifest or
+decision of this run before a resuming trainer stops looking higher.  Genuine numbers
+above a checkpoint are the ones its trainer went on to publish, close together (a gap is
+an upload killed before its manifest); a writer without the key can plant any number."""
+MISS_BYTES = 256 << 20
+"""Most bytes of documents that fail to open the scan reads before it stops (a planted
+64 MiB "manifest" per number would otherwise cost a resume FLOOR_MISSES x 64 MiB)."""
+FLOOR_SLACK = 1024
+"""A listed number without a signed document counts as used (never reused: an upload
+killed before its manifest, or documents deleted) when it is at most this far above the
+highest number the signed history, the checkpoint or a signed ``HEAD.json`` names;
+beyond, it is ignored (planted: ``v/99999995/x`` would otherwise push the next version to
+the end of the key space).  The worst a planter can do is waste this many numbers."""
+
+
 def _listed_versions(store: ObjectStore) -> list[int]:
-    """Version numbers with any object under ``v/<v>/`` (chunks count: a number whose
-    upload started is used, even if its manifest never appeared)."""
+    """Version numbers with any object under ``v/<v>/`` (candidates only: anyone who can
+    write to the store can list a number here)."""
     out = set()
     for key in store.list("v/"):
         m = _VERSION_DIR.match(key)
         if m:
             out.add(int(m.group(1)))
     return sorted(out)
+
+
+def _cost(store: ObjectStore, key: str) -> int:
+    info = store.stat(key)
+    return 0 if info is None else info.size
+
+
+def signed_versions(store: ObjectStore, sealer: Sealer, run_id: str, above: int, *, known: int = 0,
+                    log: Callable[[str], None] | None = None) -> tuple[int, int | None]:
+    """The version numbers in use above ``above`` (the committed version) as this run's
+    signed history tells them: (the highest number in use, the highest committed, or None).
+
+    Listed numbers are read in ascending order.  One with a signed decision or manifest of
+    ``run_id`` is in use; one without is in use only within ``FLOOR_SLACK`` of the highest
+    number known so far (``known``, the signed ones, ...), and otherwise ignored.  The scan
+    stops after ``FLOOR_MISSES`` numbers in a row without a signed document, or
+    ``MISS_BYTES`` read of documents that failed to open; what it ignored or left unread is
+    reported once through ``log``.  (Receivers use chunks only where a signed manifest lists
+    their digest, and a decision names the manifest it decides, so a number reused after
+    all is refused by them, not applied: this floor is the trainer's own guard.)"""
+    high, used, committed = above, max(above, known), None
+    misses, spent, ignored, stopped = 0, 0, [], ""
+    for n in (x for x in _listed_versions(store) if x > above):
+        dec = _signed(store, sealer, decision_key(n), Decision, run_id)
+        man = None if dec is not None and dec[0].version == n else _signed(
+            store, sealer, manifest_key(n), Manifest, run_id)
+        if (dec is not None and dec[0].version == n) or (man is not None and man[0].version == n):
+            high, used, misses = n, max(used, n), 0
+            committed = n if dec is not None and dec[0].version == n and dec[0].commit else committed
+            continue
+        misses += 1
+        spent += _cost(store, decision_key(n)) + _cost(store, manifest_key(n))
+        if n <= used + FLOOR_SLACK:
+            used = n
+        else:
+            ignored.append(n)
+        if misses >= FLOOR_MISSES or spent >= MISS_BYTES:
+            stopped = f"; stopped at v{n} after {misses} in a row without one ({spent} bytes of unopenable documents)"
+            break
+    if (ignored or stopped) and log is not None:
+        shown = ", ".join(map(str, ignored[:4])) + (", ..." if len(ignored) > 4 else "")
+        log(f"store {store.uri}: {len(ignored)} version number(s) under v/ hold no signed manifest or decision of "
+            f"run {run_id} and lie over {FLOOR_SLACK} above v{used}: ignored ({shown or 'none'}){stopped}")
+    return used, committed
 
 
 def _signed(store: ObjectStore, sealer: Sealer, key: str, cls, run_id: str):
@@ -249,8 +314,11 @@ def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tupl
     Refused, with both versions named: the checkpoint's committed version has no commit
     decision signed with the key (deleted or tampered) or one with another digest; or a
     LATER version was committed (the store moved past this checkpoint: resume from a
-    newer one).  Every version number listed under ``v/``, the checkpoint's and a signed
-    ``HEAD.json``'s count as used, so none is reused; pointers can only raise that floor."""
+    newer one).  Every version number with a signed manifest or decision of this run, one
+    listed near them (``signed_versions``: an upload killed before its manifest), the
+    checkpoint's and a signed ``HEAD.json``'s count as used, so none is reused; a bare key
+    planted far above them by a writer without the key does not (it would push the next
+    number to the end of the key space)."""
     c, uri = state.committed_version, store.uri
     if state.weights_version != c:
         raise ProtocolError(
@@ -269,17 +337,13 @@ def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tupl
     if state.committed_digest and digest != state.committed_digest:
         raise ProtocolError(f"cannot resume run {state.run_id}: the checkpoint's v{c} is {state.committed_digest}, "
                             f"the store's signed v{c} is {digest} (another branch of the history)")
-    listed = _listed_versions(store)
-    for v in reversed(listed):
-        if v <= c:
-            break
-        got = _signed(store, sealer, decision_key(v), Decision, state.run_id)
-        if got is not None and got[0].commit and got[0].version == v:
-            raise ProtocolError(f"cannot resume run {state.run_id} from committed v{c}: the store's run committed "
-                                f"v{v} after it; restart from the checkpoint of v{v} (or later), or start a new run")
     head = _signed(store, sealer, HEAD_KEY, Head, state.run_id)
-    floor = max([c, state.published_version, *listed[-1:], *([head[0].version] if head else [])])
-    return digest, floor
+    known = max([state.published_version, *([head[0].version] if head else [])])
+    used, later = signed_versions(store, sealer, state.run_id, c, known=known, log=_warn)
+    if later is not None:
+        raise ProtocolError(f"cannot resume run {state.run_id} from committed v{c}: the store's run committed "
+                            f"v{later} after it; restart from the checkpoint of v{later} (or later), or start a new run")
+    return digest, max(used, known)
 
 
 def committed_members(store: ObjectStore, sealer: Sealer, run_id: str, version: int, digest: str

@@ -131,6 +131,60 @@ def test_version_numbers_are_never_reused_even_with_pointers_deleted(tmp_path, k
     assert again.run_state().published_version == 3
 
 
+def test_bare_keys_planted_far_above_do_not_move_the_floor(tmp_path, key, caplog):
+    """A writer without the key plants ``v/99999995/x`` .. ``v/99999998/x``: counted as used,
+    they would leave the resumed run 1-4 version numbers (the keys have 8 digits).  The
+    resumed trainer ignores them (one warning naming them) and publishes v3 as if they were
+    not there; control: a bare number close above the history (an upload killed before its
+    manifest) still counts as used."""
+    from nemo_dcr.protocol.run import FLOOR_SLACK
+
+    sender, store, w, *_ = _trained(tmp_path, key, True, versions=2)
+    for n in range(99999995, 99999999):
+        store.put(f"v/{n:08d}/x", b"junk")
+    state = sender.run_state()
+    with caplog.at_level("WARNING", logger="nemo_dcr.protocol.run"):
+        again = _restarted(sender, store, w, state)
+    planted = [r.message for r in caplog.records if "hold no signed manifest" in r.message]
+    assert len(planted) == 1 and "99999995, 99999996, 99999997, 99999998" in planted[0]
+    assert again.run_state().published_version == 2
+    _step(w, np.random.default_rng(5))
+    assert again.publish(3)[1].version == 3
+    # control: a bare number within FLOOR_SLACK of the history is kept as used
+    store.put(f"v/{2 + FLOOR_SLACK:08d}/x", b"junk")
+    assert _restarted(sender, store, w, state).run_state().published_version == 2 + FLOOR_SLACK
+
+
+def test_planted_numbers_cost_a_bounded_scan(tmp_path, key, caplog, monkeypatch):
+    """Many bare numbers just above the history: the scan reads FLOOR_MISSES of them and
+    stops, saying so (bounded work per resume, whatever was planted)."""
+    from nemo_dcr.protocol import run as run_mod
+
+    monkeypatch.setattr(run_mod, "FLOOR_MISSES", 8)
+    reads = []
+    sender, store, w, *_ = _trained(tmp_path, key, True, versions=2)
+    for n in range(3, 40):
+        store.put(f"v/{n:08d}/x", b"junk")
+    real_get = store.get
+    monkeypatch.setattr(store, "get", lambda k, **kw: (reads.append(k), real_get(k, **kw))[1])
+    with caplog.at_level("WARNING", logger="nemo_dcr.protocol.run"):
+        again = _restarted(sender, store, w, sender.run_state())
+    assert any("stopped at v10 after 8 in a row" in r.message for r in caplog.records)
+    assert again.run_state().published_version == 10  # the numbers it read count as used
+    assert not [k for k in reads if k.startswith(("v/00000011/", "v/00000039/"))]
+
+
+def test_a_version_beyond_the_key_width_is_refused_at_publish(tmp_path, key):
+    from nemo_dcr.errors import ValidationError
+    from nemo_dcr.protocol.manifest import MAX_VERSION
+
+    sender, store, w, *_ = _trained(tmp_path, key, True, versions=1)
+    with pytest.raises(ValidationError, match="does not fit the store's 8-digit version keys"):
+        sender.publish(MAX_VERSION + 1)
+    assert not [k for k in store.list("v/") if k.startswith(f"v/{MAX_VERSION + 1}")]  # nothing written
+    assert sender.publish(MAX_VERSION)[1].version == MAX_VERSION  # control: the last number fits
+
+
 @pytest.mark.parametrize("context", [True, False], ids=["context", "plain"])
 def test_an_aborted_version_replayed_through_head_is_rolled_back_by_the_chain(tmp_path, key, context):
     """v2 aborted, v3 and v4 committed.  The writer restores v2's genuine HEAD and deletes its
