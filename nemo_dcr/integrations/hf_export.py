@@ -14,14 +14,11 @@ from safetensors.torch import save as save_safetensors
 
 from nemo_dcr.layout.families import ModelFamily, hf_config_fields
 from nemo_dcr.layout.mapping import ModelDims
-from nemo_dcr.protocol.manifest import INIT_PREFIX
-from nemo_dcr.protocol.run import write_init_record
+from nemo_dcr.protocol.manifest import INIT_PREFIX, InitRecord
+from nemo_dcr.protocol.run import MAX_INIT_BYTES, fetch_init_file, write_init_record
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectStore
 
-MAX_INIT_BYTES = 1 << 42
-"""Largest version-0 file a receiver downloads (4 TiB: a 1T-parameter BF16 checkpoint is
-2 TB); the files are then checked against the signed ``init/INIT.json``."""
 CONFIG_KEY = f"{INIT_PREFIX}/config.json"
 WEIGHTS_KEY = f"{INIT_PREFIX}/model.safetensors"
 
@@ -55,9 +52,17 @@ def write_checkpoint(store: ObjectStore, config: dict, state: dict[str, torch.Te
     return write_init_record(store, sealer, run_id, {"config.json": cfg, "model.safetensors": blob})
 
 
-def download_checkpoint(store: ObjectStore, directory: str) -> str:
-    """Copy ``init/`` into a local directory a runtime can ``from_pretrained``."""
+def download_checkpoint(store: ObjectStore, directory: str, record: InitRecord | None = None) -> str:
+    """Copy ``init/`` into a local directory a runtime can ``from_pretrained``.  With the
+    run's signed ``record`` (a receiver), each file it lists is fetched bounded by its size
+    and checked against its digest, from the next upstream when one serves other bytes
+    (``protocol/run.fetch_init_file``); without, the two files as the store has them."""
     os.makedirs(directory, exist_ok=True)
+    if record is not None:
+        for name in sorted(record.files):
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(fetch_init_file(store, record, name))
+        return directory
     for key in (CONFIG_KEY, WEIGHTS_KEY):
         with open(os.path.join(directory, key.split("/")[-1]), "wb") as f:
             f.write(store.get(key, max_bytes=MAX_INIT_BYTES))

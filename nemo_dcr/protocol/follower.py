@@ -48,14 +48,17 @@ import json
 import time
 from dataclasses import dataclass
 
-from nemo_dcr.errors import DcrError, ProtocolError, TransportError
+from nemo_dcr.errors import DcrError, FormatError, ProtocolError, TransportError
 from nemo_dcr.protocol.manifest import (
+    DOC_LIMITS,
     HEAD_KEY,
+    RUN_KEY,
     Ack,
     Decision,
     Head,
     JoinRequest,
     Manifest,
+    RunRecord,
     ack_key,
     decision_key,
     join_key,
@@ -63,8 +66,8 @@ from nemo_dcr.protocol.manifest import (
 )
 from nemo_dcr.protocol.reader import DocReader
 from nemo_dcr.protocol.run import read_run
-from nemo_dcr.protocol.signing import Sealer
-from nemo_dcr.transport.failover import answered_by
+from nemo_dcr.protocol.signing import UNSIGNED, Sealer, signature_of
+from nemo_dcr.transport.failover import answered_by, second_opinion
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -89,17 +92,50 @@ def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, time
                  poll_s: float = 0.1, allow_unverified: bool = False) -> str:
     """The run id of the store's ``RUN.json`` (waiting for it to appear); refuses a run other
     than ``run_id`` when one is given, and a record that does not open with the key (or a
-    signed one, without a key unless ``allow_unverified``) naming what it claims to be."""
+    signed one, without a key unless ``allow_unverified``) naming what it claims to be.
+
+    Through an upstream list, a refused record (flipped, another run's) and, every
+    ``RUN_PROBE_S`` while there is none, a missing one are asked of the other upstreams
+    (``transport/failover.second_opinion``): the genuine copy is used and a relay that lied
+    is left.  Only when no upstream serves one is the refusal raised."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    probe = time.monotonic() + RUN_PROBE_S
+
+    def genuine(data: bytes) -> str | None:
+        try:
+            rec = RunRecord.from_json(data, sealer)
+        except DcrError as e:
+            return str(e)
+        if not sealer.signed and not allow_unverified and signature_of(data) != UNSIGNED:
+            return "signed, and no key was given"
+        return None if not run_id or rec.run_id == run_id else f"run {rec.run_id}, not {run_id}"
+
+    def elsewhere() -> RunRecord | None:
+        data = second_opinion(store, RUN_KEY, max_bytes=DOC_LIMITS["run"], check=genuine)
+        return None if data is None else RunRecord.from_json(data, sealer)
+
     while True:
-        rec = read_run(store, sealer, allow_unverified=allow_unverified)
-        if rec is not None:
-            if run_id and rec.run_id != run_id:
+        try:
+            rec = read_run(store, sealer, allow_unverified=allow_unverified)
+            if rec is not None and run_id and rec.run_id != run_id:
                 raise ProtocolError(f"store {store.uri} holds run {rec.run_id}, this receiver follows run {run_id}")
+        except (ProtocolError, FormatError):  # refused here: flipped, malformed, another run's
+            rec = elsewhere()
+            if rec is None:
+                raise
+        if rec is None and time.monotonic() >= probe:
+            probe = time.monotonic() + RUN_PROBE_S
+            rec = elsewhere()
+        if rec is not None:
             return rec.run_id
         if deadline is not None and time.monotonic() > deadline:
             raise ProtocolError(f"store {store.uri}: no run record (RUN.json) within {timeout_s}s")
         time.sleep(poll_s)
+
+
+RUN_PROBE_S = 2.0
+"""While a receiver's upstream has no ``RUN.json``, how often the others are asked for one
+(what a relay that hides it costs)."""
 
 
 HEAD_PROBE_S = 10.0

@@ -470,21 +470,31 @@ class RunRecord:
 @dataclass(frozen=True)
 class InitRecord:
     """``init/INIT.json``: sha256 of each version-0 file, so a receiver proves the
-    checkpoint it loaded (from the store or a local copy) is this run's version 0."""
+    checkpoint it loaded (from the store or a local copy) is this run's version 0, and
+    (``sizes``, since format 1.1 of the record; absent in older ones) each file's byte size,
+    so a download is bounded by what the run wrote, not by what an upstream claims."""
 
     KIND: ClassVar[str] = "init"
 
     run_id: str
     files: dict[str, str]
+    sizes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self, sealer: Sealer | None = None) -> bytes:
-        return (sealer or _UNSIGNED).seal("init", asdict(self))
+        d = asdict(self)
+        if not self.sizes:
+            d.pop("sizes")
+        return (sealer or _UNSIGNED).seal("init", d)
 
     @classmethod
     def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "InitRecord":
-        obj = _take(_load(data, "init record", "init", sealer), {"run_id": str, "files": dict}, "init record")
+        obj = _take(_load(data, "init record", "init", sealer), {"run_id": str, "files": dict, "sizes": dict},
+                    "init record", optional=frozenset({"sizes"}))
         check_run_id(obj["run_id"])
         for name, d in obj["files"].items():
             if not (isinstance(d, str) and _DIGEST.match(d)) or "/" in name:
                 raise ManifestError(f"init record: bad entry {name!r}")
+        for name, n in obj.get("sizes", {}).items():
+            if name not in obj["files"] or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ManifestError(f"init record: bad size entry {name!r}")
         return cls(**obj)

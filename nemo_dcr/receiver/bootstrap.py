@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
-from nemo_dcr.protocol.manifest import INIT_PREFIX, INIT_RECORD_KEY, Manifest, doc_digest
-from nemo_dcr.protocol.run import read_init_record, verify_init_dir
+from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
+from nemo_dcr.protocol.run import fetch_init_file, read_init_record, verify_init_dir
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
@@ -46,18 +46,37 @@ def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     """The version-0 checkpoint to load: ``init_dir`` if given, else a download of the
     store's ``init/`` into ``state_dir/init``; either way checked against the run's signed
     ``init/INIT.json`` (waiting up to ``timeout_s`` for it to be published).  Returns the
-    directory and the record's digest (the root of the run's chain)."""
+    directory and the record's digest (the root of the run's chain).  A download through
+    an upstream list leaves an upstream that serves a file other than the record lists
+    (``protocol/run.fetch_init_file``)."""
     from nemo_dcr.integrations.hf_export import download_checkpoint
 
-    _wait_for_init(store, timeout_s)
+    record, root = _wait_for_init(store, sealer, run_id, timeout_s)
     if init_dir is None:
-        init_dir = download_checkpoint(store, os.path.join(state_dir, "init"))
+        return download_checkpoint(store, os.path.join(state_dir, "init"), record), root
     return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
 
 
-def _wait_for_init(store: ObjectStore, timeout_s: float | None) -> None:
+INIT_PROBE_S = 2.0
+"""While version 0 is not published, how often the other upstreams of a receiver's list
+are asked for ``init/INIT.json`` (a relay that hides it costs at most this long)."""
+
+
+def _wait_for_init(store: ObjectStore, sealer: Sealer, run_id: str, timeout_s: float | None
+                   ) -> tuple[InitRecord, str]:
+    """The run's signed ``init/INIT.json`` and its digest, once it is published."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not store.exists(INIT_RECORD_KEY):
+    probe = time.monotonic() + INIT_PROBE_S
+    while True:
+        if store.exists(INIT_RECORD_KEY):
+            return read_init_record(store, sealer, run_id)
+        if time.monotonic() >= probe:  # hidden by the upstream read from? (read_init_record asks the others)
+            probe = time.monotonic() + INIT_PROBE_S
+            try:
+                return read_init_record(store, sealer, run_id)
+            except ProtocolError as e:
+                if "not published yet" not in str(e):
+                    raise
         if deadline is not None and time.monotonic() > deadline:
             raise ProtocolError(f"store {store.uri}: version 0 ({INIT_RECORD_KEY}) not published within {timeout_s}s")
         time.sleep(0.1)
@@ -74,20 +93,15 @@ def fetch_snapshot_dir(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     a snapshot holds only the weights), each checked against the run's signed
     ``init/INIT.json``; None (one line in ``log``) when there is none or any check fails:
     the caller then starts from version 0."""
-    from nemo_dcr.integrations.hf_export import MAX_INIT_BYTES
-
-    _wait_for_init(store, timeout_s)
+    record, _ = _wait_for_init(store, sealer, run_id, timeout_s)
     snap = find_snapshot(store, sealer, run_id, os.path.join(state_dir, "snapshots"), log=log)
     if snap is None:
         return None
     try:
-        record, _ = read_init_record(store, sealer, run_id)
-        for name, digest in sorted(record.files.items()):
+        for name in sorted(record.files):
             if name in snap.files:
                 continue
-            blob = store.get(f"{INIT_PREFIX}/{name}", max_bytes=MAX_INIT_BYTES)
-            if doc_digest(blob) != digest:
-                raise ProtocolError(f"{INIT_PREFIX}/{name} is not the file {INIT_RECORD_KEY} lists")
+            blob = fetch_init_file(store, record, name)
             with open(os.path.join(snap.directory, name), "wb") as f:
                 f.write(blob)
     except (DcrError, OSError) as e:

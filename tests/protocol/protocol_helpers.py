@@ -1,6 +1,7 @@
 """Shared by the protocol tests: a trainer-side RefitSender without a process group, and
 receivers (Receiver + Follower) on threads over a stand-in runtime (canonical numpy arrays
 updated with the codec's ``apply_delta_``), through a real directory store."""
+import re
 import threading
 
 import numpy as np
@@ -17,7 +18,7 @@ from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.runtime import TensorSpec
-from nemo_dcr.transport.store import LocalDirStore
+from nemo_dcr.transport.store import LocalDirStore, ObjectInfo, ObjectNotFound, ObjectTooLarge
 
 DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
                  ffn_hidden_size=8, vocab_size=8)
@@ -127,3 +128,85 @@ def _step(w: torch.Tensor, rng, frac=0.05):
     bits = w.view(torch.int16).reshape(-1)
     idx = torch.from_numpy(rng.choice(bits.numel(), int(bits.numel() * frac), replace=False))
     bits[idx] ^= torch.from_numpy(rng.integers(1, 1 << 15, idx.numel()).astype(np.int16))
+
+
+class Liar:
+    """A relay over ``inner`` that lies about the keys of its rules.  A rule is
+    ``(pattern, kind, times)``: ``kind`` in ``swap:<key>`` (serve that key's genuine bytes,
+    with the asked key's own tag), ``garble`` (the bytes with one flipped), ``413``, ``hide``
+    (404 for stat and get), ``freeze``
+    (serve the copy held when the rule was added), ``drop`` / ``flip`` (puts); ``times``:
+    how many answers lie (None: every one).  A read lies only where the origin has the key
+    (a lie about something not there yet is just "not found")."""
+
+    is_relay = True
+
+    def __init__(self, inner: LocalDirStore, uri: str = "relay://liar:1"):
+        self.inner, self.uri = inner, uri
+        self.rules: list[list] = []
+        self.lies = 0
+
+    def lie(self, pattern: str, kind: str, times: int | None = 1) -> "Liar":
+        frozen = self.inner.get_with_info(pattern.replace("\\", "")) if kind == "freeze" else None
+        self.rules.append([re.compile(pattern), kind, times, frozen])
+        return self
+
+    def _rule(self, key: str, kinds: tuple[str, ...]):
+        for r in self.rules:
+            if r[0].fullmatch(key) and r[1].split(":")[0] in kinds and (r[2] is None or r[2] > 0):
+                return r
+        return None
+
+    def _take(self, r) -> str:
+        if r[2] is not None:
+            r[2] -= 1
+        self.lies += 1
+        return r[1]
+
+    def stat(self, key):
+        info = self.inner.stat(key)
+        r = self._rule(key, ("hide", "freeze"))
+        if info is None or r is None:
+            return info
+        if r[1] == "freeze":
+            return r[3][1]
+        self._take(r)
+        return None
+
+    def exists(self, key):
+        return self.stat(key) is not None
+
+    def get_with_info(self, key, *, max_bytes=None):
+        data, info = self.inner.get_with_info(key, max_bytes=max_bytes)
+        r = self._rule(key, ("swap", "garble", "413", "hide", "freeze"))
+        if r is None:
+            return data, info
+        kind = r[1] if r[1] == "freeze" else self._take(r)
+        if kind == "hide":
+            raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object")
+        if kind == "413":
+            raise ObjectTooLarge(self.uri, key, 1 << 30, max_bytes or 0)
+        if kind == "freeze":
+            return r[3]
+        if kind == "garble":
+            i = len(data) // 2
+            return data[:i] + bytes([data[i] ^ 0x20]) + data[i + 1:], info
+        other = self.inner.get(kind.split(":", 1)[1])
+        return other, ObjectInfo(key, len(other), info.tag)  # the genuine copy's identity
+
+    def get(self, key, *, max_bytes=None):
+        return self.get_with_info(key, max_bytes=max_bytes)[0]
+
+    def put(self, key, data):
+        r = self._rule(key, ("drop", "flip"))
+        if r is None:
+            return self.inner.put(key, data)
+        if self._take(r) == "flip":
+            self.inner.put(key, data.replace(b'"ok": true', b'"ok": false'))
+        # drop: answered 204, not forwarded
+
+    def list(self, prefix, *, limit=None):
+        return self.inner.list(prefix, limit=limit)
+
+    def delete(self, key):
+        self.inner.delete(key)

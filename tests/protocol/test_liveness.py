@@ -2,10 +2,10 @@
 
 The trainer writes to a real directory store (the origin).  Each receiver reads through an
 upstream list (``transport/failover.py``): a lying relay first, the origin after it.  The
-liar is a small ``ObjectStore`` wrapper over the origin that, for chosen keys and a chosen
-number of times, swaps a document for another genuine one (another version's), answers
-413, hides it (404 for HEAD and GET), serves a frozen ``HEAD.json``, or drops or flips an
-ack it is asked to write.  Each case has a control without the second upstream (the liar
+liar (``protocol_helpers.Liar``) is a small ``ObjectStore`` wrapper over the origin that,
+for chosen keys and a chosen number of times, swaps a document for another genuine one
+(another version's), answers 413, hides it (404 for HEAD and GET), serves a frozen
+``HEAD.json``, or drops or flips an ack it is asked to write.  Each case has a control without the second upstream (the liar
 alone), where the same lie costs the version.
 """
 from __future__ import annotations
@@ -16,90 +16,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
+from protocol_helpers import Liar, Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
 from nemo_dcr.protocol import follower as follower_mod
 from nemo_dcr.protocol.manifest import HEAD_KEY, Decision, ack_key, decision_key, manifest_key
 from nemo_dcr.transport.failover import FailoverStore
-from nemo_dcr.transport.store import LocalDirStore, ObjectInfo, ObjectNotFound, ObjectTooLarge
-
-
-class Liar:
-    """A relay over ``inner`` that lies about the keys of its rules.  A rule is
-    ``(pattern, kind, times)``: ``kind`` in ``swap:<key>`` (serve that key's genuine bytes,
-    with the asked key's own tag), ``413``, ``hide`` (404 for stat and get), ``freeze``
-    (serve the copy held when the rule was added), ``drop`` / ``flip`` (puts); ``times``:
-    how many answers lie (None: every one).  A read lies only where the origin has the key
-    (a lie about something not there yet is just "not found")."""
-
-    is_relay = True
-
-    def __init__(self, inner: LocalDirStore, uri: str = "relay://liar:1"):
-        self.inner, self.uri = inner, uri
-        self.rules: list[list] = []
-        self.lies = 0
-
-    def lie(self, pattern: str, kind: str, times: int | None = 1) -> Liar:
-        frozen = self.inner.get_with_info(pattern.replace("\\", "")) if kind == "freeze" else None
-        self.rules.append([re.compile(pattern), kind, times, frozen])
-        return self
-
-    def _rule(self, key: str, kinds: tuple[str, ...]):
-        for r in self.rules:
-            if r[0].fullmatch(key) and r[1].split(":")[0] in kinds and (r[2] is None or r[2] > 0):
-                return r
-        return None
-
-    def _take(self, r) -> str:
-        if r[2] is not None:
-            r[2] -= 1
-        self.lies += 1
-        return r[1]
-
-    def stat(self, key):
-        info = self.inner.stat(key)
-        r = self._rule(key, ("hide", "freeze"))
-        if info is None or r is None:
-            return info
-        if r[1] == "freeze":
-            return r[3][1]
-        self._take(r)
-        return None
-
-    def exists(self, key):
-        return self.stat(key) is not None
-
-    def get_with_info(self, key, *, max_bytes=None):
-        data, info = self.inner.get_with_info(key, max_bytes=max_bytes)
-        r = self._rule(key, ("swap", "413", "hide", "freeze"))
-        if r is None:
-            return data, info
-        kind = r[1] if r[1] == "freeze" else self._take(r)
-        if kind == "hide":
-            raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object")
-        if kind == "413":
-            raise ObjectTooLarge(self.uri, key, 1 << 30, max_bytes or 0)
-        if kind == "freeze":
-            return r[3]
-        other = self.inner.get(kind.split(":", 1)[1])
-        return other, ObjectInfo(key, len(other), info.tag)  # the genuine copy's identity
-
-    def get(self, key, *, max_bytes=None):
-        return self.get_with_info(key, max_bytes=max_bytes)[0]
-
-    def put(self, key, data):
-        r = self._rule(key, ("drop", "flip"))
-        if r is None:
-            return self.inner.put(key, data)
-        if self._take(r) == "flip":
-            self.inner.put(key, data.replace(b'"ok": true', b'"ok": false'))
-        # drop: answered 204, not forwarded
-
-    def list(self, prefix, *, limit=None):
-        return self.inner.list(prefix, limit=limit)
-
-    def delete(self, key):
-        self.inner.delete(key)
+from nemo_dcr.transport.store import LocalDirStore
 
 
 def _run(tmp_path, key, lies, *, failover=True, versions=3, ack_timeout_s=3.0):
