@@ -61,8 +61,18 @@ from nemo_dcr.transport.store import (
 PROG = "nemo-dcr relay"
 API = "/v1"
 ACK_PREFIX = "acks/"
-MAX_PUT_BYTES = 1 << 20
-"""Largest control object a relay writes through (acks are a few hundred bytes)."""
+RUN_KEY = "RUN.json"  # the run record (protocol/manifest.py): what the cache is valid for
+MAX_PUT_BYTES = 64 << 10
+"""Largest object a relay writes through: an ack or a join request (a few hundred bytes to
+a few KB; an ack's error is one line).  A bigger one is answered 413 and not forwarded:
+written through a relay it would cost every hop up to the origin (direct writes are
+bounded by the reader's ``DOC_LIMITS`` instead)."""
+_PUT_KEY = re.compile(r"^acks/(?:[A-Za-z0-9_\-]{1,64}/[0-9]{8}\.json|join\.d/[A-Za-z0-9_\-]{1,64}\.json)$")
+"""The keys a relay writes through: an ack (``acks/<receiver>/<v:08d>.json``) or a join
+request (``acks/join.d/<receiver>.json``); anything else under ``acks/`` is 403."""
+MAX_LIST_KEYS = 1 << 18
+"""Most keys one ``list`` answer holds (a version's chunks are hundreds to a few thousand);
+a longer listing (planted keys) is answered 413, and children read no longer one."""
 _DRAIN_PUT_BYTES = 16 << 20
 """An oversized PUT body is read and dropped up to this much before the 413, so that the
 client sees the answer rather than a reset connection."""
@@ -109,19 +119,34 @@ class RelayConfig:
     well under the children's read timeout (``HOP_POLICY``: 5 s)."""
     piece_bytes: int = 1 << 20
     """Bytes handed to the socket per write when serving."""
+    max_connections: int = 512
+    """Child connections held at once; one more is answered ``503`` and closed at once (so
+    a flood of idle sockets cannot exhaust the relay's file descriptors)."""
+    idle_timeout_s: float = 30.0
+    """A child connection with no request in progress for this long is closed: also the
+    bound on a request whose headers never finish (aiohttp's keep-alive timer, 3630 s by
+    default)."""
+    put_rate: float = 50.0
+    """Writes through (acks, join requests) per second, on average; a burst of
+    ``4 * put_rate`` is allowed and past it a write is answered ``429`` (the child writes
+    to its next upstream)."""
+    run_check_s: float = 5.0
+    """How often a relay holding ``RUN.json`` checks the upstream's is still the same object;
+    a changed or deleted one (the prefix reused by another run) drops everything cached."""
 
     def __post_init__(self) -> None:
         for name in ("max_memory_bytes", "max_spool_bytes", "keep_versions", "fetch_threads", "prefetch",
-                     "piece_bytes"):
+                     "piece_bytes", "max_connections"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValidationError(f"relay {name} must be an integer >= 1, got {v!r}")
-        for name in ("coalesce_ms", "send_timeout_s", "admit_wait_s"):
+        for name in ("coalesce_ms", "send_timeout_s", "admit_wait_s", "idle_timeout_s", "put_rate", "run_check_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValidationError(f"relay {name} must be a number >= 0, got {v!r}")
-        if self.send_timeout_s <= 0:
-            raise ValidationError(f"relay send_timeout_s must be > 0, got {self.send_timeout_s}")
+        for name in ("send_timeout_s", "idle_timeout_s", "put_rate", "run_check_s"):
+            if getattr(self, name) <= 0:
+                raise ValidationError(f"relay {name} must be > 0, got {getattr(self, name)}")
         if self.prefetch > self.fetch_threads:
             raise ValidationError(f"relay prefetch ({self.prefetch}) must not exceed fetch_threads "
                                   f"({self.fetch_threads})")
@@ -186,7 +211,11 @@ class Relay:
             "upstream_fetch_bytes", "upstream_chunk_bytes", "upstream_stats", "upstream_lists", "upstream_puts",
             "upstream_failures", "prefetch_started", "prefetched", "prefetch_failed", "rejected", "not_found",
             "too_large", "bad_requests", "acks_forwarded", "versions_dropped", "memory_evictions",
-            "spool_writes", "spool_evictions", "send_timeouts", "memory_peak_bytes", "spool_peak_bytes"), 0)
+            "spool_writes", "spool_evictions", "send_timeouts", "memory_peak_bytes", "spool_peak_bytes",
+            "connections_refused", "puts_throttled", "lists_too_long", "run_changes"), 0)
+        self._used: dict[int, int] = {}  # version -> tick of the last child read (the window's LRU order)
+        self._tick = 0
+        self._puts = (0.0, 0.0)  # token bucket of writes through: (tokens, loop time)
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
         self._disk = ThreadPoolExecutor(4, thread_name_prefix="nemo-dcr-relay-spool")
         self._spool_root: str | None = None
@@ -224,13 +253,32 @@ class Relay:
         if self.cfg.spool_dir is not None:
             os.makedirs(self.cfg.spool_dir, exist_ok=True)
             self._spool_root = tempfile.mkdtemp(prefix="relay-spool-", dir=self.cfg.spool_dir)
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                                     keepalive_timeout=self.cfg.idle_timeout_s)
         await self._runner.setup()
+        self._cap_connections(self._runner.server)
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         self.address = tuple(self._runner.addresses[0][:2])
         self._sweeper = asyncio.ensure_future(self._sweep())
         return self.address
+
+    def _cap_connections(self, server) -> None:
+        """At most ``max_connections`` children at once: one more is answered 503 and its
+        socket closed before aiohttp takes it (its keep-alive timer would hold it open)."""
+        made = server.connection_made
+        cap = self.cfg.max_connections
+
+        def connection_made(handler, transport) -> None:
+            if len(server.connections) >= cap:
+                self.c["connections_refused"] += 1
+                transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+                transport.close()
+                return
+            made(handler, transport)
+
+        server.connection_made = connection_made
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -245,16 +293,48 @@ class Relay:
             shutil.rmtree(self._spool_root, ignore_errors=True)
 
     async def _sweep(self) -> None:
-        """Drop what outlived its coalescing window (lookups also check the expiry)."""
+        """Drop what outlived its coalescing window (lookups also check the expiry), and
+        every ``run_check_s`` check the run (``_check_run``)."""
+        next_run_check = self._loop.time() + self.cfg.run_check_s
         while True:
-            await asyncio.sleep(max(1.0, self._window))
+            await asyncio.sleep(min(max(1.0, self._window), self.cfg.run_check_s))
             now = self._loop.time()
+            if now >= next_run_check:
+                next_run_check = now + self.cfg.run_check_s
+                try:
+                    await self._check_run()
+                except Exception as exc:  # noqa: BLE001 - an upstream failure: checked again next time
+                    self._log({"relay": "run_check_failed", "error": _one_line(exc)})
             for key, (until, entry) in list(self._fresh.items()):
                 if until <= now:
                     self._unfresh(key)
             for table in (self._fresh_stat, self._fresh_list):
                 for k in [k for k, (until, _) in table.items() if until <= now]:
                     del table[k]
+
+    async def _check_run(self) -> None:
+        """The cache holds one run's immutable objects, valid while the upstream's
+        ``RUN.json`` is the one cached: a prefix reused by another run (its record deleted or
+        replaced) would otherwise be served this run's old ``init/`` and versions.  On a
+        change everything cached is dropped (children being served keep their pinned copy)."""
+        held = self._cache.get(RUN_KEY)
+        if held is None:
+            return
+        self.c["upstream_stats"] += 1
+        info = await self._up(self.store.stat, RUN_KEY)
+        if info is not None and info.tag == held.tag and info.size == held.size:
+            return
+        self.c["run_changes"] += 1
+        self._log({"relay": "run_changed", "was": held.tag, "now": None if info is None else info.tag,
+                   "dropped_objects": len(self._cache)})
+        for e in list(self._cache.values()):
+            self._uncache(e)
+        self._versions.clear()
+        self._used.clear()
+        for key in list(self._fresh):
+            self._unfresh(key)
+        self._fresh_stat.clear()
+        self._fresh_list.clear()
 
     # ================================================================== accounting
     def _peak(self) -> None:
@@ -378,11 +458,11 @@ class Relay:
         v = e.version
         if v is not None and v not in self._versions:
             if len(self._versions) >= self.cfg.keep_versions:
-                oldest = min(self._versions)
-                if v < oldest:
-                    return  # older than all held: served to its waiters, then released
-                self._drop_version(oldest)
+                # the version children read least recently goes (not the lowest number: a
+                # key-less writer can plant v/99999999/..., and children never read it again)
+                self._drop_version(min(self._versions, key=lambda n: (self._used.get(n, 0), n)))
             self._versions[v] = set()
+            self._used[v] = self._touch()
             self._log({"relay": "version", "version": v, "held": sorted(self._versions)})
         if v is not None:
             self._versions[v].add(e.key)
@@ -392,7 +472,12 @@ class Relay:
             e.pins += 1
             self._spawn(self._write_spool(e))
 
+    def _touch(self) -> int:
+        self._tick += 1
+        return self._tick
+
     def _drop_version(self, v: int) -> None:
+        self._used.pop(v, None)
         for key in self._versions.pop(v):
             e = self._cache.get(key)
             if e is not None:
@@ -519,6 +604,8 @@ class Relay:
             self.c["cache_hits"] += 1
             e.pins += 1
             e.served = True
+            if e.version in self._used:
+                self._used[e.version] = self._touch()
             return e
         fresh = self._fresh.get(key)
         if fresh is not None and fresh[0] > now:
@@ -531,6 +618,8 @@ class Relay:
         if e is None:
             raise _NotFound(key)
         e.served = True
+        if e.version in self._used:
+            self._used[e.version] = self._touch()
         return e
 
     async def stat(self, key: str) -> ObjectInfo | None:
@@ -563,7 +652,8 @@ class Relay:
             self.c["upstream_lists"] += 1
             keys = await self._up(self.store.list, prefix, limit=limit)
             self._fresh_list[(prefix, limit)] = (self._loop.time() + self._window, keys)
-            self._cut_through(keys)
+            if len(keys) <= MAX_LIST_KEYS:
+                self._cut_through(keys)
             return keys
 
         flight_key = prefix if limit is None else f"{prefix}#limit={limit}"
@@ -575,9 +665,6 @@ class Relay:
         for key in keys:
             m = _CHUNK.match(key)
             if m is None or key in self._cache or ("get", key) in self._flights:
-                continue
-            v = int(m["v"])
-            if v not in self._versions and len(self._versions) >= self.cfg.keep_versions and v < min(self._versions):
                 continue
             self.c["prefetch_started"] += 1
             self._flight("get", key, functools.partial(self._prefetch, key))
@@ -740,6 +827,10 @@ class Relay:
             return a.response(self)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             return _error_response(self, exc)
+        if len(keys) > MAX_LIST_KEYS:
+            self.c["lists_too_long"] += 1
+            return _text(413, f"{prefix!r}: {len(keys)} keys, over {MAX_LIST_KEYS} (ask with a limit)",
+                         {"X-Dcr-Limit": str(MAX_LIST_KEYS)})
         return web.json_response({"keys": keys})
 
     async def _h_put(self, request):
@@ -750,8 +841,13 @@ class Relay:
             key = self._key(request)
         except _Answer as a:
             return a.response(self)
-        if not key.startswith(ACK_PREFIX):
-            return _text(403, f"{key!r}: a relay writes through only keys under {ACK_PREFIX}")
+        if not _PUT_KEY.match(key):
+            return _text(403, f"{key!r}: a relay writes through only acks (acks/<receiver>/<v:08d>.json) and "
+                              "join requests (acks/join.d/<receiver>.json)")
+        if not self._put_allowed():
+            self.c["puts_throttled"] += 1
+            return _text(429, f"{key!r}: over {self.cfg.put_rate:g} writes through per second; write to the "
+                              "next upstream")
         too_big = _text(413, f"{key!r}: over {MAX_PUT_BYTES} bytes", {"X-Dcr-Limit": str(MAX_PUT_BYTES)})
         if request.content_length is not None and request.content_length > MAX_PUT_BYTES:
             if request.content_length <= _DRAIN_PUT_BYTES:
@@ -772,6 +868,18 @@ class Relay:
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             return _error_response(self, exc)
         return web.Response(status=204)
+
+    def _put_allowed(self) -> bool:
+        """The token bucket of writes through (``put_rate``, burst ``4 * put_rate``)."""
+        now = self._loop.time()
+        tokens, then = self._puts
+        burst = 4 * self.cfg.put_rate
+        tokens = burst if then == 0.0 else min(burst, tokens + (now - then) * self.cfg.put_rate)
+        if tokens < 1:
+            self._puts = (tokens, now)
+            return False
+        self._puts = (tokens - 1, now)
+        return True
 
     async def _h_delete(self, request):
         self.c["requests"] += 1
@@ -986,6 +1094,12 @@ def parser() -> argparse.ArgumentParser:
                     help="a progress line on stderr this often while anything moved (0: none; default 30)")
     ap.add_argument("--admit-wait-s", type=float, default=d.admit_wait_s,
                     help="how long a child's fetch waits for memory to be freed before its 503 (default 2)")
+    ap.add_argument("--max-connections", type=int, default=d.max_connections,
+                    help=f"child connections at once; one more is answered 503 (default {d.max_connections})")
+    ap.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s,
+                    help=f"close a child connection idle (or sending headers) this long (default {d.idle_timeout_s:g})")
+    ap.add_argument("--put-rate", type=float, default=d.put_rate,
+                    help=f"acks / join requests written through per second, burst 4x (default {d.put_rate:g})")
 
     def one_line(message: str):
         raise _BadInput(f"{message} (see --help)")
@@ -1002,7 +1116,9 @@ def check_input(args) -> tuple[ObjectStore, RelayConfig, tuple[str, int]]:
         cfg = RelayConfig(max_memory_bytes=args.max_memory_bytes, spool_dir=args.spool,
                           max_spool_bytes=args.max_spool_bytes, keep_versions=args.keep_versions,
                           coalesce_ms=args.coalesce_ms, fetch_threads=args.fetch_threads, prefetch=args.prefetch,
-                          send_timeout_s=args.send_timeout_s, admit_wait_s=args.admit_wait_s)
+                          send_timeout_s=args.send_timeout_s, admit_wait_s=args.admit_wait_s,
+                          max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
+                          put_rate=args.put_rate)
         if args.progress_s < 0:
             raise ValidationError(f"--progress-s must be >= 0, got {args.progress_s}")
         if args.spool is not None and os.path.exists(args.spool) and not os.path.isdir(args.spool):

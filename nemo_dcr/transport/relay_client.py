@@ -36,8 +36,12 @@ from nemo_dcr.transport.store import (
 
 API = "/v1"
 _PIECE = 4 << 20
-MAX_LIST_BYTES = 256 << 20
-"""Largest ``list`` answer read (a version's chunk keys are ~40 bytes each)."""
+MAX_LIST_BYTES = 32 << 20
+"""Largest ``list`` answer read (a version's chunk keys are ~40 bytes each: 2^18 keys, the
+relay's ``MAX_LIST_KEYS``, are ~12 MB of JSON)."""
+MAX_LIST_KEYS = 1 << 18
+"""Most keys a ``list`` answer may hold, counted in the raw bytes before it is parsed (a
+64 MiB answer of short strings would otherwise cost the child over 1 GB to parse)."""
 
 
 class RelayUnavailable(TransportError, ConnectionError):
@@ -198,11 +202,18 @@ class RelayStore(_BoundedStore):
             check_key(p)
         fields = {"prefix": p} if check_limit(limit) is None else {"prefix": p, "limit": str(limit)}
 
+        most = MAX_LIST_KEYS if limit is None else min(limit, MAX_LIST_KEYS)
+
         def attempt(att: _Attempt) -> list[str]:
             resp = self._request("GET", "list", fields=fields)
+            if resp.status == 413:  # the relay's listing is over MAX_LIST_KEYS: an answer
+                resp.drain_conn()
+                raise ObjectTooLarge(self.uri, prefix or "/", -1, MAX_LIST_KEYS)
             data = self._read(resp, att, MAX_LIST_BYTES)
             if len(data) > MAX_LIST_BYTES:
                 raise RelayRefused(f"list answer over {MAX_LIST_BYTES} bytes")
+            if data.count(b'"') > 2 * most + 2:  # "keys" and one pair per key, before parsing
+                raise RelayRefused(f"list answer of over {most} keys")
             try:
                 keys = json.loads(data)["keys"]
             except (ValueError, KeyError, TypeError) as e:

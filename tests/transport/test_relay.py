@@ -24,7 +24,7 @@ import pytest
 import urllib3
 
 from nemo_dcr.transport import relay as relay_mod
-from nemo_dcr.transport.relay import RelayConfig, RelayThread
+from nemo_dcr.transport.relay import MAX_PUT_BYTES, RelayConfig, RelayThread
 from nemo_dcr.transport.relay_client import RelayStore
 from nemo_dcr.transport.store import LocalDirStore, ObjectNotFound, ObjectTooLarge, StoreError, StorePolicy
 
@@ -355,7 +355,9 @@ def test_spool_cap_and_serving_from_spool(origin, tmp_path):
     assert not any(spool.iterdir())  # the relay's spool is removed at shutdown
 
 
-def test_keep_versions_drops_the_oldest(origin):
+def test_keep_versions_drops_the_least_recently_read(origin):
+    """Past keep_versions the version children read least recently is dropped (not the
+    lowest number): a child catching up on v1 brings it back, and v2, read before v3, goes."""
     keys = [f"v/{v:08d}/chunks/r000-00000.dcr" for v in (1, 2, 3)]
     for i, k in enumerate(keys):
         origin.inner.put(k, bytes([i]) * 1000)
@@ -365,10 +367,35 @@ def test_keep_versions_drops_the_oldest(origin):
             c.get(k)
         s = r.stats()
         assert s["versions"] == [2, 3] and s["versions_dropped"] == 1 and s["cached_objects"] == 2
-        assert c.get(keys[0]) == bytes([0]) * 1000  # an older version is still served, not cached
-        assert origin.calls["get", keys[0]] == 2 and r.stats()["versions"] == [2, 3]
-        c.list("v/00000001/chunks/")  # nor prefetched
-        assert r.stats()["prefetch_started"] == 0
+        c.get(keys[2])  # v3 read again: v2 is now the least recently read
+        assert c.get(keys[0]) == bytes([0]) * 1000
+        assert origin.calls["get", keys[0]] == 2 and r.stats()["versions"] == [1, 3]
+        assert c.get(keys[0]) == bytes([0]) * 1000 and origin.calls["get", keys[0]] == 2  # cached again
+
+
+def test_planted_far_versions_do_not_evict_the_versions_children_read(origin):
+    """A writer without the key plants v/99999990..99 and something reads each once (as the
+    fault campaign's driver does through a relay): the real versions children keep reading
+    stay cached; 5 chunks x 3 children cost 5 upstream fetches, not 15.  Control: the
+    planted versions were admitted (each evicted something), so the window was attacked."""
+    real = [f"v/00000007/chunks/r000-{i:05d}.dcr" for i in range(5)]
+    for k in real:
+        origin.inner.put(k, os.urandom(512))
+    far = [f"v/{99999990 + i:08d}/chunks/x" for i in range(10)]
+    for k in far:
+        origin.inner.put(k, b"junk")
+    with RelayThread(origin, RelayConfig(keep_versions=4)) as r:
+        children = [client(r.uri) for _ in range(3)]
+        for k in real:
+            children[0].get(k)
+        for k in far:  # interleaved with the children's reads of the real version
+            children[0].get(k)
+            for ch in children:
+                for rk in real:
+                    ch.get(rk)
+        assert sum(origin.calls["get", k] for k in real) == len(real)
+        assert r.stats()["versions_dropped"] >= len(far) - 3  # the planted ones did come in
+        assert 7 in r.stats()["versions"]
 
 
 def _stalled_get(address: tuple[str, int], key: str) -> socket.socket:
@@ -440,13 +467,92 @@ def test_put_writes_through_only_small_acks(origin):
         with pytest.raises(StoreError, match="HTTP 403"):
             c.put("v/00000001/chunks/r000-00000.dcr", b"x")
         with pytest.raises(ObjectTooLarge):
-            c.put("acks/rx0/00000002.json", b"x" * ((1 << 20) + 1))
-        c.put("acks/rx0/00000003.json", b"x" * (1 << 20))  # exactly the limit passes
+            c.put("acks/rx0/00000002.json", b"x" * (MAX_PUT_BYTES + 1))
+        c.put("acks/rx0/00000003.json", b"x" * MAX_PUT_BYTES)  # exactly the limit passes
+        for junk in ("acks/rx0/x.json", "acks/rx0/00000001.json/y", "acks/a/b/00000001.json", "acks/join.d/a/b.json"):
+            with pytest.raises(StoreError, match="HTTP 403"):  # only the shapes of an ack and a join request
+                c.put(junk, b"{}")
+        c.put("acks/join.d/rx0.json", b"{}")
         with pytest.raises(StoreError, match="HTTP 403"):
             c.delete("acks/rx0/00000001.json")
         assert not origin.inner.exists("HEAD.json") and not origin.inner.exists("acks/rx0/00000002.json")
         assert origin.inner.exists("acks/rx0/00000003.json") and origin.inner.exists("acks/rx0/00000001.json")
-        assert r0.stats()["acks_forwarded"] == 2 and r1.stats()["acks_forwarded"] == 2
+        assert r0.stats()["acks_forwarded"] == 3 and r1.stats()["acks_forwarded"] == 3
+
+
+def test_writes_through_are_rate_limited(origin):
+    """Past the burst (4 x put_rate) a write through is answered 429 (the child writes to
+    its next upstream); tokens come back at put_rate.  Control: the burst itself passes."""
+    with RelayThread(origin, RelayConfig(put_rate=5.0)) as r:
+        c = client(r.uri, retries=0)
+        for i in range(20):  # the burst
+            c.put(f"acks/rx0/{i:08d}.json", b"{}")
+        with pytest.raises(StoreError, match="HTTP 429"):
+            c.put("acks/rx0/00000099.json", b"{}")
+        assert r.stats()["puts_throttled"] == 1 and not origin.inner.exists("acks/rx0/00000099.json")
+        time.sleep(0.5)  # 2.5 tokens back
+        c.put("acks/rx0/00000099.json", b"{}")
+
+
+def test_connections_over_the_cap_are_refused_at_once(origin):
+    """max_connections children at once; one more gets a 503 and a closed socket (it cannot
+    hold a file descriptor).  Idle connections are closed after idle_timeout_s."""
+    import socket
+
+    origin.inner.put("RUN.json", b"{}")
+    with RelayThread(origin, RelayConfig(max_connections=8, idle_timeout_s=1.0)) as r:
+        idle = [socket.create_connection(r.relay.address, timeout=5) for _ in range(8)]
+        time.sleep(0.2)
+        extra = socket.create_connection(r.relay.address, timeout=5)
+        assert extra.recv(100).startswith(b"HTTP/1.1 503") and extra.recv(100) == b""
+        assert r.stats()["connections_refused"] == 1
+        time.sleep(1.8)  # the idle ones (no request, or half a header line) are closed
+        idle[0].sendall(b"GET /v1/health HTTP/1.1\r\nHo")
+        assert all(s.recv(100) == b"" for s in idle)
+        assert client(r.uri).get("RUN.json") == b"{}"  # control: a child gets in again
+        for s_ in idle + [extra]:
+            s_.close()
+
+
+def test_a_list_over_max_list_keys_is_refused_before_parsing(origin, monkeypatch):
+    from nemo_dcr.transport import relay as relay_mod
+    from nemo_dcr.transport import relay_client as rc_mod
+
+    for i in range(12):
+        origin.inner.put(f"v/00000001/chunks/r000-{i:05d}.dcr", b"x")
+    monkeypatch.setattr(relay_mod, "MAX_LIST_KEYS", 10)
+    with RelayThread(origin) as r:
+        c = client(r.uri)
+        with pytest.raises(ObjectTooLarge):  # the relay: 413, an answer
+            c.list("v/00000001/chunks/")
+        assert len(c.list("v/00000001/chunks/", limit=5)) == 5 and r.stats()["lists_too_long"] == 1
+        monkeypatch.setattr(relay_mod, "MAX_LIST_KEYS", 100)
+        monkeypatch.setattr(rc_mod, "MAX_LIST_KEYS", 10)  # a relay that answers more than a child takes
+        time.sleep(0.1)
+        with pytest.raises(StoreError, match="list answer of over 10 keys"):
+            c.list("v/00000001/chunks/")
+        monkeypatch.setattr(rc_mod, "MAX_LIST_KEYS", 12)
+        assert len(c.list("v/00000001/chunks/")) == 12  # control
+
+
+def test_a_changed_run_record_drops_the_cache(origin):
+    """The prefix is reused by another run (RUN.json replaced): within run_check_s the relay
+    drops what it cached and serves the new run's objects.  Control: unchanged, nothing is
+    dropped."""
+    origin.inner.put("RUN.json", b'{"run": 1}')
+    origin.inner.put("init/config.json", b"one")
+    with RelayThread(origin, RelayConfig(run_check_s=0.3)) as r:
+        c = client(r.uri)
+        assert c.get("RUN.json") == b'{"run": 1}' and c.get("init/config.json") == b"one"
+        time.sleep(1.5)
+        assert r.stats()["run_changes"] == 0 and r.stats()["cached_objects"] == 2
+        origin.inner.delete("RUN.json")
+        origin.inner.put("init/config.json", b"two")
+        origin.inner.put("RUN.json", b'{"run": 2}')
+        deadline = time.monotonic() + 10
+        while r.stats()["run_changes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.get("init/config.json") == b"two" and c.get("RUN.json") == b'{"run": 2}'
 
 
 @pytest.mark.parametrize("path", [
