@@ -172,6 +172,7 @@ class DocReader:
         document forged at the origin, which every faithful relay passes on, fails
         everywhere: nobody is demoted and the forgery is ignored as before.)"""
         self._bounded(self._asked, key, self._clock())
+        asked = answered_by(self.store)  # the upstream whose answer is in doubt
 
         def bad(blob: bytes) -> str | None:
             try:
@@ -184,8 +185,9 @@ class DocReader:
                               skip=lambda uri, tag: (key, f"{uri}|{tag}") in self._refused)
         if data is None:
             return None
-        self._log({**self._who, "event": "document read from the next upstream", "key": key,
-                   "upstream": answered_by(self.store)})
+        if answered_by(self.store) != asked:  # (the same one: it was written since it was asked)
+            self._log({**self._who, "event": "document read from the next upstream", "key": key,
+                       "upstream": answered_by(self.store)})
         got = Opened(self._open(data, cls, check), doc_digest(data))
         # under the refused copy's identity, the bytes now meant by it; a not-found is not
         # remembered (the next poll reads from the upstream now current)

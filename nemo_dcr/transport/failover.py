@@ -10,11 +10,17 @@ list (the grandparent, ..., the origin store).  ``FailoverStore`` is that list:
   the next upstream current and the call runs again there.  Answers are not failures:
   not-found, too-large and invalid keys pass through from the upstream that gave them;
 * ``fetch_verified(store, key, max_bytes=, check=)`` fetches an object whose expected
-  bytes the caller can check (chunks: size and sha256 from the signed manifest).  Bytes
-  that fail ``check`` demote the upstream that served them and the key is fetched from
-  the next one; with every upstream tried the last reason is raised;
+  bytes the caller can check (chunks: size and sha256 from the signed manifest): the first
+  copy that passes ``check``, in list order; the upstreams before it that served bad bytes
+  are demoted (those that had none, once they still have none ``LAG_GRACE_S`` later).
+  With every upstream tried the last reason is raised;
 * an upstream left for a failure is not used again for ``retry_after_s``; after that it
-  is preferred again (the list's order is the tree's shape), so a tree heals back;
+  is preferred again (the list's order is the tree's shape), so a tree heals back.  One
+  left for *bad bytes* (a lie: corrupt chunks, a forged or hidden document, an ack it did
+  not forward) again within ``STRIKE_MEMORY`` rests of the last such demotion rests twice
+  as long each time, up to ``MAX_REST_S``: a relay that drops every ack costs one version
+  per strike, and strikes come ever rarer (1 + log2(MAX_REST_S / retry_after_s) of them,
+  7 at the defaults, before it rests an hour);
 * what the node already holds is never fetched again: the store keeps nothing, the
   caller (relay spool, receiver's decoded chunks) does, and only asks for what it lacks.
 
@@ -54,6 +60,12 @@ already served genuinely before it is demoted as hiding it (a relay's not-found 
 is 50 ms by default; two seconds covers a three-level tree under load).  The cost of a
 relay that hides documents: this long per document until it is left, then nothing for
 ``retry_after_s``."""
+MAX_REST_S = 3600.0
+"""Longest rest of an upstream that keeps lying (see the module docstring)."""
+STRIKE_MEMORY = 4
+"""A lie counts as a repeat (doubling the rest) when it comes within this many of its
+last rest's lengths after that rest ended; later, the rest starts again at
+``retry_after_s``."""
 SUSPECTS = 256
 """Pending "not found here, genuine elsewhere" re-checks kept (the oldest are dropped)."""
 
@@ -72,6 +84,8 @@ class UpstreamStats:
     bad_bytes: int = 0
     """Objects whose bytes failed the caller's check."""
     down_until: float = 0.0
+    rest_s: float = 0.0
+    """The length of the last rest after bad bytes (0: none yet, or forgiven)."""
 
 
 def is_relay(store: ObjectStore) -> bool:
@@ -169,12 +183,20 @@ class FailoverStore:
                                 f"a genuine copy", bad_bytes=True)
 
     def _demote(self, i: int, why: str, *, bad_bytes: bool = False) -> None:
+        now = self._clock()
         with self._lock:
             st = self._stats[i]
             st.failures += 1
-            st.bad_bytes += int(bad_bytes)
-            st.down_until = self._clock() + self.retry_after_s
-        _log.warning("%s: upstream %s left for %.0f s: %s", self.uri, st.uri, self.retry_after_s, why)
+            rest = self.retry_after_s
+            if bad_bytes:
+                st.bad_bytes += 1
+                if st.down_until > now:  # already resting: the same lie seen again, not a new strike
+                    return
+                repeat = st.rest_s > 0 and now - st.down_until <= STRIKE_MEMORY * st.rest_s
+                rest = min(MAX_REST_S, 2 * st.rest_s) if repeat else self.retry_after_s
+                st.rest_s = rest
+            st.down_until = max(st.down_until, now + rest)
+        _log.warning("%s: upstream %s left for %.0f s: %s", self.uri, st.uri, rest, why)
 
     @property
     def current(self) -> ObjectStore:
@@ -237,44 +259,37 @@ class FailoverStore:
         self._each("delete", key, lambda s: s.delete(key), lambda r: 0)
 
     def get_verified(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None]) -> bytes:
-        """``get`` whose bytes must pass ``check`` (None = good, else the reason); an upstream
-        that serves bad bytes is demoted and the next one asked.  Raises
+        """``get`` whose bytes must pass ``check`` (None = good, else the reason): the first
+        genuine copy any upstream serves, in order (:meth:`_first_genuine`).  Raises
         :class:`VerificationFailed` when no upstream served good bytes."""
-        reason = "no upstream answered"
-        last: TransportError | None = None
-        for i in self._order():
-            try:
-                blob = self.stores[i].get(key, max_bytes=max_bytes)
-            except (ObjectNotFound, FormatError, ValidationError) as e:
-                # absent or oversized HERE: a relay that lost or bloated an object the
-                # manifest lists is as bad as one that corrupted it; ask the next one
-                self._demote(i, f"{key}: {e}", bad_bytes=True)
-                reason, last = str(e), None
-                continue
-            except TransportError as e:
-                self._demote(i, str(e))
-                reason, last = str(e), e
-                continue
-            self._served(i, len(blob))
-            why = check(blob)
-            if why is None:
-                return blob
-            self._demote(i, f"{key}: {why}", bad_bytes=True)
-            reason = f"{self.stores[i].uri}: {why}"
-        raise VerificationFailed(f"{self.uri}: {key!r}: no upstream served good bytes; last: {reason}",
-                                 uri=self.uri, op="get", key=key) from last
+        blob, _, reason, last = self._first_genuine(key, max_bytes=max_bytes, check=check)
+        if blob is None:
+            raise VerificationFailed(f"{self.uri}: {key!r}: no upstream served good bytes; last: {reason}",
+                                     uri=self.uri, op="get", key=key) from last
+        return blob
 
     def second_opinion(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],
                        skip: Callable[[str, str], bool] | None = None) -> tuple[bytes, str] | None:
-        """The first genuine copy of ``key`` (``check`` returns None) any upstream serves, in
-        order, with the uri of the upstream that served it; None when none does.  The
-        upstreams that had none (not found, too large, ``check`` failed) before the one
-        that served it are demoted (they lied or lag); when no upstream serves one nobody
-        is demoted (the document may not exist yet).  ``skip(uri, tag)``: an identity this
-        caller already judged bad is not read again (one ``stat`` instead of a ``get``).
-        An upstream that only had nothing is not demoted at once: it may lag
-        (``LAG_GRACE_S``, :meth:`_suspect`)."""
+        """The first genuine copy of ``key`` any upstream serves, in order, with the uri of
+        the upstream that served it; None when none does (:meth:`_first_genuine`).
+        ``skip(uri, tag)``: an identity this caller already judged bad is not read again
+        (one ``stat`` instead of a ``get``)."""
+        blob, uri, _, _ = self._first_genuine(key, max_bytes=max_bytes, check=check, skip=skip)
+        return None if blob is None else (blob, uri)
+
+    def _first_genuine(self, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],
+                       skip: Callable[[str, str], bool] | None = None
+                       ) -> tuple[bytes | None, str, str, TransportError | None]:
+        """One walk down the list for a copy of ``key`` that passes ``check``: (its bytes or
+        None, the uri that served it, the last reason an upstream gave, the last transport
+        error).  An upstream that fails is demoted as any failing call's is.  The ones that
+        had no genuine copy before the one that served it are demoted only once it did: at
+        once for bad or oversized bytes, ``lag_grace_s`` later for a not-found that is still
+        one then (:meth:`_suspect`: it may lag).  When no upstream serves a genuine copy
+        nobody is demoted: the object may not exist yet, or was forged at the origin and
+        every faithful relay passes it on."""
         disagreed: list[tuple[int, str | None]] = []  # reason; None: not found there
+        reason, last = "no upstream answered", None
         for i in self._order():
             up = self.stores[i]
             try:
@@ -287,27 +302,31 @@ class FailoverStore:
                         disagreed.append((i, "serves a copy already refused"))
                         continue
                 blob = up.get(key, max_bytes=max_bytes)
-            except ObjectNotFound:
+            except ObjectNotFound as e:
                 disagreed.append((i, None))
+                reason = str(e)
                 continue
             except (FormatError, ValidationError) as e:
                 disagreed.append((i, str(e)))
+                reason = str(e)
                 continue
             except TransportError as e:
                 self._demote(i, str(e))
+                reason, last = str(e), e
                 continue
             why = check(blob)
             if why is not None:
                 disagreed.append((i, why))
+                reason = f"{up.uri}: {why}"
                 continue
-            for j, reason in disagreed:
-                if reason is None:
+            for j, r in disagreed:
+                if r is None:
                     self._suspect(j, key, up.uri)
                 else:
-                    self._demote(j, f"{key}: {reason}, while {up.uri} serves a genuine copy", bad_bytes=True)
+                    self._demote(j, f"{key}: {r}, while {up.uri} serves a genuine copy", bad_bytes=True)
             self._served(i, len(blob))
-            return blob, up.uri
-        return None
+            return blob, up.uri, "", None
+        return None, "", reason, last
 
 
 def second_opinion(store: ObjectStore, key: str, *, max_bytes: int | None, check: Callable[[bytes], str | None],

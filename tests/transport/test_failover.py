@@ -81,6 +81,35 @@ def test_a_rested_upstream_is_preferred_again(origin, tmp_path):
     assert fs.current is flaky  # the list's order is the tree's shape: heal back
 
 
+def test_a_repeat_liar_rests_twice_as_long_each_time(origin, tmp_path):
+    """Each lie within STRIKE_MEMORY rests of the last rest doubles the rest (10, 20, 40 s
+    ... up to MAX_REST_S); a lie long after is a first one again (10 s).  Control: a
+    failure (not a lie) always rests retry_after_s."""
+    from nemo_dcr.transport.failover import MAX_REST_S, STRIKE_MEMORY
+
+    now = [0.0]
+    liar = LocalDirStore(str(tmp_path / "liar"))
+    fs = FailoverStore([liar, origin], retry_after_s=10.0, clock=lambda: now[0])
+    rests = []
+    for _ in range(10):
+        fs.demote(liar.uri, "an ack it did not forward")
+        fs.demote(liar.uri, "the same lie seen again while it rests")  # not a new strike
+        rests.append(fs._stats[0].down_until - now[0])
+        now[0] = fs._stats[0].down_until + 1.0  # preferred again, lies again at once
+    assert rests == [10, 20, 40, 80, 160, 320, 640, 1280, 2560, MAX_REST_S]
+    now[0] += STRIKE_MEMORY * MAX_REST_S + 1  # a long honest spell: forgiven
+    fs.demote(liar.uri, "a lie much later")
+    assert fs._stats[0].down_until - now[0] == 10
+    now[0] = fs._stats[0].down_until + 1.0
+    flaky = Down("relay://a:1")
+    fs2 = FailoverStore([flaky, origin], retry_after_s=10.0, clock=lambda: now[0])
+    origin.put("k", b"x")
+    for _ in range(3):  # control: failures do not escalate
+        fs2.get("k")
+        assert fs2._stats[0].down_until - now[0] == 10
+        now[0] += 11
+
+
 def test_answers_are_not_failures(origin, tmp_path):
     other = LocalDirStore(str(tmp_path / "other"))
     fs = FailoverStore([other, origin])
