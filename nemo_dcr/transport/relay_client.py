@@ -110,13 +110,19 @@ class RelayStore(_BoundedStore):
         raise RelayRefused(f"HTTP {resp.status}: {text}")
 
     @staticmethod
-    def _read(resp, att: _Attempt, limit: int | None, *, counted: int = 0) -> bytes:
+    def _read(resp, att: _Attempt, limit: int | None, *, counted: int = 0, stall_s: float | None = None) -> bytes:
         """The body, at most ``limit + 1`` bytes (so a body longer than announced is seen);
-        ``counted``: bytes the watchdog already allows for."""
+        ``counted``: bytes the watchdog already allows for.  ``stall_s``: once the answer
+        has begun, a read that gets no byte for this long fails the attempt (the wait for
+        the first byte may be long, a relay answers once it holds the whole object; a
+        stall after it is not a slow link but a stalled relay)."""
         import urllib3
 
         pieces: list[bytes] = []
         got = 0
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if stall_s is not None and sock is not None:
+            sock.settimeout(stall_s)  # urllib3 sets the next request's own timeout again
         try:
             length = _int_header(resp, "Content-Length")
             if length is not None and length > counted:
@@ -164,7 +170,7 @@ class RelayStore(_BoundedStore):
                 resp.drain_conn()
                 raise ObjectTooLarge(self.uri, key, size if size is not None else -1,
                                      max_bytes if max_bytes is not None else -1)
-            data = self._read(resp, att, max_bytes, counted=allowance)
+            data = self._read(resp, att, max_bytes, counted=allowance, stall_s=self.policy.timeout_s)
             if max_bytes is not None and len(data) > max_bytes:
                 raise ObjectTooLarge(self.uri, key, len(data), max_bytes, grew=True)
             length = _int_header(resp, "Content-Length")

@@ -662,12 +662,12 @@ def test_client_classifies_failures(answer, error, attempts):
 
 def test_client_waits_longer_for_a_bigger_object():
     """A relay answers once it holds the whole object: a get with max_bytes waits
-    timeout_s + max_bytes / min_bytes_per_s for the first byte (here 0.3 + 1.0 s for a
+    timeout_s + max_bytes / min_bytes_per_s for the first byte (here 0.3 + 3.0 s for a
     0.8 s wait); without a bound it waits timeout_s (the control: it times out)."""
     srv = CannedServer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789", delay_s=0.8)
     try:
         c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=0.3, retries=0, min_bytes_per_s=1000))
-        assert c.get(CHUNK.format(0), max_bytes=1000) == b"0123456789"
+        assert c.get(CHUNK.format(0), max_bytes=3000) == b"0123456789"
         with pytest.raises(StoreError, match="timed out|Timeout"):
             c.get(CHUNK.format(0))
     finally:
@@ -848,6 +848,63 @@ def test_protocol_end_to_end_through_a_relay_tree(tmp_path):
     assert s1["upstream_chunk_bytes"] == chunk_bytes  # r0 -> r1: once
     assert s0["acks_forwarded"] == 6 and s1["acks_forwarded"] == 3
     assert s0["upstreams"][0]["failures"] == 0 and s1["current_upstream"] == r0.uri
+
+
+def _trickling_relay(pieces: int, pause_s: float):
+    """A fake relay on loopback (a raw socket server: no real relay stalls on purpose) that
+    answers every GET with a 200 for 64 KiB and sends the body in ``pieces`` pieces,
+    ``pause_s`` apart, then stalls for ever; returns (uri, stop)."""
+    import socket
+
+    body = os.urandom(64 << 10)
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-Dcr-Tag: t\r\nX-Dcr-Size: %d\r\n\r\n"
+                             % (len(body), len(body)))
+                step = len(body) // pieces
+                for i in range(pieces):
+                    if stop.wait(pause_s if i else 0):
+                        break
+                    conn.sendall(body[i * step:(i + 1) * step if i < pieces - 1 else len(body)])
+                stop.wait(60)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"relay://127.0.0.1:{srv.getsockname()[1]}", body, lambda: (stop.set(), srv.close())
+
+
+def test_a_body_that_stalls_after_it_began_fails_the_attempt_at_timeout_s():
+    """The child allows timeout_s + max_bytes / min_bytes_per_s for the answer to begin (a
+    relay answers once it holds the whole object), but once the body flows a stall of
+    timeout_s fails the attempt: here within ~3 s, where the budget for a 1 GiB bound is
+    over 1000 s.  Control: a body that keeps moving (a piece every 0.6 s, 3 s in all)
+    arrives whole under timeout_s=1."""
+    uri, body, stop = _trickling_relay(pieces=2, pause_s=3600)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="timed out|Read timed out|ReadTimeout"):
+            client_t(uri).get("init/model.safetensors", max_bytes=1 << 30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop()
+    uri, body, stop = _trickling_relay(pieces=5, pause_s=0.6)
+    try:
+        assert client_t(uri).get("init/model.safetensors", max_bytes=1 << 30) == body
+    finally:
+        stop()
+
+
+def client_t(uri: str) -> RelayStore:
+    return RelayStore(uri, policy=StorePolicy(timeout_s=1.0, retries=0))
 
 
 def test_https_relay_uri(origin, tmp_path, monkeypatch):
