@@ -214,6 +214,7 @@ class Relay:
             "spool_writes", "spool_evictions", "send_timeouts", "memory_peak_bytes", "spool_peak_bytes",
             "connections_refused", "puts_throttled", "lists_too_long", "run_changes"), 0)
         self._used: dict[int, int] = {}  # version -> tick of the last child read (the window's LRU order)
+        self._confirmed: set[int] = set()  # versions whose manifest or decision a child read
         self._tick = 0
         self._puts = (0.0, 0.0)  # token bucket of writes through: (tokens, loop time)
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
@@ -331,6 +332,7 @@ class Relay:
             self._uncache(e)
         self._versions.clear()
         self._used.clear()
+        self._confirmed.clear()
         for key in list(self._fresh):
             self._unfresh(key)
         self._fresh_stat.clear()
@@ -458,9 +460,15 @@ class Relay:
         v = e.version
         if v is not None and v not in self._versions:
             if len(self._versions) >= self.cfg.keep_versions:
-                # the version children read least recently goes (not the lowest number: a
-                # key-less writer can plant v/99999999/..., and children never read it again)
-                self._drop_version(min(self._versions, key=lambda n: (self._used.get(n, 0), n)))
+                # out goes the version children read least recently (not the lowest number: a
+                # key-less writer can plant v/99999999/... and have it read once), among the
+                # unconfirmed ones first: a version is confirmed once a child read its
+                # manifest or decision, which children read only as a signed HEAD.json or
+                # manifest directs them.  So planted versions take at most one confirmed
+                # version's slot, the least recently read, and then only replace each other.
+                held = list(self._versions)
+                pool = [n for n in held if n not in self._confirmed] or held
+                self._drop_version(min(pool, key=lambda n: (self._used.get(n, 0), n)))
             self._versions[v] = set()
             self._used[v] = self._touch()
             self._log({"relay": "version", "version": v, "held": sorted(self._versions)})
@@ -478,6 +486,7 @@ class Relay:
 
     def _drop_version(self, v: int) -> None:
         self._used.pop(v, None)
+        self._confirmed.discard(v)
         for key in self._versions.pop(v):
             e = self._cache.get(key)
             if e is not None:
@@ -604,8 +613,7 @@ class Relay:
             self.c["cache_hits"] += 1
             e.pins += 1
             e.served = True
-            if e.version in self._used:
-                self._used[e.version] = self._touch()
+            self._read_by_child(e)
             return e
         fresh = self._fresh.get(key)
         if fresh is not None and fresh[0] > now:
@@ -618,9 +626,16 @@ class Relay:
         if e is None:
             raise _NotFound(key)
         e.served = True
+        self._read_by_child(e)
+        return e
+
+    def _read_by_child(self, e: _Entry) -> None:
+        """A child read ``e``: its version is the most recently read, and confirmed when
+        ``e`` is the version's manifest or decision (``_insert``)."""
         if e.version in self._used:
             self._used[e.version] = self._touch()
-        return e
+            if e.key.endswith(("/MANIFEST.json", "/DECISION.json")):
+                self._confirmed.add(e.version)
 
     async def stat(self, key: str) -> ObjectInfo | None:
         now = self._loop.time()

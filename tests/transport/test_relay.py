@@ -398,6 +398,41 @@ def test_planted_far_versions_do_not_evict_the_versions_children_read(origin):
         assert 7 in r.stats()["versions"]
 
 
+def test_planted_versions_read_all_at_once_keep_the_confirmed_ones(origin):
+    """The fault campaign's planted_keys attack: children read v4..v7 (manifest and chunk
+    each), then 10 planted far versions are read at once.  Versions whose manifest a child
+    read are confirmed: the planted ones take at most the least recently read confirmed
+    version's slot (v4) and then replace each other; v5..v7 stay cached and cost no upstream
+    fetch when read again.  Control: with nothing confirmed (chunks read, no manifest) the
+    same attack pushes every real version out."""
+    for confirm in (True, False):
+        inner = origin.inner
+        real = {v: (f"v/{v:08d}/MANIFEST.json", f"v/{v:08d}/chunks/r000-00000.dcr") for v in (4, 5, 6, 7)}
+        for m, c in real.values():
+            inner.put(m, b"{}")
+            inner.put(c, os.urandom(256))
+        far = [f"v/{99999980 + i:08d}/chunks/x" for i in range(10)]
+        for k in far:
+            inner.put(k, b"junk")
+        with RelayThread(origin, RelayConfig(keep_versions=4)) as r:
+            c = client(r.uri)
+            for m, ch in real.values():
+                if confirm:
+                    c.get(m)
+                c.get(ch)
+            for k in far:
+                c.get(k)
+            held = r.stats()["versions"]
+            if confirm:
+                assert [v for v in held if v < 99999980] == [5, 6, 7] and len(held) == 4
+                before = origin.ops("get")
+                for v in (5, 6, 7):
+                    c.get(real[v][1])
+                assert origin.ops("get") == before
+            else:
+                assert all(v >= 99999980 for v in held)  # the control: every real one pushed out
+
+
 def _stalled_get(address: tuple[str, int], key: str) -> socket.socket:
     """A child that asks for ``key`` and then never reads (a small receive buffer, so
     the kernel cannot absorb the object either)."""
