@@ -1296,15 +1296,16 @@ def plant_keys(ep: Epoch, v: int, f: dict) -> dict:
     return out
 
 
-def _relay_versions(ep: Epoch) -> dict[str, list[int]]:
-    """The versions each relay keeps (its /v1/stats)."""
+def _relay_versions(ep: Epoch, field: str = "versions") -> dict[str, list[int]]:
+    """The versions each relay keeps (its /v1/stats; ``field="recently_admitted"``: the last
+    16 that entered its window)."""
     import urllib.request
 
     out = {}
     for role, relay in ep.relays.items():
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{relay.port}/v1/stats", timeout=5) as r:
-                out[role] = json.loads(r.read())["versions"]
+                out[role] = json.loads(r.read())[field]
         except (OSError, ValueError, KeyError):
             out[role] = None
     return out
@@ -1413,10 +1414,14 @@ def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, 
         rec["lies"] = _lies(ep) - lies_before
         rec["struck"] = rec["lies"] > 0 or cls == "planted_keys"
     if cls == "planted_keys" and ep.relays:
-        kept = _relay_versions(ep)
+        kept, seen = _relay_versions(ep), _relay_versions(ep, "recently_admitted")
         rec["relay_versions"] = kept
-        for role, vs in kept.items():  # planted numbers must not push the real versions out
-            if vs is not None and last["version"] not in vs and any(w in ep.planted for w in vs):
+        # planted numbers must not push the real versions out: a relay that took the
+        # version in (children read it through it) must still hold it; one its children
+        # bypassed (a liar epoch's relay, left after a lie) never had it
+        for role, vs in kept.items():
+            if vs is not None and last["version"] in (seen.get(role) or []) and last["version"] not in vs \
+                    and any(w in ep.planted for w in vs):
                 rec["failures"].append(f"{role} keeps {vs}: planted versions pushed v{last['version']} out")
         if head["planted"].get("relay_acks_accepted"):
             rec["failures"].append(f"ra forwarded {head['planted']['relay_acks_accepted']} acks of "

@@ -215,6 +215,7 @@ class Relay:
             "connections_refused", "puts_throttled", "lists_too_long", "run_changes"), 0)
         self._used: dict[int, int] = {}  # version -> tick of the last child read (the window's LRU order)
         self._confirmed: set[int] = set()  # versions whose manifest or decision a child read
+        self._admitted: list[int] = []  # the last 16 versions that entered the window, oldest first
         self._tick = 0
         self._puts = (0.0, 0.0)  # token bucket of writes through: (tokens, loop time)
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
@@ -471,6 +472,7 @@ class Relay:
                 self._drop_version(min(pool, key=lambda n: (self._used.get(n, 0), n)))
             self._versions[v] = set()
             self._used[v] = self._touch()
+            self._admitted = (self._admitted + [v])[-16:]
             self._log({"relay": "version", "version": v, "held": sorted(self._versions)})
         if v is not None:
             self._versions[v].add(e.key)
@@ -736,6 +738,7 @@ class Relay:
             "spool_bytes": self.spool, "max_spool_bytes": self.cfg.max_spool_bytes if self._spool_root else 0,
             "cached_objects": len(self._cache),
             "versions": sorted(self._versions), "keep_versions": self.cfg.keep_versions,
+            "confirmed_versions": sorted(self._confirmed), "recently_admitted": list(self._admitted),
             "in_flight": len(self._flights),
             "sending": [{"key": k, "size": n, "sent": s} for k, n, s in list(self._sending.values())[:32]],
             "upstreams": ups,
