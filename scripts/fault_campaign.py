@@ -1414,11 +1414,13 @@ def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, 
         rec["lies"] = _lies(ep) - lies_before
         rec["struck"] = rec["lies"] > 0 or cls == "planted_keys"
     if cls == "planted_keys" and ep.relays:
-        kept, seen = _relay_versions(ep), _relay_versions(ep, "recently_admitted")
+        kept, seen = _relay_versions(ep), _relay_versions(ep, "recently_confirmed")
         rec["relay_versions"] = kept
-        # planted numbers must not push the real versions out: a relay that took the
-        # version in (children read it through it) must still hold it; one its children
-        # bypassed (a liar epoch's relay, left after a lie) never had it
+        rec["relay_confirmed"] = seen
+        # planted numbers must not push the real versions out: a relay through which a
+        # child read the version's manifest or decision must still hold it; one its
+        # children bypassed (a liar epoch's relay, left after a lie) may not (planted junk
+        # under v/<v>/chunks/ can bring v in unconfirmed, and planted versions replace it)
         for role, vs in kept.items():
             if vs is not None and last["version"] in (seen.get(role) or []) and last["version"] not in vs \
                     and any(w in ep.planted for w in vs):

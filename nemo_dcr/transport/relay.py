@@ -216,6 +216,7 @@ class Relay:
         self._used: dict[int, int] = {}  # version -> tick of the last child read (the window's LRU order)
         self._confirmed: set[int] = set()  # versions whose manifest or decision a child read
         self._admitted: list[int] = []  # the last 16 versions that entered the window, oldest first
+        self._confirmed_log: list[int] = []  # the last 16 versions confirmed, oldest first
         self._tick = 0
         self._puts = (0.0, 0.0)  # token bucket of writes through: (tokens, loop time)
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
@@ -636,8 +637,9 @@ class Relay:
         ``e`` is the version's manifest or decision (``_insert``)."""
         if e.version in self._used:
             self._used[e.version] = self._touch()
-            if e.key.endswith(("/MANIFEST.json", "/DECISION.json")):
+            if e.key.endswith(("/MANIFEST.json", "/DECISION.json")) and e.version not in self._confirmed:
                 self._confirmed.add(e.version)
+                self._confirmed_log = (self._confirmed_log + [e.version])[-16:]
 
     async def stat(self, key: str) -> ObjectInfo | None:
         now = self._loop.time()
@@ -739,6 +741,7 @@ class Relay:
             "cached_objects": len(self._cache),
             "versions": sorted(self._versions), "keep_versions": self.cfg.keep_versions,
             "confirmed_versions": sorted(self._confirmed), "recently_admitted": list(self._admitted),
+            "recently_confirmed": list(self._confirmed_log),
             "in_flight": len(self._flights),
             "sending": [{"key": k, "size": n, "sent": s} for k, n, s in list(self._sending.values())[:32]],
             "upstreams": ups,
