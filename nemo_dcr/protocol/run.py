@@ -23,11 +23,11 @@ it loads (downloaded or a local copy) against it, so its version 0 is provably t
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import secrets
 import time
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +53,7 @@ from nemo_dcr.protocol.manifest import (
 )
 from nemo_dcr.protocol.signing import UNSIGNED, Sealer, SignatureError, signature_of
 from nemo_dcr.transport.failover import VerificationFailed, fetch_verified, second_opinion
-from nemo_dcr.transport.store import ObjectNotFound, ObjectStore, put_if_absent
+from nemo_dcr.transport.store import ObjectNotFound, ObjectStore, ObjectTooLarge, put_if_absent
 
 
 class ForeignRunError(ProtocolError):
@@ -243,11 +243,6 @@ def _listed_versions(store: ObjectStore) -> list[int]:
     return sorted(out)
 
 
-def _cost(store: ObjectStore, key: str) -> int:
-    info = store.stat(key)
-    return 0 if info is None else info.size
-
-
 def signed_versions(store: ObjectStore, sealer: Sealer, run_id: str, above: int, *, known: int = 0,
                     log: Callable[[str], None] | None = None) -> tuple[int, int | None]:
     """The version numbers in use above ``above`` (the committed version) as this run's
@@ -261,18 +256,21 @@ def signed_versions(store: ObjectStore, sealer: Sealer, run_id: str, above: int,
     reported once through ``log``.  (Receivers use chunks only where a signed manifest lists
     their digest, and a decision names the manifest it decides, so a number reused after
     all is refused by them, not applied: this floor is the trainer's own guard.)"""
-    high, used, committed = above, max(above, known), None
+    used, committed = max(above, known), None
     misses, spent, ignored, stopped = 0, 0, [], ""
     for n in (x for x in _listed_versions(store) if x > above):
-        dec = _signed(store, sealer, decision_key(n), Decision, run_id)
-        man = None if dec is not None and dec[0].version == n else _signed(
-            store, sealer, manifest_key(n), Manifest, run_id)
-        if (dec is not None and dec[0].version == n) or (man is not None and man[0].version == n):
-            high, used, misses = n, max(used, n), 0
-            committed = n if dec is not None and dec[0].version == n and dec[0].commit else committed
+        dec, read = _open_signed(store, sealer, decision_key(n), Decision, run_id)
+        dec = dec[0] if dec is not None and dec[0].version == n else None
+        signed = dec is not None
+        if not signed:
+            man, more = _open_signed(store, sealer, manifest_key(n), Manifest, run_id)
+            signed, read = man is not None and man[0].version == n, read + more
+        if signed:
+            used, misses = max(used, n), 0
+            committed = n if dec is not None and dec.commit else committed
             continue
         misses += 1
-        spent += _cost(store, decision_key(n)) + _cost(store, manifest_key(n))
+        spent += read
         if n <= used + FLOOR_SLACK:
             used = n
         else:
@@ -287,17 +285,26 @@ def signed_versions(store: ObjectStore, sealer: Sealer, run_id: str, above: int,
     return used, committed
 
 
-def _signed(store: ObjectStore, sealer: Sealer, key: str, cls, run_id: str):
-    """(document, digest) at ``key`` if present, opening with the key and of ``run_id``; else None."""
+def _open_signed(store: ObjectStore, sealer: Sealer, key: str, cls, run_id: str) -> tuple[tuple | None, int]:
+    """((document, digest) at ``key`` if present, opening with the key and of ``run_id``, else
+    None; the bytes read).  One over ``DOC_LIMITS`` is refused before its body (at most
+    limit + 1 bytes read), as one that does not open."""
     try:
         data = store.get(key, max_bytes=DOC_LIMITS[cls.KIND])
     except ObjectNotFound:
-        return None
+        return None, 0
+    except ObjectTooLarge as e:
+        return None, min(e.size, e.limit + 1)
     try:
         doc = cls.from_json(data, sealer)
     except (FormatError, SignatureError):
-        return None
-    return (doc, doc_digest(data)) if doc.run_id == run_id else None
+        return None, len(data)
+    return ((doc, doc_digest(data)) if doc.run_id == run_id else None), len(data)
+
+
+def _signed(store: ObjectStore, sealer: Sealer, key: str, cls, run_id: str) -> tuple | None:
+    """(document, digest) at ``key`` if present, opening with the key and of ``run_id``; else None."""
+    return _open_signed(store, sealer, key, cls, run_id)[0]
 
 
 def init_digest(store: ObjectStore, sealer: Sealer, run_id: str) -> str:

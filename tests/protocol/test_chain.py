@@ -174,6 +174,34 @@ def test_planted_numbers_cost_a_bounded_scan(tmp_path, key, caplog, monkeypatch)
     assert not [k for k in reads if k.startswith(("v/00000011/", "v/00000039/"))]
 
 
+def test_oversized_documents_planted_under_version_keys_and_head_are_misses(tmp_path, key, monkeypatch):
+    """A writer without the key plants a HEAD.json and a decision of v3 over DOC_LIMITS
+    (each refused before its body): the resumed trainer counts v3 as a bare number near
+    the history (used: v4 is next) and reads HEAD as absent, instead of failing the resume
+    on the first oversized read; the bytes the scan counts are what it read (limit + 1), not
+    the size the object claims.  Control: the same oversized decision AT the committed
+    version refuses the resume in one line (no commit decision signed with this key)."""
+    from nemo_dcr.protocol import run as run_mod
+    from nemo_dcr.protocol.manifest import DOC_LIMITS, decision_key
+
+    sender, store, w, *_ = _trained(tmp_path, key, True, versions=2)
+    state = sender.run_state()
+    big = DOC_LIMITS["decision"] + 1000
+    store.put(decision_key(3), b" " * big)
+    store.put(HEAD_KEY, b" " * (DOC_LIMITS["head"] + 1))
+    spent = []
+    real = run_mod._open_signed
+    monkeypatch.setattr(run_mod, "_open_signed", lambda *a: (lambda r: (spent.append(r[1]), r)[1])(real(*a)))
+    again = _restarted(sender, store, w, state)
+    assert again.run_state().published_version == 3
+    assert DOC_LIMITS["decision"] + 1 in spent and big not in spent
+    _step(w, np.random.default_rng(5))
+    assert again.publish(4)[1].version == 4
+    store.put(decision_key(2), b" " * big)  # control: the committed version's decision itself
+    with pytest.raises(ProtocolError, match="no commit decision for v2 signed with this key"):
+        _restarted(sender, store, w, state)
+
+
 def test_a_version_beyond_the_key_width_is_refused_at_publish(tmp_path, key):
     from nemo_dcr.errors import ValidationError
     from nemo_dcr.protocol.manifest import MAX_VERSION
