@@ -65,8 +65,8 @@ from nemo_dcr.protocol.manifest import (
     manifest_key,
 )
 from nemo_dcr.protocol.reader import DocReader
-from nemo_dcr.protocol.run import read_run
-from nemo_dcr.protocol.signing import UNSIGNED, Sealer, signature_of
+from nemo_dcr.protocol.run import open_run, read_run
+from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.failover import answered_by, second_opinion
 from nemo_dcr.transport.store import ObjectStore
 
@@ -101,24 +101,23 @@ def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, time
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     probe = time.monotonic() + RUN_PROBE_S
 
+    def opened(data: bytes) -> RunRecord:
+        return open_run(data, sealer, store.uri, allow_unverified=allow_unverified, run_id=run_id)
+
     def genuine(data: bytes) -> str | None:
         try:
-            rec = RunRecord.from_json(data, sealer)
+            opened(data)
         except DcrError as e:
             return str(e)
-        if not sealer.signed and not allow_unverified and signature_of(data) != UNSIGNED:
-            return "signed, and no key was given"
-        return None if not run_id or rec.run_id == run_id else f"run {rec.run_id}, not {run_id}"
+        return None
 
     def elsewhere() -> RunRecord | None:
         data = second_opinion(store, RUN_KEY, max_bytes=DOC_LIMITS["run"], check=genuine)
-        return None if data is None else RunRecord.from_json(data, sealer)
+        return None if data is None else opened(data)
 
     while True:
         try:
-            rec = read_run(store, sealer, allow_unverified=allow_unverified)
-            if rec is not None and run_id and rec.run_id != run_id:
-                raise ProtocolError(f"store {store.uri} holds run {rec.run_id}, this receiver follows run {run_id}")
+            rec = read_run(store, sealer, allow_unverified=allow_unverified, run_id=run_id)
         except (ProtocolError, FormatError):  # refused here: flipped, malformed, another run's
             rec = elsewhere()
             if rec is None:

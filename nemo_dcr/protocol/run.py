@@ -98,28 +98,38 @@ def _claimed(rec: dict) -> str:
     return f"run {rec['run_id']}, model {rec['model_id']!r}, created {when} UTC"
 
 
-def read_run(store: ObjectStore, sealer: Sealer, *, allow_unverified: bool = False) -> RunRecord | None:
-    """The run record of ``store``, or ``None`` when there is none.
-
-    With a key, a record that does not open with it is refused naming what it claims to
-    be (another run on this prefix, or tampering).  Without a key, a record that IS signed
-    is refused too -- following a signed run unchecked would accept any forgery --
-    unless ``allow_unverified`` (the caller says so loudly)."""
+def read_run(store: ObjectStore, sealer: Sealer, *, allow_unverified: bool = False,
+             run_id: str | None = None) -> RunRecord | None:
+    """The run record of ``store`` (``open_run``), or ``None`` when there is none."""
     try:
         data = store.get(RUN_KEY, max_bytes=DOC_LIMITS["run"])
     except ObjectNotFound:
         return None
+    return open_run(data, sealer, store.uri, allow_unverified=allow_unverified, run_id=run_id)
+
+
+def open_run(data: bytes, sealer: Sealer, uri: str, *, allow_unverified: bool = False,
+             run_id: str | None = None) -> RunRecord:
+    """``RUN.json``'s bytes as read from the store at ``uri``, opened.
+
+    With a key, a record that does not open with it is refused naming what it claims to
+    be (another run on this prefix, or tampering).  Without a key, a record that IS signed
+    is refused too -- following a signed run unchecked would accept any forgery --
+    unless ``allow_unverified`` (the caller says so loudly).  With ``run_id``, a record of
+    another run is refused."""
     try:
         rec = RunRecord.from_json(data, sealer)
     except SignatureError as e:
         claimed = _peek(data)
         raise ForeignRunError(
-            f"store {store.uri}: {RUN_KEY} is not signed with this key ({_claimed(claimed)}): another run holds "
+            f"store {uri}: {RUN_KEY} is not signed with this key ({_claimed(claimed)}): another run holds "
             f"this prefix, or the record was tampered with; check the key file and the store URI ({e})") from None
     if not sealer.signed and not allow_unverified and signature_of(data) != UNSIGNED:
         raise ProtocolError(
-            f"store {store.uri}: run {rec.run_id} is signed, and no key was given: give the run's key "
+            f"store {uri}: run {rec.run_id} is signed, and no key was given: give the run's key "
             "(--key-file / $NEMO_DCR_KEY_FILE), or follow it unverified with --insecure-no-key")
+    if run_id and rec.run_id != run_id:
+        raise ProtocolError(f"store {uri} holds run {rec.run_id}, this receiver follows run {run_id}")
     return rec
 
 
