@@ -60,6 +60,10 @@ class ForeignRunError(ProtocolError):
     """The store prefix belongs to another run (or holds objects of an unknown one)."""
 
 
+class InitNotPublished(ProtocolError):
+    """No upstream serves the run's ``init/INIT.json``: version 0 is not published yet."""
+
+
 _warn = logging.getLogger(__name__).warning
 _VERSION_DIR = re.compile(r"^v/([0-9]{8})/")
 
@@ -401,7 +405,8 @@ def write_init_record(store: ObjectStore, sealer: Sealer, run_id: str, blobs: di
 
 def read_init_record(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[InitRecord, str]:
     """Receiver: the run's signed ``init/INIT.json`` (the version-0 files' digests) and its
-    own digest (the chain's root); ``ProtocolError`` when absent or another run's.
+    own digest (the chain's root); ``InitNotPublished`` when absent, ``ProtocolError`` when
+    another run's.
 
     Through an upstream list, a copy that does not open, is another run's or is missing is
     asked of the other upstreams (``transport/failover.second_opinion``): a relay that
@@ -427,7 +432,7 @@ def read_init_record(store: ObjectStore, sealer: Sealer, run_id: str) -> tuple[I
         if other is not None:
             return opened(other), doc_digest(other)
         if isinstance(e, ObjectNotFound):
-            raise ProtocolError(f"store {store.uri}: no {INIT_RECORD_KEY} (version 0 not published yet)") from None
+            raise InitNotPublished(f"store {store.uri}: no {INIT_RECORD_KEY} (version 0 not published yet)") from None
         raise
 
 

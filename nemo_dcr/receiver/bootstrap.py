@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower, wait_for_run
 from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
-from nemo_dcr.protocol.run import fetch_init_file, read_init_record, verify_init_dir
+from nemo_dcr.protocol.run import InitNotPublished, fetch_init_file, read_init_record, verify_init_dir
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
@@ -74,9 +74,8 @@ def _wait_for_init(store: ObjectStore, sealer: Sealer, run_id: str, timeout_s: f
             probe = time.monotonic() + INIT_PROBE_S
             try:
                 return read_init_record(store, sealer, run_id)
-            except ProtocolError as e:
-                if "not published yet" not in str(e):
-                    raise
+            except InitNotPublished:
+                pass
         if deadline is not None and time.monotonic() > deadline:
             raise ProtocolError(f"store {store.uri}: version 0 ({INIT_RECORD_KEY}) not published within {timeout_s}s")
         time.sleep(0.1)
