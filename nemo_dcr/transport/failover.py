@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nemo_dcr.errors import FormatError, TransportError, ValidationError
-from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, put_if_absent
 
 _log = logging.getLogger(__name__)
 
@@ -252,7 +252,6 @@ class FailoverStore:
         self._each("put", key, lambda s: s.put(key, data), lambda r: 0)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        from nemo_dcr.transport.store import put_if_absent
         return self._each("put", key, lambda s: put_if_absent(s, key, data), lambda r: 0)
 
     def delete(self, key: str) -> None:

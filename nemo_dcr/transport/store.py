@@ -414,8 +414,11 @@ def put_if_absent(store: ObjectStore, key: str, data: bytes) -> bool:
     forward it) ``stat`` then ``put``, which a concurrent writer can race: callers read
     back what they created."""
     fn = getattr(store, "put_if_absent", None)
-    if fn is not None:
-        return fn(key, data)
+    return fn(key, data) if fn is not None else _stat_then_put(store, key, data)
+
+
+def _stat_then_put(store: ObjectStore, key: str, data: bytes) -> bool:
+    """Create-if-absent where the back end has no conditional create (not atomic)."""
     if store.stat(key) is not None:
         return False
     store.put(key, data)
@@ -719,10 +722,7 @@ class FsspecStore(_BoundedStore):
         (atomic only within one process; the caller's read-back catches a race)."""
         path = self._path(key)
         if not self._socket_timeouts:
-            if self.stat(key) is not None:
-                return False
-            self.put(key, data)
-            return True
+            return _stat_then_put(self, key, data)
 
         def attempt(att: _Attempt) -> bool:
             try:
