@@ -110,8 +110,9 @@ flipped ack is seen when v aborts, then the receiver demotes the upstream it wro
 and ``r0``'s ack behind ``rb`` -> ``ra`` may need two demotions (v+2 commits); a hidden or
 frozen HEAD has no signed evidence against it and is probed on the other upstreams only
 after ``HEAD_PROBE_S`` (10 s) without a newer one, so it is hidden on every version up to
-ceil(10 s / ack timeout) past v and the last of them must commit; a bootstrap lie must not
-cost v.  A demotion lasts ``retry_after_s``: liar epochs use ``LIAR_RETRY_AFTER_S`` (12 s)
+ceil(10 s / ack timeout) past v and the last of them must commit; a bootstrap lie may
+cost v only by the restarted receiver's catch-up from version 0 outlasting v's ack timeout
+(v+1 commits).  A demotion lasts ``retry_after_s``: liar epochs use ``LIAR_RETRY_AFTER_S`` (12 s)
 so that it outlasts the versions of the bound, and a liar trial's later versions start at
 once (no wait for the tree to heal).  After the trial the liar is restarted on an empty
 spool (its cached lies go).  ``struck``: the liar told at least one lie (a lie can miss:
@@ -124,11 +125,12 @@ prefixes and 200 junk acks (through ``ra``: 4 acks of 1 MiB, which a relay must 
 Checked: v or v+1 commits with every receiver on it, planted numbers push no real version
 out of a relay's window and no 1 MiB ack is forwarded; in a pipelined epoch the trainer is
 then SIGKILLed and resumed from its checkpoint, and its next version must be one past the
-last it published (planted numbers do not raise the floor) and commit within 3.
+last it published, or past the junk planted just above it (bare numbers within
+``FLOOR_SLACK`` count as a killed upload's); far planted numbers do not raise the floor; it
+must commit within 3.
 ``claim_race``: 2-4 processes call the product's ``claim_store`` on one fresh prefix (moto S3
 or a local directory) at once; exactly one must win, each other one get ``ForeignRunError``,
-and ``RUN.json`` name the winner.  bootstrap_lie, planted_keys and claim_race test product
-work that lands after these classes (bootstrap failover, relay bounds, an atomic claim).
+and ``RUN.json`` name the winner.
 
 A death with one live receiver is redrawn as a join, a join with four as a death (the
 record says ``redrawn_from``).  Liveness checks that do not hold (``failures``: an
