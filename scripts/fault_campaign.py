@@ -1923,6 +1923,7 @@ def _trial_planted_resume(ep: Epoch, plan: dict, rec: dict) -> bool:
         rec["failures"].append(f"resumed trainer's next version is {ready['next_version']}, one past the last "
                                f"published or near bare number is {expect}: planted keys set the floor")
         return True
+    ep.version = ready["next_version"] - 1  # the driver's next go is the resumed trainer's next version
     for _ in range(3):
         w, row, _ = _pstep(ep, {**plan, "faults": []}, rec)
         if row is None or row["committed"] or rec["violations"]:
