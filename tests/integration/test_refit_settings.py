@@ -178,6 +178,22 @@ def test_every_readme_key_is_a_schema_key():
         check_override_keys(["refit.store_uri=x"], DemoConfig)  # control: a callback's own key is not one
 
 
+def _table_rows(text: str) -> set[str]:
+    """The keys of the README's "Configuration of the refit" table (its first column)."""
+    section = text.split("## Configuration of the refit", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(refit\.[a-z_]+)` \|", section, flags=re.M))
+
+
+def test_the_readme_table_has_a_row_per_schema_key():
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    schema = {f"refit.{f.name}" for f in fields(RefitOptions)}
+    assert schema - _table_rows(text) == set(), "README.md's refit table lacks these keys"
+    assert _table_rows(text) - schema == set(), "README.md's refit table names keys the schema does not have"
+    # control: the table without one row is caught
+    cut = "\n".join(ln for ln in text.splitlines() if not ln.startswith("| `refit.snapshot_every`"))
+    assert schema - _table_rows(cut) == {"refit.snapshot_every"}
+
+
 @pytest.mark.parametrize("kw,needle", [
     ({"chunk_bytes": "abc"}, "refit.chunk_bytes must be an int, got 'abc'"),
     ({"coding": 1}, "refit.coding must be a string, got 1"),
