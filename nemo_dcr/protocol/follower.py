@@ -137,6 +137,14 @@ RUN_PROBE_S = 2.0
 (what a relay that hides it costs)."""
 
 
+ACKS_EVERYWHERE_FOR = 16
+"""After an ok ack this receiver wrote was lost (the trainer's abort names it), the acks of
+this many later versions are written through every upstream of its list, not only the first
+(``FailoverStore.put_everywhere``): the relay it wrote through may have been honest and
+forwarded to a liar above it, and a demotion per relay on that path would cost a version
+each.  What it costs: one small write per upstream per version in that window.  0: off."""
+
+
 HEAD_PROBE_S = 10.0
 """How long ``HEAD.json`` may name nothing newer than what a receiver answered before it
 asks the other upstreams of its list for a newer one (once; then again every this long
@@ -199,6 +207,7 @@ class Follower:
         self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
         self._head_moved = time.monotonic()  # when HEAD.json last named a version not answered yet
         self._acked: dict[int, str] = {}  # version -> uri of the upstream that took its ok ack (last 2)
+        self._acks_everywhere_until = 0  # acks of versions up to this go through every upstream
 
     # ------------------------------------------------------------------ reads
     def _decision(self, version: int) -> tuple[Decision, str] | None:
@@ -421,12 +430,18 @@ class Follower:
         demote = getattr(self.store, "demote", None)
         left = bool(uri) and demote is not None and demote(uri, f"the trainer did not read this receiver's "
                                                                f"ack of v{version} written through it")
+        self._acks_everywhere_until = version + ACKS_EVERYWHERE_FOR
         self._log({"receiver": self.receiver_id, "version": version, "event": "ack lost",
                    "written_through": uri, "left": left})
 
     def _put_ack(self, ack: Ack) -> None:
+        key, data = ack_key(self.receiver_id, ack.version), ack.to_json(self.sealer)
+        everywhere = getattr(self.store, "put_everywhere", None)
         try:
-            self.store.put(ack_key(self.receiver_id, ack.version), ack.to_json(self.sealer))
+            if everywhere is not None and ack.version <= self._acks_everywhere_until:
+                everywhere(key, data)
+            else:
+                self.store.put(key, data)
             if ack.ok:
                 self._acked[ack.version] = answered_by(self.store)
                 while len(self._acked) > 2:

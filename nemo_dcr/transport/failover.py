@@ -254,6 +254,30 @@ class FailoverStore:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self._each("put", key, lambda s: put_if_absent(s, key, data), lambda r: 0)
 
+    def put_everywhere(self, key: str, data: bytes) -> list[str]:
+        """``put`` through every upstream of the list, resting ones too: the uris that took
+        it.  For a small signed object whose loss on one path costs a version (an ack after
+        one was lost: the relay it went through may forward to a liar further up, which only
+        the next loss would reveal).  In list order, not preference order: the last upstream
+        (the origin, where the trainer reads) is written last, so a relay before it that
+        forwards an altered copy does not overwrite the genuine one there.  Raises
+        :class:`StoreError` when none took it."""
+        took: list[str] = []
+        last: TransportError | None = None
+        for i in range(len(self.stores)):
+            try:
+                self.stores[i].put(key, data)
+            except TransportError as e:
+                self._demote(i, str(e))
+                last = e
+                continue
+            took.append(self._stats[i].uri)
+        if not took:
+            raise StoreError(f"{self.uri}: put {key!r} failed on every upstream; last: {last}",
+                             uri=self.uri, op="put", key=key) from last
+        self._tls.source = took[0]
+        return took
+
     def delete(self, key: str) -> None:
         self._each("delete", key, lambda s: s.delete(key), lambda r: 0)
 

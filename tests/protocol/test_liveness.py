@@ -113,7 +113,7 @@ def test_control_an_honest_relay_commits_without_a_second_opinion(tmp_path, key)
 def test_a_relay_that_drops_or_flips_acks_costs_one_version(tmp_path, key, kind):
     """Every ack written through the liar is dropped (answered, not forwarded) or flipped:
     v2 aborts for "no acknowledgement" / "ack rejected"; the receiver, which acked ok, leaves
-    the relay it wrote through, and v3's ack goes to the origin: v3 commits."""
+    the relay it wrote through, and v3's ack goes to the origin too: v3 commits."""
     lies = {2: lambda liar: liar.lie(r"acks/r0/.*", kind, None)}
     committed, r, liar, want, fs = _run(tmp_path, key, lies, ack_timeout_s=1.0)
     lost = [e for e in r.events if e.get("event") == "ack lost"]
@@ -125,9 +125,45 @@ def test_a_relay_that_drops_or_flips_acks_costs_one_version(tmp_path, key, kind)
         assert liar.lies == 0 and not lost
     else:
         assert [e["version"] for e in lost] == [2] and lost[0]["written_through"] == liar.uri and lost[0]["left"]
-        assert liar.lies == 1  # v3's ack did not go through it
+        # v3's ack went through every upstream after the loss (ACKS_EVERYWHERE_FOR): the
+        # liar lied again, and the origin, written last, holds the genuine one
+        assert liar.lies == 2
     assert committed[1] and committed[3]
     np.testing.assert_array_equal(r.w, want)
+
+
+@pytest.mark.parametrize("everywhere", [16, 0], ids=["acks-everywhere-after-a-loss", "control-one-path"])
+def test_an_honest_relay_in_front_of_the_liar_costs_no_second_version(tmp_path, key, monkeypatch, everywhere):
+    """The receiver reads through ``rb`` (honest) -> the liar -> the origin, and ``rb``
+    forwards acks to the liar (the campaign's tree: r0 behind rb, rb behind ra), which drops
+    every ack from v2 on.  v2 aborts; the receiver leaves rb, which did nothing wrong.  With
+    acks written through every upstream after a loss (``ACKS_EVERYWHERE_FOR``), v3's reaches
+    the origin and commits.  Control (0: one path): v3's ack goes through the liar itself and
+    is dropped too, so v3 aborts as well (liars campaign, trial 158: three versions in a row
+    aborted where two were allowed)."""
+    monkeypatch.setattr(follower_mod, "ACKS_EVERYWHERE_FOR", everywhere)
+    rng = np.random.default_rng(7)
+    w = torch.randn(32, 16).to(torch.bfloat16)
+    sender, origin = _sender(tmp_path, {"w": w}, key, ack_timeout_s=1.0)
+    liar = Liar(LocalDirStore(origin.uri))
+    rb = Liar(liar, uri="relay://rb:1")  # no rules: forwards everything to the liar
+    fs = FailoverStore([rb, liar, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.2)
+    r = Rx("r0", fs, key, sender.run_id, w)
+    r.start(until=3)
+    committed = {}
+    for v in (1, 2, 3):
+        if v == 2:
+            liar.lie(r"acks/r0/.*", "drop", None)
+        _step(w, rng)
+        committed[v] = sender.refit(v).committed
+    r.join()
+    lost = [(e["version"], e["written_through"]) for e in r.events if e.get("event") == "ack lost"]
+    assert committed[1] and not committed[2]
+    if everywhere:
+        assert committed[3] and lost == [(2, rb.uri)]
+        np.testing.assert_array_equal(r.w, bits_of(w))
+    else:
+        assert not committed[3] and lost == [(2, rb.uri), (3, liar.uri)]
 
 
 def test_control_acks_dropped_without_a_second_upstream_abort_every_version(tmp_path, key):
