@@ -24,15 +24,20 @@ from nemo_dcr.transport.failover import FailoverStore
 from nemo_dcr.transport.store import LocalDirStore
 
 
-def _run(tmp_path, key, lies, *, failover=True, versions=3, ack_timeout_s=3.0):
+HONEST_FRONT = "relay://rb:1"
+
+
+def _run(tmp_path, key, lies, *, failover=True, versions=3, ack_timeout_s=3.0, honest_front=False):
     """Train ``versions`` versions with one receiver reading through the liar (then the
-    origin, with ``failover``); returns (per-version committed, receiver, liar, trainer
-    bits, failover store)."""
+    origin, with ``failover``); with ``honest_front``, through an honest relay
+    (``HONEST_FRONT``) that forwards everything to the liar first.  Returns (per-version
+    committed, receiver, liar, trainer bits, failover store)."""
     rng = np.random.default_rng(7)
     w = torch.randn(32, 16).to(torch.bfloat16)
     sender, origin = _sender(tmp_path, {"w": w}, key, ack_timeout_s=ack_timeout_s)
     liar = Liar(LocalDirStore(origin.uri))
-    fs = FailoverStore([liar, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.2) if failover else liar
+    front = [Liar(liar, uri=HONEST_FRONT)] if honest_front else []  # no rules of its own
+    fs = FailoverStore([*front, liar, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.2) if failover else liar
     r = Rx("r0", fs, key, sender.run_id, w)
     r.start(until=versions)
     committed = {}
@@ -142,28 +147,15 @@ def test_an_honest_relay_in_front_of_the_liar_costs_no_second_version(tmp_path, 
     is dropped too, so v3 aborts as well (liars campaign, trial 158: three versions in a row
     aborted where two were allowed)."""
     monkeypatch.setattr(follower_mod, "ACKS_EVERYWHERE_FOR", everywhere)
-    rng = np.random.default_rng(7)
-    w = torch.randn(32, 16).to(torch.bfloat16)
-    sender, origin = _sender(tmp_path, {"w": w}, key, ack_timeout_s=1.0)
-    liar = Liar(LocalDirStore(origin.uri))
-    rb = Liar(liar, uri="relay://rb:1")  # no rules: forwards everything to the liar
-    fs = FailoverStore([rb, liar, LocalDirStore(origin.uri + "/.")], lag_grace_s=0.2)
-    r = Rx("r0", fs, key, sender.run_id, w)
-    r.start(until=3)
-    committed = {}
-    for v in (1, 2, 3):
-        if v == 2:
-            liar.lie(r"acks/r0/.*", "drop", None)
-        _step(w, rng)
-        committed[v] = sender.refit(v).committed
-    r.join()
+    lies = {2: lambda liar: liar.lie(r"acks/r0/.*", "drop", None)}
+    committed, r, liar, want, fs = _run(tmp_path, key, lies, ack_timeout_s=1.0, honest_front=True)
     lost = [(e["version"], e["written_through"]) for e in r.events if e.get("event") == "ack lost"]
     assert committed[1] and not committed[2]
     if everywhere:
-        assert committed[3] and lost == [(2, rb.uri)]
-        np.testing.assert_array_equal(r.w, bits_of(w))
+        assert committed[3] and lost == [(2, HONEST_FRONT)]
+        np.testing.assert_array_equal(r.w, want)
     else:
-        assert not committed[3] and lost == [(2, rb.uri), (3, liar.uri)]
+        assert not committed[3] and lost == [(2, HONEST_FRONT), (3, liar.uri)]
 
 
 def test_control_acks_dropped_without_a_second_upstream_abort_every_version(tmp_path, key):
