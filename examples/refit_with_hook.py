@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 import torch.distributed as dist  # noqa: E402
 
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook  # noqa: E402
-from nemo_dcr.integrations.sender import SenderConfig  # noqa: E402
+from nemo_dcr.sender import RefitOptions  # noqa: E402
 from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer  # noqa: E402
 from nemo_dcr.transport.store import open_store  # noqa: E402
 
@@ -37,7 +37,7 @@ def main() -> None:
     trainer = Trainer(ModelConfig(), TrainConfig(lr=2e-6), tp=args.tp)
     hook = MegatronRefitHook.from_model(  # family, dims and sharding come from the model itself
         trainer.model, store=open_store(args.store), vocab_size=trainer.model_cfg.vocab_size,
-        sender_cfg=SenderConfig(model_id="example", receivers=("r0",), ack_timeout_s=args.ack_timeout_s),
+        sender_cfg=RefitOptions(model_id="example", receivers=("r0",), ack_timeout_s=args.ack_timeout_s),
     )
     hook.export_initial()  # version 0: the HF checkpoint both sides start from
     trainer.add_post_step_hook(hook)  # runs on every rank after each optimizer step

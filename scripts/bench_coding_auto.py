@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 
-from nemo_dcr.integrations.coding_choice import AUTO, CODINGS
+from nemo_dcr.sender.coding_choice import AUTO, CODINGS
 from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
 from nemo_dcr.testbed.linkbench import read_rows as _read_rows
 

@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.hidden % 64:
         raise BenchError("--hidden must be a multiple of 64 (heads of 64)", 2)
     if a.snapshot_every is None:
-        from nemo_dcr.integrations.settings import ELASTIC_SNAPSHOT_EVERY
+        from nemo_dcr.sender.options import ELASTIC_SNAPSHOT_EVERY
 
         a.snapshot_every = ELASTIC_SNAPSHOT_EVERY
     if a.snapshot_every < 0:
@@ -162,7 +162,7 @@ class Trainer:
 
     def __init__(self, a: argparse.Namespace, pattern: str, workdir: str):
         from nemo_dcr.integrations.hf_export import write_checkpoint
-        from nemo_dcr.integrations.sender import SenderConfig
+        from nemo_dcr.sender import RefitOptions
         from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
         from nemo_dcr.receiver.bootstrap import build_receiver
         from nemo_dcr.receiver.engine import ReceiverConfig
@@ -178,7 +178,7 @@ class Trainer:
         self.config = model.config.to_dict()
         del model
         self.params = {n: t.clone() for n, t in state.items()}
-        cfg = SenderConfig(model_id=MODEL_ID, receivers=("r0",), key_file=self.key, ack_timeout_s=a.timeout_s,
+        cfg = RefitOptions(model_id=MODEL_ID, receivers=("r0",), key_file=self.key, ack_timeout_s=a.timeout_s,
                            ack_poll_s=0.01, pipeline=False, snapshot_every=a.snapshot_every)
         self.store = LocalDirStore(self.store_dir)
         self.sender = flat_sender(self.params, self.store, cfg)

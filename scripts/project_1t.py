@@ -134,7 +134,7 @@ class Deployment:
     fanout: int = 4
     """Children per relay-tree node."""
     chunk_bytes: int = 4 << 20
-    """Raw record bytes per chunk (SenderConfig.chunk_bytes): sets the pipeline depth."""
+    """Raw record bytes per chunk (RefitOptions.chunk_bytes): sets the pipeline depth."""
     format: str = "nemo_dcr context"
     """Codec format whose bytes and speeds are used (a format name in codec.json)."""
 

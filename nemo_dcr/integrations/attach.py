@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, ProtocolError
-from nemo_dcr.integrations.coding_choice import CODINGS
-from nemo_dcr.integrations.megatron_hook import MegatronRefitHook, agree_or_raise, from_rank0
+from nemo_dcr.sender.coding_choice import CODINGS
+from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
+from nemo_dcr.sender.collectives import agree_or_raise, from_rank0
 from nemo_dcr.protocol.run import RunState
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
 from nemo_dcr.layout.families import UnsupportedModelError
@@ -191,7 +192,7 @@ class RefitAttachment:
         agree_or_raise(error, RefitSetupError)
         try:
             self.hook = MegatronRefitHook.from_model(
-                model, store=store, sender_cfg=s.sender_config(), family=s.family or None,
+                model, store=store, sender_cfg=s.refit_options(), family=s.family or None,
                 vocab_size=s.vocab_size or None)
         except UnsupportedModelError as e:
             raise RefitSetupError(f"the refit cannot map this model: {e}") from None

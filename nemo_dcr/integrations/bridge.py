@@ -62,11 +62,10 @@ from __future__ import annotations
 import json
 import os
 
-import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, ValidationError
 from nemo_dcr.integrations.attach import RefitAttachment, RefitMetrics
-from nemo_dcr.integrations.megatron_hook import from_rank0
+from nemo_dcr.sender.collectives import from_rank0, rank
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError, load_refit_settings
 from nemo_dcr.protocol.jsondoc import parse_document
 
@@ -77,10 +76,6 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _STATE_MAX_BYTES = 64 << 10
 _KEEP_STATES = 1024  # run states kept for checkpoints whose (async) save is not finalized yet
 _AT_SAVE: dict = {}  # marker: the newest iteration's state, taken when its checkpoint is saved
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _note(msg: str) -> None:
@@ -169,7 +164,7 @@ class RefitBridgeCallback:
         failure is reported, never raised: one rank raising would leave the others waiting in
         the next collective, and the checkpoint without the file is refused at restart."""
         ckpt = context.state.cfg.checkpoint
-        if not self.refit.attached or _rank() != 0 or not ckpt.save:
+        if not self.refit.attached or rank() != 0 or not ckpt.save:
             return
         try:
             if getattr(ckpt, "async_save", False):
@@ -208,7 +203,7 @@ class RefitBridgeCallback:
             return
         step = int(context.state.train_state.step)
         if step > 0 and not self.refit.restored:
-            state = from_rank0(self._checkpoint_state(context.state.cfg.checkpoint, step) if _rank() == 0 else None)
+            state = from_rank0(self._checkpoint_state(context.state.cfg.checkpoint, step) if rank() == 0 else None)
             if isinstance(state, str):
                 raise RefitSetupError(state)
             if state is not None:

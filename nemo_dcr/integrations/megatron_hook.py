@@ -29,25 +29,20 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save as save_safetensors
 
 from nemo_dcr.errors import ProtocolError
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
 from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
-from nemo_dcr.integrations.sender import (  # noqa: F401 - from_rank0 re-exported
-    PublishStats, RefitSender, SenderConfig, all_gather, from_rank0)
+from nemo_dcr.sender import PublishStats, RefitOptions, RefitSender
+from nemo_dcr.sender.collectives import agree_or_raise, all_gather, rank
 from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_family
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
 from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
 from nemo_dcr.protocol.manifest import dense_key
 from nemo_dcr.protocol.run import RunState
 from nemo_dcr.transport.store import ObjectStore
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProjector, family: ModelFamily) -> None:
@@ -65,16 +60,6 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
-def agree_or_raise(error: str | None, exc: type[Exception] = UnsupportedModelError) -> None:
-    """Collective: raise the same ``exc`` on EVERY rank if any rank reports an ``error``
-    (a rank that raised alone would leave the others waiting in the next collective)."""
-    errors = all_gather(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        r, e = failed[0]
-        raise exc(e if len(errors) == 1 else f"rank {r}: {e}")
-
-
 def _check_global_tiling(views: dict[str, list[ParamView]]) -> None:
     mine = [v.spec for vs in views.values() for v in vs if v.spec.is_main_replica]
     check_tiling([s for rank_specs in all_gather(mine) for s in rank_specs])
@@ -84,7 +69,7 @@ class MegatronRefitHook:
     """Diff -> project -> encode -> upload after each step, then the joint commit."""
 
     def __init__(self, gpt: torch.nn.Module, dims: ModelDims, family: ModelFamily, store: ObjectStore,
-                 sender_cfg: SenderConfig, *, verify_dense: bool = False):
+                 sender_cfg: RefitOptions, *, verify_dense: bool = False):
         """Prefer :meth:`from_model`.  ``gpt``: this rank's megatron ``GPTModel``."""
         self.dims = dims
         self.family = family
@@ -100,7 +85,7 @@ class MegatronRefitHook:
             error = str(e)
         except ValueError as e:
             error = f"sharded_state_dict() does not describe the model: {e}"
-        agree_or_raise(error)
+        agree_or_raise(error, UnsupportedModelError)
         try:
             _check_global_tiling(self.views)
         except ValueError as e:
@@ -109,11 +94,10 @@ class MegatronRefitHook:
                                   snapshot_state=self.committed_state)
         self.last_stats: PublishStats | None = None
         self._reference_s: dict[int, float] = {}  # verify_dense: gather time per version in flight
-        self._published = self.sender.baseline.version
         self._param_gathers: list = []
 
     @classmethod
-    def from_model(cls, model, *, store: ObjectStore, sender_cfg: SenderConfig, family: str | None = None,
+    def from_model(cls, model, *, store: ObjectStore, sender_cfg: RefitOptions, family: str | None = None,
                    vocab_size: int | None = None, verify_dense: bool = False) -> MegatronRefitHook:
         """Collective: attach to ``model`` (a ``GPTModel``, any wrapper of one, or a list of
         virtual-pipeline model chunks: ``megatron_model.unwrap_gpt``) on every rank.
@@ -130,7 +114,7 @@ class MegatronRefitHook:
             chosen = select_family(dims, family)
         except ValueError as e:  # UnsupportedModelError included
             error = str(e)
-        agree_or_raise(error)
+        agree_or_raise(error, UnsupportedModelError)
         hook = cls(gpt, dims, chosen, store, sender_cfg, verify_dense=verify_dense)
         hook._param_gathers = deferred_param_gathers(model)
         return hook
@@ -169,7 +153,7 @@ class MegatronRefitHook:
         state = self.dense_state()
         error = None
         root = ""
-        if _rank() == 0:
+        if rank() == 0:
             try:
                 root = write_checkpoint(self.store, self.hf_config(), state, sealer=self.sender.sealer, run_id=run_id)
             except Exception as e:  # noqa: BLE001 - every rank must learn it (no rank left in a collective)
@@ -182,7 +166,6 @@ class MegatronRefitHook:
         """Collective: continue the run of ``state`` (restored from the trainer's checkpoint,
         together with the weights it describes), checked against the store's signed history."""
         self.sender.claim(resume=state)
-        self._published = self.sender.run_state().published_version
 
     def run_state(self) -> RunState:
         """The refit's run state, for the trainer's checkpoint (``RunState.to_dict()``)."""
@@ -204,11 +187,10 @@ class MegatronRefitHook:
             t0 = time.perf_counter()
             state = self.dense_state()
             dense_s = time.perf_counter() - t0
-            if _rank() == 0:
+            if rank() == 0:
                 def before(manifest, state=state):
                     self.store.put(dense_key(manifest.version), save_safetensors(state))
-        version = self._published + 1 if step is None else int(step)
-        self._published = version
+        version = self.sender.published_version + 1 if step is None else int(step)
         if self.sender.cfg.pipeline:
             settled = self.sender.submit(version, before_manifest=before)
         else:

@@ -3,8 +3,9 @@
 :class:`RefitOptions` is the single source of every refit setting's name, type, default and
 meaning (one docstring per field).  Everything else embeds it instead of restating it:
 
-* :class:`~nemo_dcr.integrations.sender.SenderConfig` is the schema as the sender takes it
-  (:meth:`RefitOptions.sender_config` copies every field of the schema, by its ``fields()``);
+* :class:`~nemo_dcr.sender.RefitSender` takes the schema itself (``nemo_dcr/sender/options.py``;
+  :meth:`RefitOptions.refit_options` copies every field of the schema out of a larger
+  settings object, by its ``fields()``);
 * :class:`RefitSettings` adds what attaching to someone else's training loop (NeMo recipe,
   Megatron-Bridge, a plain megatron-core loop) needs: the store, the model mapping, the
   cadence and the resume point;
@@ -19,132 +20,12 @@ recipe keeps its own override syntax for everything else.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
-from nemo_dcr.configs import check_field_types, load_config
-from nemo_dcr.integrations.coding_choice import CODING_SETTINGS
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.configs import load_config
+from nemo_dcr.sender.options import RefitOptions, RefitSetupError
 
-if TYPE_CHECKING:
-    from nemo_dcr.integrations.sender import SenderConfig
-
-
-MEMBERSHIPS = ("static", "elastic")
-ELASTIC_SNAPSHOT_EVERY = 20
-"""``refit.snapshot_every`` when not set, under elastic membership (receivers join mid-run)."""
-
-
-class RefitSetupError(ValidationError):
-    """The refit cannot start (bad settings, unreachable store, unmappable model)."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class RefitOptions:
-    """Every setting of the refit itself (the sender and its joint commit): the schema."""
-
-    model_id: str
-    """Lineage name carried by manifests and chunks; receivers refuse another model's."""
-    receivers: tuple[str, ...]
-    """Receiver ids whose acknowledgement a joint commit waits for (at least one)."""
-    chunk_bytes: int = 4 << 20
-    """Upper bound on a chunk's raw records (8-byte positions + values) before coding;
-    larger tensors are split into several records, so chunks stream at this granularity."""
-    upload_workers: int = 2
-    """Threads encoding and uploading chunks while later parameters are diffed."""
-    coding: str = "auto"
-    """How chunks are coded (``integrations/coding_choice.py``): ``context``, the codec's
-    default codings in context mode (conditioned on the committed base bits, which receivers
-    hold) wherever the trainer rank holds the base of the record's whole canonical range
-    (row-parallel shards, whose coverage is strided, stay context-free); ``plain``, the same
-    codings context-free; ``fast``, zstd only (cheap to encode and decode, more bytes);
-    ``auto``, per version the one projected fastest from measured encode, upload and receiver
-    decode rates (rank 0 decides, every rank uses it; starts as ``context``)."""
-    ack_timeout_s: float = 300.0
-    """How long rank 0 waits for every receiver's acknowledgement of a version."""
-    ack_poll_s: float = 0.05
-    """Interval between rank 0's checks for acknowledgements."""
-    key_file: str = ""
-    """File holding the run's shared signing key (hex, from ``nemo-dcr keygen``); '' =
-    ``$NEMO_DCR_KEY_FILE``; with neither, nothing is authenticated (docs/protocol.md)."""
-    on_refusal: str = "retry"
-    """A version some receiver did not acknowledge is aborted: ``retry`` keeps training
-    (the next version is diffed against the same base), ``fail`` stops training."""
-    max_consecutive_failures: int = 3
-    """With ``on_refusal=retry``: stop training after this many aborted versions in a row."""
-    pipeline: bool = True
-    """Pipelined refit: the hook returns once this rank has diffed and projected the step
-    (the changes staged); encode, upload, manifest, acks and the decision run in the
-    background and the decision is applied at the next hook call (which waits only if it is
-    not there yet), or at ``finish()``.  ``false``: the hook returns after the decision."""
-    pipeline_max_staged_bytes: int = 1 << 30
-    """Pipelined refit: records diffed but not yet encoded are capped at this many raw bytes
-    per rank; past it the hook waits for the encoder (the pause grows, memory does not)."""
-    membership: str = "static"
-    """``static``: the receivers are ``receivers``, fixed for the run.  ``elastic``: they start
-    as ``receivers``; others join with a signed join request and are admitted at the next
-    version; a member missing ``evict_after`` acks in a row is evicted (docs/protocol.md)."""
-    min_receivers: int = 1
-    """Elastic membership: a version commits only with at least this many members acking it."""
-    evict_after: int = 3
-    """Elastic membership: evict a member after this many consecutive versions without its ack."""
-    snapshot_every: int | None = None
-    """Every committed version that is a multiple of this, the trainer also writes that
-    version's dense canonical state to ``snapshots/`` (``protocol/snapshot.py``, in the
-    background on rank 0; the newest 2 are kept), so a receiver joining later loads it instead
-    of version 0 and replaying every version since.  None: 20 with ``membership=elastic``, 0
-    with ``static``; 0: off."""
-
-    def __post_init__(self) -> None:
-        from nemo_dcr.protocol.commit import FailureBudget
-
-        try:
-            check_field_types(self, "refit")
-        except TypeError as e:
-            raise RefitSetupError(str(e)) from None
-        if not self.receivers:
-            raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
-        if self.coding not in CODING_SETTINGS:
-            raise RefitSetupError(f"refit.coding must be one of {CODING_SETTINGS}, got {self.coding!r}")
-        if self.membership not in MEMBERSHIPS:
-            raise RefitSetupError(f"refit.membership must be one of {MEMBERSHIPS}, got {self.membership!r}")
-        if self.min_receivers > len(self.receivers) and self.membership == "static":
-            raise RefitSetupError(f"refit.min_receivers={self.min_receivers} exceeds the {len(self.receivers)} static "
-                                  "receivers")
-        for name in ("chunk_bytes", "upload_workers", "ack_timeout_s", "ack_poll_s", "pipeline_max_staged_bytes",
-                     "min_receivers", "evict_after"):
-            if getattr(self, name) <= 0:
-                raise RefitSetupError(f"refit.{name} must be positive, got {getattr(self, name)}")
-        try:
-            FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
-        except ValueError as e:
-            raise RefitSetupError(f"refit.{e}") from None
-        if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool)
-                                                or not isinstance(self.snapshot_every, int)
-                                                or self.snapshot_every < 0):
-            raise RefitSetupError(f"refit.snapshot_every must be an int >= 0 (0 = off) or null (20 with elastic "
-                                  f"membership, else off), got {self.snapshot_every!r}")
-        if self.membership == "elastic":
-            budget = 1 if self.on_refusal == "fail" else self.max_consecutive_failures
-            if self.evict_after > budget:
-                raise RefitSetupError(
-                    f"refit.evict_after={self.evict_after} exceeds the aborted versions training survives "
-                    f"(refit.on_refusal={self.on_refusal}, refit.max_consecutive_failures="
-                    f"{self.max_consecutive_failures}): training would stop before a silent member is evicted")
-
-    @property
-    def snapshot_interval(self) -> int:
-        """``snapshot_every`` resolved: 0 = no snapshots."""
-        if self.snapshot_every is None:
-            return ELASTIC_SNAPSHOT_EVERY if self.membership == "elastic" else 0
-        return self.snapshot_every
-
-    def sender_config(self) -> SenderConfig:
-        """The schema's fields of this (possibly larger) settings object, as the sender's
-        config: every field of :class:`RefitOptions`, none named by hand."""
-        from nemo_dcr.integrations.sender import SenderConfig
-
-        return SenderConfig(**{f.name: getattr(self, f.name) for f in fields(RefitOptions)})
+__all__ = ["RefitFile", "RefitOptions", "RefitSettings", "RefitSetupError", "load_refit_settings"]
 
 
 @dataclass(kw_only=True, frozen=True)

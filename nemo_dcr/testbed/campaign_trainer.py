@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
     from nemo_dcr.protocol.signing import load_key
     from nemo_dcr.testbed.faults import FaultyStore, Plans
     from nemo_dcr.testbed.train import TrainConfig, Trainer
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # are when it is built (built before the load, it would diff against the fresh init)
         restored = load_checkpoint(args.dir, trainer)
     store = FaultyStore(open_store(args.store), Plans(os.path.join(args.dir, "plan"), f"rank{rank}"), load_key(None))
-    cfg = SenderConfig(model_id=MODEL_ID, receivers=RECEIVERS, chunk_bytes=256 << 10, upload_workers=2,
+    cfg = RefitOptions(model_id=MODEL_ID, receivers=RECEIVERS, chunk_bytes=256 << 10, upload_workers=2,
                        ack_timeout_s=args.ack_timeout_s, ack_poll_s=0.02, on_refusal="retry",
                        max_consecutive_failures=1_000_000, pipeline=args.pipeline,  # sync: one trial = one decided step
                        membership=args.membership, min_receivers=args.min_receivers, evict_after=args.evict_after)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.transport.store import ObjectStore
@@ -16,7 +16,7 @@ _DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_
                   ffn_hidden_size=8, vocab_size=8)
 
 
-def flat_sender(params: dict[str, torch.Tensor], store: ObjectStore, cfg: SenderConfig) -> RefitSender:
+def flat_sender(params: dict[str, torch.Tensor], store: ObjectStore, cfg: RefitOptions) -> RefitSender:
     """``params`` (BF16, updated in place by the caller between versions) refitted as they are;
     committed-version snapshots (``cfg.snapshot_every``) are the committed baseline itself."""
     views, rules = {}, []

@@ -28,7 +28,7 @@ def build_trainer(cfg: DemoConfig) -> tuple[Trainer, MegatronRefitHook]:
                       ep=par.expert_model_parallel_size, first_stage_layers=par.num_layers_in_first_pipeline_stage,
                       last_stage_layers=par.num_layers_in_last_pipeline_stage)
     store = open_store(cfg.store.uri)
-    sender_cfg = cfg.refit.sender_config()  # every setting of the refit schema, none mapped by hand
+    sender_cfg = cfg.refit.refit_options()  # every setting of the refit schema, none mapped by hand
     # the hook sees only the model: family, dims and sharding come from it; the tokenizer's
     # vocabulary size is the one fact the padded model does not hold
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg,

@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--exit-after", type=int, required=True)
     p.add_argument("--no-exit-settle", action="store_true")
     args = p.parse_args()
-    from nemo_dcr.integrations import sender as sender_mod
+    from nemo_dcr.sender import inflight as sender_mod
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
     from nemo_dcr.testbed import bridge_loop, bridge_release
 

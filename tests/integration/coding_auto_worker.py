@@ -63,16 +63,16 @@ def main() -> int:
     from pipeline_worker import tiny_tp2_trainer
 
     from nemo_dcr.codec import Coding, read_chunk_index
-    from nemo_dcr.integrations import coding_choice
+    from nemo_dcr.sender import coding_choice
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
     from nemo_dcr.protocol.manifest import Manifest, manifest_key
     from nemo_dcr.transport.store import LocalDirStore
 
     trainer, key = tiny_tp2_trainer(out_dir)
     rank = dist.get_rank()
     store = LocalDirStore(store_dir)
-    sender_cfg = SenderConfig(model_id="auto", receivers=("r0",), key_file=key, ack_timeout_s=30, ack_poll_s=0.01,
+    sender_cfg = RefitOptions(model_id="auto", receivers=("r0",), key_file=key, ack_timeout_s=30, ack_poll_s=0.01,
                               chunk_bytes=16 << 10, pipeline=True, coding="auto")
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg, vocab_size=256)
     run_id = hook.export_initial()
@@ -90,7 +90,7 @@ def main() -> int:
     stop = threading.Event()
     held, received = {}, []
     if rank == 0:
-        hook.sender._chooser = Cycling(encode_parallel=1)
+        hook.sender.coding.chooser = Cycling(encode_parallel=1)
         held = {name: bits(t) for name, t in v0.items()}
         threading.Thread(target=receive, args=(store, hook.sender.sealer, run_id, held, stop, received),
                          daemon=True).start()
@@ -125,7 +125,7 @@ def main() -> int:
             per_version[v] = {"context": any(i.context for i in infos),
                               "codings": sorted({Coding(i.coding).name for i in infos})}
         seen["chunks"] = per_version
-        seen["history"] = hook.sender._chooser.history
+        seen["history"] = hook.sender.coding.chooser.history
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     trainer.close()

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from nemo_dcr.integrations import sender as sender_mod
-from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+from nemo_dcr.sender import inflight as sender_mod
+from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.protocol.manifest import manifest_key
@@ -48,7 +48,7 @@ def main() -> int:
     store = LocalDirStore(store_dir)
     sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
                          CanonicalProjector((Rule("w", {"": "canon.w"}),), DIMS), store,
-                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=ACK_TIMEOUT_S,
+                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=ACK_TIMEOUT_S,
                                       ack_poll_s=0.02, pipeline=True))
     sender.claim()
     sender.set_root(write_init_record(store, sender.sealer, sender.run_id, {}))

@@ -20,7 +20,7 @@ def main() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
     from nemo_dcr.layout.families import UnsupportedModelError
     from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, transformer_config, unwrap_gpt
     from nemo_dcr.transport.store import LocalDirStore
@@ -29,7 +29,7 @@ def main() -> None:
                       ffn_hidden_size=96, vocab_size=203, seq_length=16)
     init_parallel(1, 1)
     store = LocalDirStore(store_dir)
-    sender = SenderConfig(model_id="refusal", receivers=("r0",))
+    sender = RefitOptions(model_id="refusal", receivers=("r0",))
 
     def attempt(model, **kw) -> str:
         try:

@@ -27,7 +27,7 @@ def _digest(params) -> str:
 def main() -> None:
     out_path, store_dir = sys.argv[1], sys.argv[2]
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
     from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer
     from nemo_dcr.transport.store import LocalDirStore
 
@@ -35,7 +35,7 @@ def main() -> None:
                       ffn_hidden_size=96, vocab_size=203, seq_length=16)
     trainer = Trainer(cfg, TrainConfig(lr=1e-3, use_distributed_optimizer=True, overlap_param_gather=True), tp=1)
     hook = MegatronRefitHook.from_model(trainer.model, store=LocalDirStore(store_dir), vocab_size=cfg.vocab_size,
-                                        sender_cfg=SenderConfig(model_id="pg", receivers=("r0",)))
+                                        sender_cfg=RefitOptions(model_id="pg", receivers=("r0",)))
     params = dict(trainer.gpt.named_parameters())
     rows = []
     for _ in range(3):

@@ -59,7 +59,7 @@ def main() -> int:
     out_dir, store_dir = sys.argv[1], sys.argv[2]
     from nemo_dcr.errors import ProtocolError
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
     from nemo_dcr.transport.store import LocalDirStore
 
     trainer, key = tiny_tp2_trainer(out_dir)
@@ -74,7 +74,7 @@ def main() -> int:
             return super().put(k, data)
 
     store = Store(store_dir)
-    sender_cfg = SenderConfig(model_id="pipe", receivers=("r0",), key_file=key, ack_timeout_s=20, ack_poll_s=0.01,
+    sender_cfg = RefitOptions(model_id="pipe", receivers=("r0",), key_file=key, ack_timeout_s=20, ack_poll_s=0.01,
                               chunk_bytes=16 << 10, pipeline=True)
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg, vocab_size=256)
     run_id = hook.export_initial()
@@ -83,14 +83,15 @@ def main() -> int:
         threading.Thread(target=stamp_acks, args=(store, hook.sender.sealer, run_id, stop), daemon=True).start()
     seen = {"settled": [], "pause_s": [], "error": None}
     store.fail_at = 4 if rank == 1 else None
-    decide = hook.sender._decide
+    decide = hook.sender.decider.decide if rank == 0 else None
 
     def broken_at_6(version, *a, **k):
         if version == 6:
             raise RuntimeError("injected: rank 0's decision step broke")
         return decide(version, *a, **k)
 
-    hook.sender._decide = broken_at_6
+    if rank == 0:
+        hook.sender.decider.decide = broken_at_6
     for step in range(1, 8):
         trainer.train_step()  # runs the post-step hooks: none registered; the hook is called here
         try:

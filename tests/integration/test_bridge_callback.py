@@ -319,7 +319,7 @@ def test_bridge_exit_condition_sys_exit_before_on_train_end_leaves_the_last_vers
     exit settle's bound (a bounded wait).  Control, the exit settle switched off (the
     behaviour before it): the job exits at once and version 3 has no decision record, so a
     receiver waiting on it would wait until its own timeout (this one stops at version 2)."""
-    from nemo_dcr.integrations.sender import exit_settle_bound_s
+    from nemo_dcr.sender import exit_settle_bound_s
     from nemo_dcr.protocol.manifest import Decision, decision_key
     from nemo_dcr.transport.store import LocalDirStore
 

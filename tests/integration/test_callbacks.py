@@ -145,7 +145,7 @@ def test_nemo_callback_resumes_its_run_from_the_checkpoint_not_the_pointer_files
 def test_settings_from_hydra_overrides():
     s = load_refit_settings(["refit.store_uri=s3://bucket/run", "refit.receivers=[r0,r1]", "refit.coding=plain"])
     assert s.store_uri == "s3://bucket/run" and s.receivers == ("r0", "r1") and s.coding == "plain"
-    assert s.sender_config().receivers == ("r0", "r1")
+    assert s.refit_options().receivers == ("r0", "r1")
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -1,4 +1,4 @@
-"""``refit.coding`` (``integrations/coding_choice.py``): the chooser's model on synthetic rates,
+"""``refit.coding`` (``sender/coding_choice.py``): the chooser's model on synthetic rates,
 each case with the change of input that flips it; every candidate's chunks decode bit for
 bit; and ``auto`` end to end on two trainer ranks (``coding_auto_worker.py``)."""
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from nemo_dcr.codec import Coding, DeltaOp, TensorDelta, bucket, decode_chunk, read_chunk_index
 from nemo_dcr.errors import ValidationError
-from nemo_dcr.integrations.coding_choice import (
+from nemo_dcr.sender.coding_choice import (
     AUTO_START,
     CODING_SETTINGS,
     CODINGS,

@@ -151,5 +151,5 @@ def test_refit_key_file_is_the_runs_key_and_a_bad_one_is_refused(tmp_path, monke
         demo.main([f"run_dir={tmp_path}/run", f"store.uri={tmp_path}/store", f"refit.key_file={key}"])
     assert [env[KEY_ENV] for env in started] == [str(key)]
     with open(tmp_path / "run" / "config.json") as f:
-        assert json.load(f)["refit"]["key_file"] == str(key)  # what the trainer's SenderConfig is built from
+        assert json.load(f)["refit"]["key_file"] == str(key)  # what the trainer's RefitOptions is built from
     assert not (tmp_path / "run" / "refit.key").exists()

@@ -19,7 +19,7 @@ import threading
 
 import pytest
 
-from nemo_dcr.integrations.sender import exit_settle_bound_s
+from nemo_dcr.sender import exit_settle_bound_s
 from nemo_dcr.protocol.manifest import HEAD_KEY, Ack, Decision, Head, ack_key, decision_key, doc_digest, manifest_key
 from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.transport.store import LocalDirStore

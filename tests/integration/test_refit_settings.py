@@ -15,7 +15,6 @@ import pytest
 
 from nemo_dcr.configs import ConfigError, check_override_keys
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-from nemo_dcr.integrations.sender import SenderConfig
 from nemo_dcr.integrations.settings import RefitOptions, RefitSettings, RefitSetupError, load_refit_settings
 from nemo_dcr.testbed import run_trainer
 from nemo_dcr.testbed.config import DemoConfig, RefitConfig, load_demo_config
@@ -52,12 +51,11 @@ def test_the_test_values_cover_the_schema():
 
 def test_one_definition_of_every_setting():
     schema = {f.name: (f.type, f.default) for f in fields(RefitOptions)}
-    assert {f.name: (f.type, f.default) for f in fields(SenderConfig)} == schema  # the sender's: the schema
     for cls in (RefitSettings, RefitConfig):
         assert issubclass(cls, RefitOptions)
         assert {f.name: (f.type, f.default) for f in fields(cls) if f.name in schema} == schema
     # a setting is declared once: no subclass restates a schema field
-    for cls in (SenderConfig, RefitSettings, RefitConfig):
+    for cls in (RefitSettings, RefitConfig):
         assert not set(cls.__annotations__) & set(schema), cls
 
 
@@ -96,7 +94,7 @@ def test_every_setting_reaches_the_sender_from_a_callback(tmp_path, capture_send
     with pytest.raises(_Captured):
         RefitAttachment(settings).attach(object())
     (cfg,) = capture_sender
-    assert isinstance(cfg, SenderConfig) and _lost(cfg) == []
+    assert type(cfg) is RefitOptions and _lost(cfg) == []  # the schema itself, no larger object
 
 
 def test_every_setting_reaches_the_sender_from_the_demo(tmp_path, capture_sender, monkeypatch):
@@ -109,19 +107,19 @@ def test_every_setting_reaches_the_sender_from_the_demo(tmp_path, capture_sender
     with pytest.raises(_Captured):
         run_trainer.build_trainer(DemoConfig.from_dict(cfg.to_dict()))  # as the trainer reads config.json
     (sent,) = capture_sender
-    assert isinstance(sent, SenderConfig) and _lost(sent) == []
+    assert type(sent) is RefitOptions and _lost(sent) == []
 
 
 def test_a_hand_mapping_that_forgets_a_field_is_caught():
     # negative control for the two tests above: the mapping the settings used to have
     s = load_refit_settings(["refit.store_uri=/x", *OVERRIDES])
-    by_hand = SenderConfig(model_id=s.model_id, receivers=s.receivers, chunk_bytes=s.chunk_bytes,
+    by_hand = RefitOptions(model_id=s.model_id, receivers=s.receivers, chunk_bytes=s.chunk_bytes,
                            upload_workers=s.upload_workers, ack_timeout_s=s.ack_timeout_s, coding=s.coding,
                            key_file=s.key_file, on_refusal=s.on_refusal,
                            max_consecutive_failures=s.max_consecutive_failures)
     assert sorted(_lost(by_hand)) == sorted(["ack_poll_s", "pipeline", "pipeline_max_staged_bytes", "membership",
                                              "min_receivers", "evict_after", "snapshot_every"])  # never named
-    assert _lost(s.sender_config()) == []
+    assert _lost(s.refit_options()) == []
 
 
 def test_same_key_same_type_on_both_paths():
@@ -204,7 +202,7 @@ def test_the_readme_table_has_a_row_per_schema_key():
 ])
 def test_the_schema_checks_settings_built_in_python(kw, needle):
     base = {"store_uri": "x", "model_id": "m", "receivers": ("r0",)}
-    for cls in (RefitSettings, SenderConfig):
+    for cls in (RefitSettings, RefitOptions):
         args = {k: v for k, v in {**base, **kw}.items() if k in {f.name for f in fields(cls)}}
         with pytest.raises(RefitSetupError, match=re.escape(needle)):
             cls(**args)

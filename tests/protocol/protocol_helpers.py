@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_dcr.codec import apply_delta_
-from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.protocol.follower import Follower
@@ -78,7 +78,7 @@ def _sender(tmp_path, params, key, receivers=("r0",), store=None, **kw):
     proj = CanonicalProjector((Rule("w", {"": "canon.w"}),), DIMS)
     store = store or LocalDirStore(str(tmp_path / "store"))
     kw.setdefault("ack_timeout_s", 20)
-    cfg = SenderConfig(model_id="m", receivers=receivers, key_file=key, ack_poll_s=0.01, **kw)
+    cfg = RefitOptions(model_id="m", receivers=receivers, key_file=key, ack_poll_s=0.01, **kw)
     sender = RefitSender(params, {"w": [ParamView("w", 0, spec)]}, proj, store, cfg)
     sender.claim()
     # version 0: this stand-in runtime needs no files, only the signed root of the chain

@@ -11,7 +11,7 @@ import pytest
 import torch
 from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
-from nemo_dcr.integrations.sender import RefitSender
+from nemo_dcr.sender import RefitSender
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
     HEAD_KEY,

@@ -6,7 +6,7 @@ import torch
 from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
 from nemo_dcr.codec import Coding, read_chunk_index
-from nemo_dcr.integrations.coding_choice import CODINGS, CodingChooser
+from nemo_dcr.sender.coding_choice import CODINGS, CodingChooser
 from nemo_dcr.protocol.manifest import Manifest, manifest_key
 from nemo_dcr.protocol.signing import Sealer, load_key
 
@@ -36,7 +36,7 @@ def test_auto_carries_each_choice_to_the_next_version_and_stays_bit_exact(tmp_pa
     sender, store = _sender(tmp_path, {"w": w}, key, chunk_bytes=2048, coding="auto")
     chooser = Scripted(encode_parallel=1)
     chooser.script = ["fast", RuntimeError("injected: the choice broke"), "plain", "context"]
-    sender._chooser = chooser
+    sender.coding.chooser = chooser
     rx = Rx("r0", store, key, sender.run_id, w).start(until=5)
     used, walls = [], []
     for v in range(1, 6):
@@ -70,6 +70,6 @@ def test_a_fixed_coding_never_runs_the_chooser(tmp_path, key):
         stats = sender.refit(v)
         assert (stats.coding, stats.next_coding, stats.coding_walls) == ("plain", "plain", {})
     rx.join()
-    assert sender._chooser is None and sender._probe_sample is None
+    assert sender.coding.chooser is None and sender.coding.probe_sample is None
     assert not _codings_of(store, key, 1)[1]  # control: plain is context-free
     assert np.array_equal(rx.w, bits_of(w))

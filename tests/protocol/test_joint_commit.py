@@ -17,7 +17,7 @@ from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - ke
 
 from nemo_dcr.codec import read_chunk_index
 from nemo_dcr.errors import ProtocolError
-from nemo_dcr.integrations.sender import ReceiverRefused, RefitSender
+from nemo_dcr.sender import ReceiverRefused, RefitSender
 from nemo_dcr.protocol.manifest import (
     COMMITTED_KEY,
     HEAD_KEY,

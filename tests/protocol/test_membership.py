@@ -17,7 +17,7 @@ import torch
 from protocol_helpers import ArrayRuntime, Rx, _sender, _step, bits_of, key, root_of  # noqa: F401 - key: fixture
 
 from nemo_dcr.errors import ValidationError
-from nemo_dcr.integrations.sender import RefitSender
+from nemo_dcr.sender import RefitSender
 from nemo_dcr.protocol.commit import CommitCoordinator
 from nemo_dcr.protocol.manifest import (
     Decision,

@@ -13,8 +13,8 @@ import torch
 from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
 from nemo_dcr.errors import ProtocolError
-from nemo_dcr.integrations import sender as sender_mod
-from nemo_dcr.integrations.sender import ReceiverRefused
+from nemo_dcr.sender import chunker as chunker_mod
+from nemo_dcr.sender import ReceiverRefused
 from nemo_dcr.protocol.manifest import Decision, decision_key
 
 
@@ -89,7 +89,7 @@ def test_a_failure_of_the_background_work_surfaces_at_the_next_call(tmp_path, ke
     def broken(*a, **kw):
         raise RuntimeError("injected: rank 0 lost its coordinator")
 
-    monkeypatch.setattr(sender, "_decide", broken)
+    monkeypatch.setattr(sender.decider, "decide", broken)
     _step(w, rng)
     sender.submit(1)  # returns: the failure happens in the background
     _step(w, rng)
@@ -100,26 +100,26 @@ def test_a_failure_of_the_background_work_surfaces_at_the_next_call(tmp_path, ke
 
 def test_staged_records_are_capped_and_the_call_waits_for_the_encoder(tmp_path, key, monkeypatch):
     waits = []
-    real_wait = sender_mod.wait
+    real_wait = chunker_mod.wait
 
     def counting_wait(fs, **kw):
         waits.append(len(fs))
         return real_wait(fs, **kw)
 
-    monkeypatch.setattr(sender_mod, "wait", counting_wait)
+    monkeypatch.setattr(chunker_mod, "wait", counting_wait)
     for cap, name in ((1 << 30, "big"), (1024, "tiny")):
         rng = np.random.default_rng(4)
         w = torch.randn(128, 64).to(torch.bfloat16)
         sender, store = _sender(tmp_path / name, {"w": w}, key, chunk_bytes=512, pipeline=True,
                                 pipeline_max_staged_bytes=cap, upload_workers=1)
         rx = Rx("r0", store, key, sender.run_id, w).start(until=1)
-        real_encode = sender._encode_upload
+        real_encode = sender.chunker.encode_upload
 
         def slow_encode(*a, real_encode=real_encode):
             time.sleep(0.005)
             return real_encode(*a)
 
-        monkeypatch.setattr(sender, "_encode_upload", slow_encode)
+        monkeypatch.setattr(sender.chunker, "encode_upload", slow_encode)
         waits.clear()
         _step(w, rng)
         sender.submit(1)

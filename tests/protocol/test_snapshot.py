@@ -435,12 +435,12 @@ def _hook_worker(out_dir: str, store_dir: str) -> int:
     import threading
 
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-    from nemo_dcr.integrations.sender import SenderConfig
+    from nemo_dcr.sender import RefitOptions
 
     trainer, key_path = tiny_tp2_trainer(out_dir)
     rank = dist.get_rank()
     store = LocalDirStore(store_dir)
-    sender_cfg = SenderConfig(model_id="snap", receivers=("r0",), key_file=key_path, ack_timeout_s=20,
+    sender_cfg = RefitOptions(model_id="snap", receivers=("r0",), key_file=key_path, ack_timeout_s=20,
                               ack_poll_s=0.01, pipeline=True, snapshot_every=2)
     hook = MegatronRefitHook.from_model(trainer.model, store=store, sender_cfg=sender_cfg, vocab_size=256)
     run_id = hook.export_initial()

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_dcr.integrations.hf_export import write_checkpoint
-from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.protocol.manifest import Decision, decision_key
@@ -66,7 +66,7 @@ def test_sigkill_mid_apply_then_restart_repairs_in_place(tmp_path):
     store = LocalDirStore(str(tmp_path / "store"))
     sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
                          CanonicalProjector((Rule("w", {"": NAME}),), DIMS), store,
-                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=120,
+                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=120,
                                       ack_poll_s=0.02))
     sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
                                      run_id=sender.claim()))

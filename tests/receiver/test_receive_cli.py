@@ -85,7 +85,7 @@ def _trainer(tmp_path):
     from receiver_helpers import llama
 
     from nemo_dcr.integrations.hf_export import write_checkpoint
-    from nemo_dcr.integrations.sender import RefitSender, SenderConfig
+    from nemo_dcr.sender import RefitOptions, RefitSender
     from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
     from nemo_dcr.layout.shards import ParamView, ShardSpec
     from nemo_dcr.protocol.signing import new_key_file
@@ -102,7 +102,7 @@ def _trainer(tmp_path):
     store = LocalDirStore(str(tmp_path / "store"))
     sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
                          CanonicalProjector((Rule("w", {"": NAME}),), dims), store,
-                         SenderConfig(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=60,
+                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=60,
                                       ack_poll_s=0.02))
     sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
                                      run_id=sender.claim()))
