@@ -34,7 +34,7 @@ EXC = _library_exceptions()
 
 def test_found_the_library_exceptions():
     # negative control for the walk itself: these must be among what it found
-    for name in ("nemo_dcr.codec.format.ChunkFormatError", "nemo_dcr.transport.store.StoreError",
+    for name in ("nemo_dcr.codec.format.ChunkFormatError", "nemo_dcr.transport.store.base.StoreError",
                  "nemo_dcr.receiver.fetch.RefitRefused", "nemo_dcr.errors.DcrError"):
         assert name in EXC
 

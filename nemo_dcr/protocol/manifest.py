@@ -94,7 +94,7 @@ def ack_key(receiver: str, version: int) -> str:
 
 JOIN_PREFIX = "acks/join.d/"
 """Where join requests live: under ``acks/`` so that a relay writes them through like acks
-(``transport/relay.py`` writes through nothing else), in a directory whose name holds a
+(``transport/relay/`` writes through nothing else), in a directory whose name holds a
 ``.``, which no receiver id does, so it never collides with a receiver's acks."""
 _JOIN_KEY = re.compile(r"^acks/join\.d/([A-Za-z0-9_\-]{1,64})\.json$")
 

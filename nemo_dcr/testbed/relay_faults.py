@@ -2,7 +2,7 @@
 only, nothing in the product imports it.
 
 ``python -m nemo_dcr.testbed.relay_faults --role ra --plan-dir P --upstream URI[,URI...]
---listen HOST:PORT --spool DIR`` runs the product's relay server (``transport/relay.py``)
+--listen HOST:PORT --spool DIR`` runs the product's relay server (``transport/relay/``)
 unchanged, over an upstream store that is the product's upstream list
 (:func:`open_upstreams`) wrapped in :class:`FlippingStore`.  The wrapper does nothing
 unless the plan of a chunk's version (``<plan_dir>/v<version>.json``, written by the

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nemo_dcr.errors import FormatError, TransportError, ValidationError
-from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, put_if_absent
+from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, put_if_absent
 
 _log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class FailoverStore:
 
     def upstream_stats(self) -> list[dict]:
         """Per upstream; ``chunk_bytes_read`` is the member store's own count (the store that
-        did the get counts chunk bytes, ``_BoundedStore.chunk_bytes_read``)."""
+        did the get counts chunk bytes, ``BoundedStore.chunk_bytes_read``)."""
         cur = self._order()[0]
         with self._lock:
             return [{"uri": s.uri, "is_relay": s.is_relay, "current": i == cur, "bytes_read": s.bytes_read,

@@ -1,7 +1,7 @@
 """``RelayStore``: the ``ObjectStore`` a child of the relay tree reads through.
 
 ``relay://HOST:PORT`` and ``http://HOST:PORT`` speak plain HTTP to a relay
-(``nemo-dcr relay``, ``transport/relay.py``); ``https://HOST:PORT`` the same over TLS
+(``nemo-dcr relay``, ``transport/relay/``); ``https://HOST:PORT`` the same over TLS
 (a terminating proxy in front of the relay).  The wire is the relay's HTTP API v1
 (``docs/relay.md``).
 
@@ -30,9 +30,8 @@ from typing import Any, Callable
 from urllib.parse import quote, urlsplit
 
 from nemo_dcr.errors import TransportError, ValidationError
-from nemo_dcr.transport.store import (
-    ObjectInfo, ObjectTooLarge, StorePolicy, _Attempt, _BoundedStore, check_key, check_limit,
-)
+from nemo_dcr.transport.store.base import ObjectInfo, ObjectTooLarge, check_key, check_limit
+from nemo_dcr.transport.store.policy import Attempt, BoundedStore, StorePolicy
 
 API = "/v1"
 _PIECE = 4 << 20
@@ -46,14 +45,14 @@ MAX_LIST_KEYS = 1 << 18
 
 class RelayUnavailable(TransportError, ConnectionError):
     """The relay answered 5xx/429 or the connection failed mid-answer: worth another attempt
-    (a ``ConnectionError``, which ``store.is_transient`` retries)."""
+    (a ``ConnectionError``, which ``store.policy.is_transient`` retries)."""
 
 
 class RelayRefused(TransportError):
     """The relay refused the request for good (a 4xx other than 404 and 413)."""
 
 
-class RelayStore(_BoundedStore):
+class RelayStore(BoundedStore):
     """An ``ObjectStore`` served by a relay at ``relay://``, ``http://`` or ``https://HOST:PORT``."""
 
     is_relay = True
@@ -110,7 +109,7 @@ class RelayStore(_BoundedStore):
         raise RelayRefused(f"HTTP {resp.status}: {text}")
 
     @staticmethod
-    def _read(resp, att: _Attempt, limit: int | None, *, counted: int = 0, stall_s: float | None = None) -> bytes:
+    def _read(resp, att: Attempt, limit: int | None, *, counted: int = 0, stall_s: float | None = None) -> bytes:
         """The body, at most ``limit + 1`` bytes (so a body longer than announced is seen);
         ``counted``: bytes the watchdog already allows for.  ``stall_s``: once the answer
         has begun, a read that gets no byte for this long fails the attempt (the wait for
@@ -161,7 +160,7 @@ class RelayStore(_BoundedStore):
         allowance = 0 if max_bytes is None else max_bytes
         read_s = self.policy.budget_s(allowance)
 
-        def attempt(att: _Attempt) -> tuple[bytes, ObjectInfo]:
+        def attempt(att: Attempt) -> tuple[bytes, ObjectInfo]:
             att.add_bytes(allowance)
             resp = self._request("GET", f"object/{key}", read_s=read_s,
                                  fields=None if max_bytes is None else {"max_bytes": max_bytes})
@@ -180,10 +179,10 @@ class RelayStore(_BoundedStore):
 
         return self._call("get", key, attempt)
 
-    def _head(self, key: str) -> Callable[[_Attempt], ObjectInfo | None]:
+    def _head(self, key: str) -> Callable[[Attempt], ObjectInfo | None]:
         check_key(key)
 
-        def attempt(att: _Attempt) -> ObjectInfo | None:
+        def attempt(att: Attempt) -> ObjectInfo | None:
             try:
                 resp = self._request("HEAD", f"object/{key}")
             except FileNotFoundError:
@@ -210,7 +209,7 @@ class RelayStore(_BoundedStore):
 
         most = MAX_LIST_KEYS if limit is None else min(limit, MAX_LIST_KEYS)
 
-        def attempt(att: _Attempt) -> list[str]:
+        def attempt(att: Attempt) -> list[str]:
             resp = self._request("GET", "list", fields=fields)
             if resp.status == 413:  # the relay's listing is over MAX_LIST_KEYS: an answer
                 resp.drain_conn()
@@ -234,7 +233,7 @@ class RelayStore(_BoundedStore):
         check_key(key)
         body = bytes(data)
 
-        def attempt(att: _Attempt) -> None:
+        def attempt(att: Attempt) -> None:
             resp = self._request("PUT", f"object/{key}", body=body, ok=(200, 201, 204))
             if resp.status == 413:
                 resp.drain_conn()
@@ -246,7 +245,7 @@ class RelayStore(_BoundedStore):
     def delete(self, key: str) -> None:
         check_key(key)
 
-        def attempt(att: _Attempt) -> None:
+        def attempt(att: Attempt) -> None:
             try:
                 self._request("DELETE", f"object/{key}", ok=(200, 204)).drain_conn()
             except FileNotFoundError:

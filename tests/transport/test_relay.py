@@ -1,4 +1,4 @@
-"""The relay server (``transport/relay.py``) and its client store (``relay_client.py``).
+"""The relay server (``transport/relay/``) and its client store (``relay_client.py``).
 
 In-process relays (``RelayThread``: the relay's own loop in a thread) over a
 ``LocalDirStore`` origin wrapped in a counting store, so that every claim is proved by
@@ -231,14 +231,14 @@ def test_prefetch_does_not_evict_unread_objects_from_the_spool(origin, tmp_path)
     with RelayThread(origin, cfg) as r:
         c = client(r.uri)
         c.list("v/00000001/chunks/")
-        wait_for(lambda: r.stats()["prefetched"] + r.stats()["prefetch_failed"] == 6 and not r.relay._tasks,
+        wait_for(lambda: r.stats()["prefetched"] + r.stats()["prefetch_failed"] == 6 and not r.relay.cache.tasks,
                  "the prefetches and their spool writes")
         s = r.stats()
         # how many prefetches find room depends on how fast the spool writes free memory (5 on
         # an idle machine, 3-4 under load: the rest are refused before any fetch); the spool
         # fills, and no prefetch evicts an object nobody has read yet
         assert s["prefetched"] >= 3 and (s["spool_writes"], s["spool_evictions"]) == (3, 0), s
-        spooled = {k for k, e in list(r.relay._cache.items()) if e.path is not None}
+        spooled = {k for k, e in list(r.relay.cache.entries.items()) if e.path is not None}
         assert len(spooled) == 3
         for k, v in payloads.items():
             assert c.get(k) == v
@@ -339,7 +339,7 @@ def test_spool_cap_and_serving_from_spool(origin, tmp_path):
         c = client(r.uri)
         for k, v in objs.items():
             assert c.get(k) == v
-            wait_for(lambda: r.stats()["in_flight"] == 0 and not r.relay._tasks, "the spool write")
+            wait_for(lambda: r.stats()["in_flight"] == 0 and not r.relay.cache.tasks, "the spool write")
             on_disk = sum(f.stat().st_size for f in spool.rglob("*") if f.is_file())
             assert on_disk <= spool_cap
         s = r.stats()
@@ -485,7 +485,7 @@ def test_stalled_child_is_cut_off_after_send_timeout(origin):
         try:
             wait_for(lambda: r.stats()["send_timeouts"] == 1, "the send timeout")
             wait_for(lambda: not r.stats()["sending"], "the send to end")
-            e = r.call(lambda: r.relay._cache[CHUNK.format(0)])
+            e = r.call(lambda: r.relay.cache.entries[CHUNK.format(0)])
             assert e.pins == 0
         finally:
             stalled.close()
@@ -555,13 +555,15 @@ def test_a_list_over_max_list_keys_is_refused_before_parsing(origin, monkeypatch
 
     for i in range(12):
         origin.inner.put(f"v/00000001/chunks/r000-{i:05d}.dcr", b"x")
-    monkeypatch.setattr(relay_mod, "MAX_LIST_KEYS", 10)
+    for where in (relay_mod.node, relay_mod.http):  # the cut-through bound and the 413
+        monkeypatch.setattr(where, "MAX_LIST_KEYS", 10)
     with RelayThread(origin) as r:
         c = client(r.uri)
         with pytest.raises(ObjectTooLarge):  # the relay: 413, an answer
             c.list("v/00000001/chunks/")
         assert len(c.list("v/00000001/chunks/", limit=5)) == 5 and r.stats()["lists_too_long"] == 1
-        monkeypatch.setattr(relay_mod, "MAX_LIST_KEYS", 100)
+        for where in (relay_mod.node, relay_mod.http):
+            monkeypatch.setattr(where, "MAX_LIST_KEYS", 100)
         monkeypatch.setattr(rc_mod, "MAX_LIST_KEYS", 10)  # a relay that answers more than a child takes
         time.sleep(0.1)
         with pytest.raises(StoreError, match="list answer of over 10 keys"):
@@ -804,7 +806,7 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
     assert not any((tmp_path / "spool0").iterdir())
     events = [json.loads(line) for line in p0.stderr.read().splitlines() if line.startswith("{")]
     progress = [e for e in events if e["relay"] == "progress"]
-    assert progress and set(relay_mod._PROGRESS) <= set(progress[-1])
+    assert progress and set(relay_mod.cli.PROGRESS_FIELDS) <= set(progress[-1])
     assert 0 < max(e["served_bytes"] for e in progress) <= len(a) + len(b)
     assert events[-1]["relay"] == "stopped"
 
