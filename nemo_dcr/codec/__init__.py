@@ -17,10 +17,10 @@ from nemo_dcr.codec.chunk import (
     StreamedRecord,
     chunk_digest,
     decode_chunk,
-    encode_chunk,
     read_chunk_index,
     stream_chunk,
 )
+from nemo_dcr.codec.encode import encode_chunk
 from nemo_dcr.codec.format import (
     BaseMismatchError,
     ChunkFormatError,

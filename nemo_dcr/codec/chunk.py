@@ -1,4 +1,4 @@
-"""Encode and decode v1 chunks (layout: ``nemo_dcr.codec.format``, ``docs/wire-format.md``).
+"""Decode v1 chunks (encoding: ``encode.py``; layout: ``nemo_dcr.codec.format``, ``docs/wire-format.md``).
 
 The decoder validates in this order and allocates nothing a chunk declares before the
 declaration has passed both the limits and the remaining-buffer check:
@@ -15,7 +15,7 @@ so a caller that needs each record only briefly (``nemo-dcr delta inspect``) hol
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,16 +24,13 @@ import zstandard
 from nemo_dcr.codec.admit import DecodeBudget, check_expected
 from nemo_dcr.codec.format import (
     CONTEXT_CODINGS,
-    DTYPE_CODES,
     DTYPE_NAMES,
     END_MAGIC,
     FLAG_CONTEXT,
     FORMAT_VERSION,
     HEADER,
     MAGIC,
-    OP_CODES,
     OP_FROM_CODE,
-    DIR_ZSTD_LEVEL,
     ENTRY_FIXED,
     RECORD_FLAGS_KNOWN,
     TRAILER,
@@ -47,12 +44,11 @@ from nemo_dcr.codec.format import (
     content_crc,
     crc32,
 )
-from nemo_dcr.codec.bucket import available as bucket_available
+from nemo_dcr.codec.codings import CODINGS, STATEFUL_CODINGS
 from nemo_dcr.codec.model import ModelStates
-from nemo_dcr.codec.model import available as model_available
-from nemo_dcr.codec.payload import RecordSpec, check_payload_size, decode_payload, encode_payload
+from nemo_dcr.codec.payload import check_payload_size, decode_payload
+from nemo_dcr.codec.record import RecordSpec
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
-from nemo_dcr.errors import ValidationError
 
 
 @dataclass(frozen=True)
@@ -118,97 +114,6 @@ _DEFAULT_LIMITS = ChunkLimits()
 def chunk_digest(data: bytes | bytearray | memoryview) -> str:
     """Manifest name of a chunk: ``sha256:<hex>`` of all of its bytes."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-# ----------------------------------------------------------------------------- encode
-
-def _check_base(name: str, dtype: str, numel: int, arr: np.ndarray) -> np.ndarray:
-    want = BITS_DTYPE[dtype]
-    a = np.asarray(arr)
-    if a.dtype != want or a.ndim != 1 or a.size != numel:
-        raise ValidationError(f"{name}: base must be flat {want}[{numel}], got {a.dtype}{list(a.shape)}")
-    return a
-
-
-def _canonical(d: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
-    """XOR entries whose value is 0 are no-ops; v1 does not carry them."""
-    pos, val = d.positions, d.values
-    if d.op is DeltaOp.XOR and val.size:
-        keep = val != 0
-        if not bool(keep.all()):
-            pos, val = pos[keep], val[keep]
-    return np.ascontiguousarray(pos), np.ascontiguousarray(val)
-
-
-def _encode_record(d: TensorDelta, base: np.ndarray | None, states: ModelStates | None,
-                   codings: frozenset[Coding] | None) -> tuple[bytes, bytes]:
-    """(directory entry, payload) of one delta."""
-    name = d.name.encode("utf-8")
-    # Refuse what a decoder with the default limits would refuse, here rather than there.
-    if len(name) > _DEFAULT_LIMITS.max_name_bytes:
-        raise ValidationError(f"tensor name of {len(name)} bytes exceeds {_DEFAULT_LIMITS.max_name_bytes}")
-    if len(d.shape) > _DEFAULT_LIMITS.max_ndim:
-        raise ValidationError(f"{d.name}: {len(d.shape)} dimensions exceed {_DEFAULT_LIMITS.max_ndim}")
-    pos, val = _canonical(d)
-    lo, hi = d.element_range
-    spec = RecordSpec(dtype=d.dtype, shape=d.shape, op=d.op, lo=lo, hi=hi, nnz=int(pos.size))
-    coding, param, payload = encode_payload(spec, pos, val, base, states, codings)
-    flags = FLAG_CONTEXT if (coding in CONTEXT_CODINGS and base is not None) else 0
-    entry = ENTRY_FIXED.pack(
-        len(name), DTYPE_CODES[d.dtype], OP_CODES[d.op], len(d.shape), int(coding), flags, param,
-        lo, hi, spec.nnz, len(payload), content_crc(pos, val),
-    )
-    return entry + name + np.asarray(d.shape, dtype="<u8").tobytes(), payload
-
-
-def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | None = None,
-                 base: Mapping[str, np.ndarray] | None = None,
-                 codings: Iterable[Coding] | None = None) -> bytes:
-    """One chunk holding a record per delta, in order.
-
-    ``base`` maps tensor names to their canonical base bits (flat ``BITS_DTYPE[dtype]``);
-    a delta whose name is in it is coded in context mode, and decoding it needs the same
-    base.  Metadata keys and values are strings (UTF-8 on the wire).  ``codings`` restricts
-    the entropy codings tried per record (``payload.ENTROPY_CODINGS``; default
-    ``payload.default_codings``: LANES for context-mode records of many changes, else BUCKET,
-    plus MODEL for small ranges); the raw codings are always candidates.
-    """
-    meta_body = _encode_meta(meta or {})
-    if len(meta or {}) > _DEFAULT_LIMITS.max_meta_entries or len(meta_body) > _DEFAULT_LIMITS.max_meta_bytes:
-        raise ValidationError("chunk metadata exceeds the default decoder limits")
-    states = ModelStates() if (model_available() or bucket_available()) else None
-    chosen = None if codings is None else frozenset(Coding(c) for c in codings)
-    entries, payloads = [], []
-    for d in deltas:
-        if not isinstance(d, TensorDelta):
-            raise TypeError(f"expected TensorDelta, got {type(d).__name__}")
-        b = None
-        if base is not None and d.name in base:
-            b = _check_base(d.name, d.dtype, d.numel, base[d.name])
-        e, p = _encode_record(d, b, states, chosen)
-        entries.append(e)
-        payloads.append(p)
-    dir_raw = b"".join(entries)
-    directory = zstandard.ZstdCompressor(level=DIR_ZSTD_LEVEL).compress(dir_raw) if dir_raw else b""
-    payload_bytes = b"".join(payloads)
-    body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
-            + payload_bytes + U32.pack(crc32(payload_bytes)))
-    total = HEADER.size + len(body) + TRAILER.size
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(deltas), len(meta_body), len(directory), len(dir_raw),
-                       len(payload_bytes), total, 0)
-    head = head[:-4] + U32.pack(crc32(head[:-4]))
-    pre = head + body
-    return pre + TRAILER.pack(crc32(pre), END_MAGIC)
-
-
-def _encode_meta(meta: Mapping[str, str]) -> bytes:
-    parts = [U32.pack(len(meta))]
-    for k, v in meta.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError("chunk metadata keys and values must be str")
-        kb, vb = k.encode("utf-8"), v.encode("utf-8")
-        parts += [U32.pack(len(kb)), kb, U32.pack(len(vb)), vb]
-    return b"".join(parts)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -370,7 +275,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         raise ChunkFormatError(f"record {name!r}: nnz {nnz} brings the decoded size over the chunk limit of "
                                f"{limits.max_decoded_bytes} bytes")
     left[0] -= need
-    if coding_e is Coding.MODEL or (coding_e in CONTEXT_CODINGS and context):
+    if (row := CODINGS.get(coding_e)) is not None and (row.always_scans or (row.context and context)):
         if hi - lo > left[1]:
             raise ChunkFormatError(f"record {name!r}: context-mode ranges exceed the chunk limit of "
                                    f"{limits.max_scan_elements} elements")
@@ -445,7 +350,7 @@ def _plan(infos: Sequence[RecordInfo], skip: Callable[[RecordInfo], str | None] 
         if why is None and key in broken:
             why = (f"record {i.name!r}: its {i.coding.name} coder state follows record {broken[key]!r}, "
                    "which is not decoded")
-        if why is not None and i.coding in (Coding.MODEL, Coding.BUCKET):
+        if why is not None and i.coding in STATEFUL_CODINGS:
             broken.setdefault(key, i.name)
         out.append(why)
     return out

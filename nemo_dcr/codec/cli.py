@@ -36,7 +36,8 @@ from nemo_dcr import dtypes
 from nemo_dcr.codec.admit import DecodeBudget
 from nemo_dcr.codec.apply import apply_delta_
 from nemo_dcr.codec.bound import iid_bound_bytes
-from nemo_dcr.codec.chunk import RecordInfo, decode_chunk, encode_chunk, read_chunk_index, stream_chunk
+from nemo_dcr.codec.chunk import RecordInfo, decode_chunk, read_chunk_index, stream_chunk
+from nemo_dcr.codec.encode import encode_chunk
 from nemo_dcr.codec.types import DeltaOp, TensorDelta
 from nemo_dcr.errors import DcrError, ValidationError
 

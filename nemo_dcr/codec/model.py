@@ -34,6 +34,33 @@ def available() -> bool:
     return _cans is not None and hasattr(_cans, "encode")
 
 
+#: Bytes the MODEL decoder reads as zeros past the end of a stream before it rejects it
+#: (``MAX_STRIP`` in ``csrc/ans.c``).
+MODEL_MAX_STRIP = 4
+
+#: Upper bound on the binary decisions one byte of MODEL stream can code, as a fraction
+#: ``_MODEL_DECISIONS_NUM / _MODEL_DECISIONS_DEN``.  Every decision shrinks the coder's range
+#: by a factor of at most ``1 - 2**-24`` (probabilities are clamped to ``[2**-23, 1 - 2**-23]``
+#: and the range is at least ``2**24``), i.e. costs at least ``2**-24 / ln 2`` bits, so one
+#: byte buys at most ``8 * 2**24 * ln 2`` decisions; ``45427 / 65536 > ln 2``.
+_MODEL_DECISIONS_NUM = 8 * (1 << 24) * 45427
+_MODEL_DECISIONS_DEN = 1 << 16
+
+
+def max_entries(dtype: str, payload_len: int) -> int:
+    """Most entries a MODEL payload of ``payload_len`` bytes can decode to (sound, loose).
+
+    The decoder consumes at most ``payload_len + MODEL_MAX_STRIP`` bytes (4 of them at start)
+    before an element boundary, and codes every entry's magnitude with a ``bitlen(W)``-level
+    bit tree, so an entry costs at least ``bitlen(W)`` decisions.  An adaptive coder can
+    make repeated symbols nearly free, so this allows ~1.9e7 bf16 entries per byte: it stops
+    absurd claims, while the receiver's shapes and the version budget bound the rest.
+    """
+    hbits = (8 * BITS_DTYPE[dtype].itemsize).bit_length()
+    decisions = (payload_len + MODEL_MAX_STRIP - 3) * _MODEL_DECISIONS_NUM // _MODEL_DECISIONS_DEN
+    return decisions // hbits + 1
+
+
 def coder_params(dtype: str) -> tuple[int, int, int]:
     """(width, exponent shift, exponent bits) of a dtype."""
     d = dtypes.DTYPES[dtype]

@@ -25,7 +25,9 @@ from nemo_dcr.codec import (
     read_chunk_index,
 )
 from nemo_dcr.codec import chunk as chunk_mod
-from nemo_dcr.codec.payload import ZSTD_MAX_RATIO, RecordSpec, check_payload_size, model_max_entries
+from nemo_dcr.codec.model import max_entries as model_max_entries
+from nemo_dcr.codec.payload import RecordSpec, check_payload_size
+from nemo_dcr.codec.raw import ZSTD_MAX_RATIO
 from nemo_dcr.errors import ValidationError
 
 from codec_helpers import entry_fields, forge_chunk, needs_native, random_bits, xor_delta

@@ -202,7 +202,7 @@ def test_corrupt_delta_is_bad_input_and_an_unwritable_output_is_not(files, capsy
 def _hostile_delta(good: bytes, records) -> bytes:
     """A delta file carrying ``good``'s metadata (so its base digest matches) and forged records."""
     from nemo_dcr.codec import read_chunk_index
-    from nemo_dcr.codec.chunk import _encode_meta
+    from nemo_dcr.codec.encode import _encode_meta
 
     return forge_chunk(records, meta=_encode_meta(read_chunk_index(good).meta))
 

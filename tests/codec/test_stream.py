@@ -22,7 +22,7 @@ from nemo_dcr.codec import (
     read_chunk_index,
     stream_chunk,
 )
-from nemo_dcr.codec import payload as payload_mod
+from nemo_dcr.codec import raw as raw_mod
 from nemo_dcr.codec.payload import RecordSpec, decode_payload
 
 from codec_helpers import needs_native, random_bits, xor_delta
@@ -140,7 +140,7 @@ def test_the_stream_keeps_no_reference_to_what_it_yielded(rng):
 def _zstd_record(dtype: str, numel: int, positions: np.ndarray, rng) -> tuple[RecordSpec, bytes, np.ndarray]:
     vals = np.maximum(random_bits(rng, dtype, positions.size), 1)
     spec = RecordSpec(dtype=dtype, shape=(numel,), op=DeltaOp.XOR, lo=0, hi=numel, nnz=positions.size)
-    return spec, payload_mod._zstd_sparse(spec, positions, vals), vals
+    return spec, raw_mod.encode_zstd(spec, positions, vals), vals
 
 
 @pytest.mark.parametrize("small_steps", [False, True])
@@ -151,8 +151,8 @@ def _zstd_record(dtype: str, numel: int, positions: np.ndarray, rng) -> tuple[Re
 ])
 def test_sparse_zstd_decodes_in_place(rng, monkeypatch, dtype, numel, n, small_steps):
     if small_steps:  # many gap blocks, and inflated pieces that straddle the gaps/values boundary
-        monkeypatch.setattr(payload_mod, "_GAP_BLOCK", 7)
-        monkeypatch.setattr(payload_mod, "_ZSTD_FEED", 5)
+        monkeypatch.setattr(raw_mod, "_GAP_BLOCK", 7)
+        monkeypatch.setattr(raw_mod, "_ZSTD_FEED", 5)
     pos = np.unique(rng.integers(0, numel, size=n, dtype=np.int64))
     pos[-1] = numel - 1  # the last element, too
     pos = np.unique(pos)
