@@ -26,7 +26,7 @@ from nemo_dcr.errors import DcrError, ProtocolError
 from nemo_dcr.sender.coding_choice import CODINGS
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
 from nemo_dcr.sender.collectives import agree_or_raise, from_rank0
-from nemo_dcr.protocol.run import RunState
+from nemo_dcr.protocol.history import RunState
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
 from nemo_dcr.layout.families import UnsupportedModelError
 from nemo_dcr.transport.store import ObjectStore, open_store

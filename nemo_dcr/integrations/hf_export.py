@@ -15,7 +15,7 @@ from safetensors.torch import save as save_safetensors
 from nemo_dcr.layout.families import ModelFamily, hf_config_fields
 from nemo_dcr.layout.mapping import ModelDims
 from nemo_dcr.protocol.manifest import INIT_PREFIX, InitRecord
-from nemo_dcr.protocol.run import MAX_INIT_BYTES, fetch_init_file, write_init_record
+from nemo_dcr.protocol.version0 import MAX_INIT_BYTES, fetch_init_file, write_init_record
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectStore
 
@@ -56,7 +56,7 @@ def download_checkpoint(store: ObjectStore, directory: str, record: InitRecord |
     """Copy ``init/`` into a local directory a runtime can ``from_pretrained``.  With the
     run's signed ``record`` (a receiver), each file it lists is fetched bounded by its size
     and checked against its digest, from the next upstream when one serves other bytes
-    (``protocol/run.fetch_init_file``); without, the two files as the store has them."""
+    (``protocol/version0.fetch_init_file``); without, the two files as the store has them."""
     os.makedirs(directory, exist_ok=True)
     if record is not None:
         for name in sorted(record.files):

@@ -31,7 +31,7 @@ import time
 import torch
 from safetensors.torch import save as save_safetensors
 
-from nemo_dcr.errors import ProtocolError
+from nemo_dcr.errors import PlacementError, ProtocolError, ValidationError
 from nemo_dcr.integrations.dense import gather_canonical_state
 from nemo_dcr.integrations.hf_export import hf_config, write_checkpoint
 from nemo_dcr.integrations.megatron_model import deferred_param_gathers, describe_gpt, unwrap_gpt
@@ -41,7 +41,7 @@ from nemo_dcr.layout.families import ModelFamily, UnsupportedModelError, select_
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
 from nemo_dcr.layout.shards import ParamView, check_tiling, collect_param_views
 from nemo_dcr.protocol.manifest import dense_key
-from nemo_dcr.protocol.run import RunState
+from nemo_dcr.protocol.history import RunState
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -56,7 +56,7 @@ def _check_mapped(views: dict[str, list[ParamView]], projector: CanonicalProject
                 raise UnsupportedModelError(
                     f"parameter {pname} (Megatron key {v.spec.key}) has no rule in the {family.name} layout "
                     "table; refusing to attach rather than never refitting it") from None
-            except ValueError as e:
+            except (PlacementError, ValidationError) as e:  # the rule does not fit the shard's geometry
                 raise UnsupportedModelError(f"parameter {pname}: {e}") from None
 
 
@@ -83,12 +83,12 @@ class MegatronRefitHook:
             _check_mapped(self.views, self.projector, family)
         except UnsupportedModelError as e:
             error = str(e)
-        except ValueError as e:
+        except (PlacementError, ValidationError) as e:  # LayoutError: the shards do not tile
             error = f"sharded_state_dict() does not describe the model: {e}"
         agree_or_raise(error, UnsupportedModelError)
         try:
             _check_global_tiling(self.views)
-        except ValueError as e:
+        except (PlacementError, ValidationError) as e:
             raise UnsupportedModelError(f"sharded_state_dict() over all ranks: {e}") from None
         self.sender = RefitSender(self.params, self.views, self.projector, store, sender_cfg,
                                   snapshot_state=self.committed_state)
@@ -112,7 +112,7 @@ class MegatronRefitHook:
             gpt = unwrap_gpt(model)
             dims = describe_gpt(gpt, vocab_size=vocab_size)
             chosen = select_family(dims, family)
-        except ValueError as e:  # UnsupportedModelError included
+        except (PlacementError, ValidationError) as e:  # UnsupportedModelError included; a bug is not a refusal
             error = str(e)
         agree_or_raise(error, UnsupportedModelError)
         hook = cls(gpt, dims, chosen, store, sender_cfg, verify_dense=verify_dense)

@@ -56,7 +56,7 @@ from nemo_dcr.protocol.manifest import (
     manifest_key,
 )
 from nemo_dcr.protocol.reader import DocReader
-from nemo_dcr.protocol.run import committed_members
+from nemo_dcr.protocol.history import committed_members
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectNotFound, ObjectStore
 

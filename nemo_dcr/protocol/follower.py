@@ -48,26 +48,22 @@ import json
 import time
 from dataclasses import dataclass
 
-from nemo_dcr.errors import DcrError, FormatError, ProtocolError, TransportError
+from nemo_dcr.errors import DcrError, ProtocolError, TransportError
 from nemo_dcr.protocol.manifest import (
-    DOC_LIMITS,
     HEAD_KEY,
-    RUN_KEY,
     Ack,
     Decision,
     Head,
     JoinRequest,
     Manifest,
-    RunRecord,
     ack_key,
     decision_key,
     join_key,
     manifest_key,
 )
 from nemo_dcr.protocol.reader import DocReader
-from nemo_dcr.protocol.run import open_run, read_run
 from nemo_dcr.protocol.signing import Sealer
-from nemo_dcr.transport.failover import answered_by, second_opinion
+from nemo_dcr.transport.failover import answered_by
 from nemo_dcr.transport.store import ObjectStore
 
 
@@ -88,53 +84,6 @@ class FollowerState:
     """Highest version whose decision this receiver has seen."""
 
 
-def wait_for_run(store: ObjectStore, sealer: Sealer, *, run_id: str | None, timeout_s: float | None,
-                 poll_s: float = 0.1, allow_unverified: bool = False) -> str:
-    """The run id of the store's ``RUN.json`` (waiting for it to appear); refuses a run other
-    than ``run_id`` when one is given, and a record that does not open with the key (or a
-    signed one, without a key unless ``allow_unverified``) naming what it claims to be.
-
-    Through an upstream list, a refused record (flipped, another run's) and, every
-    ``RUN_PROBE_S`` while there is none, a missing one are asked of the other upstreams
-    (``transport/failover.second_opinion``): the genuine copy is used and a relay that lied
-    is left.  Only when no upstream serves one is the refusal raised."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    probe = time.monotonic() + RUN_PROBE_S
-
-    def opened(data: bytes) -> RunRecord:
-        return open_run(data, sealer, store.uri, allow_unverified=allow_unverified, run_id=run_id)
-
-    def genuine(data: bytes) -> str | None:
-        try:
-            opened(data)
-        except DcrError as e:
-            return str(e)
-        return None
-
-    def elsewhere() -> RunRecord | None:
-        data = second_opinion(store, RUN_KEY, max_bytes=DOC_LIMITS["run"], check=genuine)
-        return None if data is None else opened(data)
-
-    while True:
-        try:
-            rec = read_run(store, sealer, allow_unverified=allow_unverified, run_id=run_id)
-        except (ProtocolError, FormatError):  # refused here: flipped, malformed, another run's
-            rec = elsewhere()
-            if rec is None:
-                raise
-        if rec is None and time.monotonic() >= probe:
-            probe = time.monotonic() + RUN_PROBE_S
-            rec = elsewhere()
-        if rec is not None:
-            return rec.run_id
-        if deadline is not None and time.monotonic() > deadline:
-            raise ProtocolError(f"store {store.uri}: no run record (RUN.json) within {timeout_s}s")
-        time.sleep(poll_s)
-
-
-RUN_PROBE_S = 2.0
-"""While a receiver's upstream has no ``RUN.json``, how often the others are asked for one
-(what a relay that hides it costs)."""
 
 
 ACKS_EVERYWHERE_FOR = 16
@@ -181,7 +130,7 @@ class Follower:
     def __init__(self, receiver, store: ObjectStore, sealer: Sealer, run_id: str, *, receiver_id: str,
                  committed: int = 0, committed_digest: str, compose_after: int = 4, log=None, join: bool = False):
         """``committed_digest``: the chain's link for ``committed`` (``init/INIT.json``'s
-        digest for version 0: ``protocol.run.verify_init_dir`` returns it).
+        digest for version 0: ``protocol.version0.verify_init_dir`` returns it).
         ``compose_after``: catching up through more committed versions than this applies
         them as one composed delta (``receiver/catchup.py``) instead of one by one.
         ``join``: ask to become a member (elastic membership) whenever the signed decisions

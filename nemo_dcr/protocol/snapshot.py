@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
@@ -42,14 +42,13 @@ from nemo_dcr.protocol.manifest import (
     SNAPSHOT_RECORD,
     Decision,
     ManifestError,
-    _load,
-    _take,
     check_digest,
     check_run_id,
     decision_key,
     doc_digest,
     snapshot_key,
 )
+from nemo_dcr.protocol.doc import SignedDoc
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.transport.store import ObjectStore
 
@@ -67,11 +66,13 @@ class SnapshotError(ProtocolError):
 
 
 @dataclass(frozen=True)
-class SnapshotRecord:
+class SnapshotRecord(SignedDoc):
     """``snapshots/v<N>/SNAPSHOT.json``: committed version ``version`` of ``run_id`` is the
     listed files; ``decision_digest`` is the digest of that version's signed commit decision."""
 
     KIND: ClassVar[str] = "snapshot"
+    WHAT: ClassVar[str] = "snapshot record"
+    TAGS: ClassVar[dict] = {"format": "nemo-dcr-snapshot"}
 
     run_id: str
     version: int
@@ -95,17 +96,6 @@ class SnapshotRecord:
                 raise ManifestError(f"snapshot record: bad entry {str(name)[:80]!r}")
             check_digest(digest, f"snapshot record file {name}")
 
-    def to_json(self, sealer: Sealer | None = None) -> bytes:
-        return (sealer or Sealer(None)).seal("snapshot", {"format": "nemo-dcr-snapshot", **asdict(self)})
-
-    @classmethod
-    def from_json(cls, data: bytes, sealer: Sealer | None = None) -> "SnapshotRecord":
-        obj = _take(_load(data, "snapshot record", "snapshot", sealer),
-                    {"format": str, "run_id": str, "version": int, "decision_digest": str, "files": dict,
-                     "sizes": dict}, "snapshot record")
-        if obj.pop("format") != "nemo-dcr-snapshot":
-            raise ManifestError("snapshot record: wrong format tag")
-        return cls(**obj)
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
-from nemo_dcr.protocol.follower import Follower, wait_for_run
+from nemo_dcr.protocol.follower import Follower
+from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
-from nemo_dcr.protocol.run import InitNotPublished, fetch_init_file, read_init_record, verify_init_dir
+from nemo_dcr.protocol.version0 import InitNotPublished, fetch_init_file, read_init_record, verify_init_dir
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
@@ -48,7 +49,7 @@ def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     ``init/INIT.json`` (waiting up to ``timeout_s`` for it to be published).  Returns the
     directory and the record's digest (the root of the run's chain).  A download through
     an upstream list leaves an upstream that serves a file other than the record lists
-    (``protocol/run.fetch_init_file``)."""
+    (``protocol/version0.fetch_init_file``)."""
     from nemo_dcr.integrations.hf_export import download_checkpoint
 
     record, root = _wait_for_init(store, sealer, run_id, timeout_s)

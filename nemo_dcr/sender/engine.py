@@ -25,7 +25,8 @@ from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
 from nemo_dcr.protocol.manifest import ChunkRef, Manifest, check_version
-from nemo_dcr.protocol.run import RunState, claim_store, resume_position
+from nemo_dcr.protocol.history import RunState, resume_position
+from nemo_dcr.protocol.run import claim_store
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.sender.chunker import Chunker
 from nemo_dcr.sender.collectives import all_gather, from_rank0, gather_to0, log, rank, world

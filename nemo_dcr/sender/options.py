@@ -101,7 +101,7 @@ class RefitOptions:
                 raise RefitSetupError(f"refit.{name} must be positive, got {getattr(self, name)}")
         try:
             FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
-        except ValueError as e:
+        except ValidationError as e:
             raise RefitSetupError(f"refit.{e}") from None
         if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool)
                                                 or not isinstance(self.snapshot_every, int)

@@ -131,7 +131,7 @@ def _write_json(path: str, obj) -> None:
 
 def load_checkpoint(directory: str, trainer):
     """Every rank: the weights of ``directory/ckpt/LATEST``; returns (its run state, where)."""
-    from nemo_dcr.protocol.run import RunState
+    from nemo_dcr.protocol.history import RunState
 
     with open(os.path.join(directory, "ckpt", "LATEST")) as f:
         where = json.load(f)
@@ -146,7 +146,7 @@ def pipelined(args, trainer, hook, dump_dense, restored) -> int:
     import dataclasses
     import shutil
 
-    from nemo_dcr.protocol.run import RunState
+    from nemo_dcr.protocol.history import RunState
 
     rank = dist.get_rank()
     ckpt_root = os.path.join(args.dir, "ckpt")

@@ -25,7 +25,7 @@ from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.protocol.manifest import manifest_key
-from nemo_dcr.protocol.run import write_init_record
+from nemo_dcr.protocol.version0 import write_init_record
 from nemo_dcr.transport.store import LocalDirStore
 
 DIMS = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,

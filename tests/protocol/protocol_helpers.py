@@ -13,7 +13,8 @@ from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
 from nemo_dcr.layout.shards import ParamView, ShardSpec
 from nemo_dcr.protocol.follower import Follower
-from nemo_dcr.protocol.run import init_digest, write_init_record
+from nemo_dcr.protocol.history import init_digest
+from nemo_dcr.protocol.version0 import write_init_record
 from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig

@@ -14,10 +14,11 @@ import pytest
 from protocol_helpers import Liar, key  # noqa: F401 - key is a fixture
 
 from nemo_dcr.errors import DcrError, FormatError, ProtocolError
-from nemo_dcr.protocol import follower as follower_mod
-from nemo_dcr.protocol.follower import wait_for_run
+from nemo_dcr.protocol import run as run_mod
+from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, RUN_KEY
-from nemo_dcr.protocol.run import ForeignRunError, claim_store, read_init_record, write_init_record
+from nemo_dcr.protocol.run import ForeignRunError, claim_store
+from nemo_dcr.protocol.version0 import read_init_record, write_init_record
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.receiver import bootstrap
 from nemo_dcr.receiver.bootstrap import fetch_version_zero
@@ -56,7 +57,7 @@ def test_a_flipped_run_record_is_read_from_the_next_upstream(tmp_path, key, kind
 
 
 def test_a_hidden_run_record_is_asked_of_the_next_upstream(tmp_path, key, monkeypatch):
-    monkeypatch.setattr(follower_mod, "RUN_PROBE_S", 0.2)
+    monkeypatch.setattr(run_mod, "RUN_PROBE_S", 0.2)
     origin, sealer, run_id = _run(tmp_path, key)
     liar, fs = _through(origin, [(RUN_KEY, "hide")])
     assert wait_for_run(fs, sealer, run_id=run_id, timeout_s=10) == run_id

@@ -22,7 +22,7 @@ from nemo_dcr.protocol.manifest import (
     decision_key,
     manifest_key,
 )
-from nemo_dcr.protocol.run import RunState
+from nemo_dcr.protocol.history import RunState
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.errors import ProtocolError
 
@@ -137,7 +137,7 @@ def test_bare_keys_planted_far_above_do_not_move_the_floor(tmp_path, key, caplog
     resumed trainer ignores them (one warning naming them) and publishes v3 as if they were
     not there; control: a bare number close above the history (an upload killed before its
     manifest) still counts as used."""
-    from nemo_dcr.protocol.run import FLOOR_SLACK
+    from nemo_dcr.protocol.history import FLOOR_SLACK
 
     sender, store, w, *_ = _trained(tmp_path, key, True, versions=2)
     for n in range(99999995, 99999999):
@@ -158,7 +158,7 @@ def test_bare_keys_planted_far_above_do_not_move_the_floor(tmp_path, key, caplog
 def test_planted_numbers_cost_a_bounded_scan(tmp_path, key, caplog, monkeypatch):
     """Many bare numbers just above the history: the scan reads FLOOR_MISSES of them and
     stops, saying so (bounded work per resume, whatever was planted)."""
-    from nemo_dcr.protocol import run as run_mod
+    from nemo_dcr.protocol import history as run_mod
 
     monkeypatch.setattr(run_mod, "FLOOR_MISSES", 8)
     reads = []
@@ -181,7 +181,7 @@ def test_oversized_documents_planted_under_version_keys_and_head_are_misses(tmp_
     on the first oversized read; the bytes the scan counts are what it read (limit + 1), not
     the size the object claims.  Control: the same oversized decision AT the committed
     version refuses the resume in one line (no commit decision signed with this key)."""
-    from nemo_dcr.protocol import run as run_mod
+    from nemo_dcr.protocol import history as run_mod
     from nemo_dcr.protocol.manifest import DOC_LIMITS, decision_key
 
     sender, store, w, *_ = _trained(tmp_path, key, True, versions=2)

@@ -12,7 +12,7 @@ import torch
 from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - key is a fixture
 
 from nemo_dcr.errors import FormatError, ProtocolError
-from nemo_dcr.protocol.follower import wait_for_run
+from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.manifest import (
     HEAD_KEY,
     RUN_KEY,

@@ -39,17 +39,8 @@ Concurrency: one asyncio loop owns every table and counter below (no locks); blo
 upstream calls run in a bounded thread pool (``fetch_threads``).
 """
 from nemo_dcr.transport.relay.cli import byte_count, check_input, main, parse_listen, parser
-from nemo_dcr.transport.relay.config import (
-    ACK_PREFIX,
-    API,
-    MAX_LIST_KEYS,
-    MAX_PUT_BYTES,
-    PROG,
-    RUN_KEY,
-    RelayConfig,
-    is_immutable,
-    key_version,
-)
+from nemo_dcr.protocol.keys import ACK_PREFIX, RUN_KEY, is_immutable, key_version
+from nemo_dcr.transport.relay.config import API, MAX_LIST_KEYS, MAX_PUT_BYTES, PROG, RelayConfig
 from nemo_dcr.transport.relay.node import Relay
 from nemo_dcr.transport.relay.stats import RelayCounters
 from nemo_dcr.transport.relay.thread import RelayThread

@@ -1,24 +1,19 @@
-"""The relay's settings (:class:`RelayConfig`), its HTTP API's fixed bounds, and which keys
-it may cache (immutable ones) or write through (acks and join requests)."""
+"""The relay's settings (:class:`RelayConfig`) and its HTTP API's fixed bounds.  Which keys it
+may cache (immutable ones) or write through (acks and join requests) is the key layout's
+(``protocol/keys.py``)."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from nemo_dcr.errors import ValidationError
 
 PROG = "nemo-dcr relay"
 API = "/v1"
-ACK_PREFIX = "acks/"
-RUN_KEY = "RUN.json"  # the run record (protocol/manifest.py): what the cache is valid for
 MAX_PUT_BYTES = 64 << 10
 """Largest object a relay writes through: an ack or a join request (a few hundred bytes to
 a few KB; an ack's error is one line).  A bigger one is answered 413 and not forwarded:
 written through a relay it would cost every hop up to the origin (direct writes are
 bounded by the reader's ``DOC_LIMITS`` instead)."""
-PUT_KEY = re.compile(r"^acks/(?:[A-Za-z0-9_\-]{1,64}/[0-9]{8}\.json|join\.d/[A-Za-z0-9_\-]{1,64}\.json)$")
-"""The keys a relay writes through: an ack (``acks/<receiver>/<v:08d>.json``) or a join
-request (``acks/join.d/<receiver>.json``); anything else under ``acks/`` is 403."""
 MAX_LIST_KEYS = 1 << 18
 """Most keys one ``list`` answer holds (a version's chunks are hundreds to a few thousand);
 a longer listing (planted keys) is answered 413, and children read no longer one."""
@@ -26,17 +21,7 @@ DRAIN_PUT_BYTES = 16 << 20
 """An oversized PUT body is read and dropped up to this much before the 413, so that the
 client sees the answer rather than a reset connection."""
 
-IMMUTABLE = re.compile(r"^(?:v/(?P<v>[0-9]+)/(?:chunks/[^/]+|MANIFEST\.json|DECISION\.json)|init/.+|RUN\.json)$")
-CHUNK = re.compile(r"^v/(?P<v>[0-9]+)/chunks/[^/]+$")
 
-
-def is_immutable(key: str) -> bool:
-    return IMMUTABLE.match(key) is not None
-
-
-def key_version(key: str) -> int | None:
-    m = IMMUTABLE.match(key)
-    return int(m["v"]) if m and m["v"] is not None else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.transport.relay.cache import Entry, NotHeld, Overloaded
-from nemo_dcr.transport.relay.config import API, DRAIN_PUT_BYTES, MAX_LIST_KEYS, MAX_PUT_BYTES, PUT_KEY
+from nemo_dcr.protocol.keys import WRITABLE_THROUGH
+from nemo_dcr.transport.relay.config import API, DRAIN_PUT_BYTES, MAX_LIST_KEYS, MAX_PUT_BYTES
 from nemo_dcr.transport.store.base import ObjectNotFound, ObjectTooLarge, check_key, check_limit
 from nemo_dcr.transport.store.policy import one_line
 
@@ -151,7 +152,7 @@ class RelayHTTP:
             key = self._key(request)
         except _Answer as a:
             return a.response(self.relay)
-        if not PUT_KEY.match(key):
+        if not WRITABLE_THROUGH.match(key):
             return _text(403, f"{key!r}: a relay writes through only acks (acks/<receiver>/<v:08d>.json) and "
                               "join requests (acks/join.d/<receiver>.json)")
         if not self._put_allowed():

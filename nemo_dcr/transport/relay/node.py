@@ -12,7 +12,8 @@ from typing import Any
 
 from nemo_dcr.errors import FormatError, ValidationError
 from nemo_dcr.transport.relay.cache import Cache, Entry, NotHeld, Overloaded
-from nemo_dcr.transport.relay.config import CHUNK, MAX_LIST_KEYS, RUN_KEY, RelayConfig, is_immutable, key_version
+from nemo_dcr.protocol.keys import RUN_KEY, is_chunk_object, is_immutable, key_version
+from nemo_dcr.transport.relay.config import MAX_LIST_KEYS, RelayConfig
 from nemo_dcr.transport.relay.http import make_app
 from nemo_dcr.transport.relay.stats import RelayCounters
 from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError
@@ -216,7 +217,7 @@ class Relay:
         self.cache.mem += e.size
         self.cache.peak()
         self.counters.upstream_fetch_bytes += e.size
-        if CHUNK.match(key):
+        if is_chunk_object(key):
             self.counters.upstream_chunk_bytes += e.size
         if is_immutable(key):
             self.cache.insert(e, prefetch=prefetch)
@@ -295,8 +296,7 @@ class Relay:
         """Start fetching every chunk a list revealed that the relay neither holds nor is
         fetching (children's GETs of those keys join these flights)."""
         for key in keys:
-            m = CHUNK.match(key)
-            if m is None or key in self.cache.entries or ("get", key) in self._flights:
+            if not is_chunk_object(key) or key in self.cache.entries or ("get", key) in self._flights:
                 continue
             self.counters.prefetch_started += 1
             self._flight("get", key, functools.partial(self._prefetch, key))

@@ -57,8 +57,8 @@ The local store follows no symbolic link below its root: a key whose path crosse
 is refused (:class:`SymlinkRefused`), so nothing planted in the directory can make a
 put, get, stat, exists or list reach outside it.
 """
+from nemo_dcr.protocol.keys import CHUNK_MARK
 from nemo_dcr.transport.store.base import (
-    CHUNK_MARK,
     MAX_LIST_LIMIT,
     ObjectInfo,
     ObjectNotFound,

@@ -8,8 +8,6 @@ from typing import Protocol, runtime_checkable
 
 from nemo_dcr.errors import FormatError, TransportError, ValidationError
 
-CHUNK_MARK = "/chunks/"
-"""What a chunk object's key contains (``v/<v>/chunks/r<rank>-<seq>.dcr``)."""
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
 

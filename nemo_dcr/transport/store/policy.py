@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from nemo_dcr.errors import ValidationError
-from nemo_dcr.transport.store.base import CHUNK_MARK, ObjectNotFound, ObjectTooLarge, StoreError, SymlinkRefused
+from nemo_dcr.protocol.keys import CHUNK_MARK
+from nemo_dcr.transport.store.base import ObjectNotFound, ObjectTooLarge, StoreError, SymlinkRefused
 
 _log = logging.getLogger("nemo_dcr.transport.store")
 
