@@ -42,7 +42,7 @@ from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 from nemo_dcr.dtypes import int_view
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.capture import CapturedWrite, Geometry, WriteCapture, module_storages, storage_fingerprint
-from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
+from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
 from nemo_dcr.receiver.placement import (
     CopyPlacement,
     CoveragePolicy,
@@ -146,7 +146,7 @@ class DeltaApplier:
         if self._plan is None:
             self.prewarm()
         if storage_fingerprint(self._adapter.module) != self._plan.fingerprint:
-            raise PlacementError("parameters or buffers were rebound since prewarm; call prewarm() again")
+            raise LoaderError("parameters or buffers were rebound since prewarm; call prewarm() again")
         return self._plan
 
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
@@ -250,7 +250,7 @@ class DeltaApplier:
         through their copies; TRACED tensors through their runs; TRANSFORM tensors read the
         canonical mirror."""
         if not self.placements:
-            raise PlacementError("call prewarm() before canonical_bits()")
+            raise LoaderError("call prewarm() before canonical_bits()")
         try:
             kind = self._plan.placements[name].kind
         except KeyError:
@@ -273,7 +273,7 @@ class DeltaApplier:
             return int_view(self._mirror[name].reshape(-1)).numpy().view(bits_dtype)
         if kind is PlacementKind.EMPTY:
             return np.empty(0, dtype=bits_dtype)
-        raise PlacementError(f"{name}: the loader drops this tensor; it has no canonical bits here")
+        raise LoaderError(f"{name}: the loader drops this tensor; it has no canonical bits here")
 
     def _read_view_bits(self, name: str) -> np.ndarray:
         """Current canonical bits of a VIEW tensor, gathered back through its copies.
@@ -307,7 +307,7 @@ class DeltaApplier:
         out: dict[str, list[CapturedWrite]] = defaultdict(list)
         for w in capture.writes:
             if not w.plain or w.fed_name is None:
-                raise PlacementError(
+                raise LoaderError(
                     f"loader made a non-plain write {w.op} into {w.dest_owner.name} during a VIEW apply"
                 )
             out[w.fed_name].append(w)
@@ -315,7 +315,7 @@ class DeltaApplier:
             seen = Counter((w.dest_owner.name, w.dest_geometry, Geometry.of(w.source)) for w in out.get(name, []))
             want = Counter((c.dest, c.dest_geometry, c.source_geometry) for c in self._plan.placements[name].copies)
             if seen != want:
-                raise PlacementError(f"{name}: the loader's placement changed since prewarm; call prewarm() again")
+                raise LoaderError(f"{name}: the loader's placement changed since prewarm; call prewarm() again")
         return dict(out)
 
     def _overwrite_through_loader(self, unit: tuple[str, ...], ps: list[_Prepared]) -> None:

@@ -220,7 +220,7 @@ class Receiver:
         t0 = time.perf_counter()
         try:
             self.served.validate(deltas)
-        except ValueError as e:  # DeltaValidationError and friends: nothing written
+        except (FormatError, ValidationError) as e:  # DeltaValidationError and friends: nothing written
             raise RefitRefused(str(e)) from None
         self.journal.begin(version, base_version, deltas, held)
         self._writes += 1
@@ -287,7 +287,7 @@ class Receiver:
 
         try:
             deltas, held, stats = compose(self, manifests)
-        except ValueError as e:  # validation of a record against the runtime: nothing written
+        except (FormatError, ValidationError) as e:  # a record against the runtime: nothing written
             raise RefitRefused(str(e)) from None
         stats["apply_s"] = self.apply_records(manifests[-1].version, self.held_version, deltas, held)
         self.settle(decision_digest)

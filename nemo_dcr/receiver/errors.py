@@ -11,13 +11,14 @@ class DeltaValidationError(ValidationError):
     shape differing from the spec, a position out of range or named by two records)."""
 
 
-class PlacementError(errors.PlacementError):
+class LoaderError(errors.PlacementError):
     """The runtime's loader does not behave as in-place apply needs (never copies a
     tensor, rebinds a parameter, writes one destination twice, changed placement since
-    prewarm, transforms a tensor no canonical mirror can be seeded for)."""
+    prewarm, transforms a tensor no canonical mirror can be seeded for): the library's
+    ``PlacementError`` family, on the receiver's side."""
 
 
-class IncompleteApplyError(PlacementError):
+class IncompleteApplyError(LoaderError):
     """Names were requested but not written (set difference of requested vs touched).
     For tensors that go through the loader as overwrites this is detected after the
     loader ran, so earlier writes of the same batch may have happened."""

@@ -57,7 +57,7 @@ from nemo_dcr.receiver.capture import (
     module_storages,
     storage_fingerprint,
 )
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.probe import probe_all
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
 from nemo_dcr.receiver.traced import Runs, check_traced_overlaps, flat_storage, load_units
@@ -75,7 +75,7 @@ class CoveragePolicy(enum.Enum):
     """What prewarm does with a canonical tensor the loader never writes."""
 
     STRICT = "strict"
-    """Refuse the runtime (``PlacementError``)."""
+    """Refuse the runtime (``LoaderError``)."""
     ALLOW_DROPPED = "allow_dropped"
     """Mark it ``DROPPED``; deltas for it are validated, not written, and reported in
     ``ApplyResult.dropped`` (a dense refit through the same loader drops them too)."""
@@ -157,7 +157,7 @@ class Planner:
         self._unit_of = {n: u for u in self._units for n in u}
         unknown = sorted(set(self._unit_of) - set(self._specs))
         if unknown:
-            raise PlacementError(f"the adapter's load groups name unknown tensors, e.g. {unknown[:3]}")
+            raise LoaderError(f"the adapter's load groups name unknown tensors, e.g. {unknown[:3]}")
 
     def plan(self, mirror: Mapping[str, torch.Tensor]) -> tuple[PlacementPlan, dict[str, torch.Tensor]]:
         """Probe, classify and check; the module is not written.  Returns the plan and the
@@ -187,7 +187,7 @@ class Planner:
 
         dropped = sorted(n for n, p in placements.items() if p.kind is PlacementKind.DROPPED)
         if dropped and self._coverage is CoveragePolicy.STRICT:
-            raise PlacementError(
+            raise LoaderError(
                 f"the loader never writes {len(dropped)} canonical tensors, e.g. {dropped[:3]} "
                 "(CoveragePolicy.ALLOW_DROPPED accepts a runtime that drops them)"
             )
@@ -235,10 +235,10 @@ class Planner:
                 continue
             spec = self._specs[name]
             if initial.dtype != spec.torch_dtype or tuple(initial.shape) != spec.shape:
-                raise PlacementError(f"{name}: initial tensor {initial.dtype}{tuple(initial.shape)} != spec {spec}")
+                raise LoaderError(f"{name}: initial tensor {initial.dtype}{tuple(initial.shape)} != spec {spec}")
             seeded[name] = initial.detach().to("cpu").contiguous().clone()
         if unseeded:
-            raise PlacementError(
+            raise LoaderError(
                 f"{len(unseeded)} tensors need a canonical mirror (their loader is not bit-preserving: "
                 f"{placements[unseeded[0]].reason}) but the adapter cannot provide their initial bits, "
                 f"e.g. {sorted(unseeded)[:3]}"
@@ -294,7 +294,7 @@ class Planner:
             if PlacementKind.TRANSFORM not in kinds:
                 continue
             if PlacementKind.DROPPED in kinds:
-                raise PlacementError(f"load group {list(unit)[:3]} mixes dropped and transformed tensors")
+                raise LoaderError(f"load group {list(unit)[:3]} mixes dropped and transformed tensors")
             first = next(n for n in unit if out[n].kind is PlacementKind.TRANSFORM)
             for n in unit:
                 p = out[n]
@@ -337,7 +337,7 @@ class Planner:
                         continue
                     if w.dest.element_size() != owner.tensor.element_size():
                         if out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
-                            raise PlacementError(f"{name}: plain write through a reinterpreting view of {owner.name}")
+                            raise LoaderError(f"{name}: plain write through a reinterpreting view of {owner.name}")
                         continue  # a transform writing through another dtype: elements not comparable
                     view = torch.as_strided(mask, w.dest.shape, w.dest.stride(), w.dest.storage_offset())
                     view.fill_(True)
@@ -351,7 +351,7 @@ class Planner:
                 masks[name] = mask
             if int(counter.max()) > 1:
                 shared = sorted(n for n, m in masks.items() if bool((counter[m] > 1).any()))
-                raise PlacementError(f"canonical tensors {shared} are written into the same elements of {owner.name}")
+                raise LoaderError(f"canonical tensors {shared} are written into the same elements of {owner.name}")
         return out
 
     def _check_mirror_consistent(self, mirror: dict[str, torch.Tensor], writes: dict[str, list[CapturedWrite]]) -> None:
@@ -372,7 +372,7 @@ class Planner:
                 with torch.no_grad():
                     would = torch.empty_like(w.dest).copy_(w.source)
                 if not torch.equal(int_view(would), int_view(w.dest.detach())):
-                    raise PlacementError(
+                    raise LoaderError(
                         f"{name}: the adapter's initial tensor does not reproduce {w.dest_owner.name} "
                         "through the loader (stale checkpoint?)"
                     )

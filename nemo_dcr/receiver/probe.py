@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nemo_dcr.receiver.capture import CapturedWrite, StorageOwner, storage_fingerprint
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.provenance import TracingCapture
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
 from nemo_dcr.receiver.traced import Runs, plain_pieces, traced_pieces
@@ -90,7 +90,7 @@ def _attribute(
     for w in capture.writes:
         units = {unit_of.get(n, (n,)) for n in traced.get(id(w), ())}
         if len(units) > 1 and one_unit:
-            raise PlacementError(
+            raise LoaderError(
                 f"the loader combines {sorted(traced[id(w)])[:4]} in one write into {w.dest_owner.name}, "
                 "but the adapter does not declare them one load group"
             )
@@ -136,10 +136,10 @@ def _probe(
             adapter.load_weights(fed.items())
     except Exception as e:
         _restore_slots(saved)
-        raise PlacementError(f"the loader failed on probes {names[:3]}: {e}") from e
+        raise LoaderError(f"the loader failed on probes {names[:3]}: {e}") from e
     if storage_fingerprint(module) != before:
         _restore_slots(saved)
-        raise PlacementError(
+        raise LoaderError(
             f"the loader rebinds parameters or buffers instead of writing into them (probing {names[:3]}); "
             "in-place apply needs a loader that copies into existing storage (restored the originals)"
         )

@@ -25,7 +25,7 @@ import torch
 from nemo_dcr.dtypes import int_view
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.capture import CapturedWrite
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.provenance import OriginTable
 
 
@@ -162,7 +162,7 @@ def check_traced_overlaps(
                     count[storage_positions(w.dest)] += 1
                     writers.append(name)
         if int(count.max(initial=0)) > 1:
-            raise PlacementError(
+            raise LoaderError(
                 f"destination elements of {owner} are written more than once (by {sorted(set(writers))[:4]})"
             )
 
@@ -180,7 +180,7 @@ def load_units(adapter, names: Iterable[str]) -> list[tuple[str, ...]]:
             unit = tuple(g)
             for n in unit:
                 if n in unit_of:
-                    raise PlacementError(f"the adapter puts {n} in two load groups")
+                    raise LoaderError(f"the adapter puts {n} in two load groups")
                 unit_of[n] = unit
     out, seen = [], set()
     for n in names:

@@ -11,7 +11,7 @@ import torch
 
 from nemo_dcr.codec.types import DeltaOp
 from nemo_dcr.receiver.apply import CoveragePolicy, DeltaApplier, PlacementKind
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.verify import compare_modules, load_dense, state_digest
 from nemo_dcr.receiver.runtime import TensorSpec
 
@@ -140,7 +140,7 @@ def test_loader_that_rebinds_is_refused_and_restored():
     adapter = _runtime(_state(0), rebinding)
     buffer = adapter.module.scale
     digest = state_digest(adapter.module)
-    with pytest.raises(PlacementError, match="rebinds"):
+    with pytest.raises(LoaderError, match="rebinds"):
         DeltaApplier(adapter).prewarm()
     assert adapter.module.scale is buffer and state_digest(adapter.module) == digest
 
@@ -152,7 +152,7 @@ def test_dropped_tensor_policy():
 
     base = _state(0)
     adapter = _runtime(base, dropping)
-    with pytest.raises(PlacementError, match="never writes"):
+    with pytest.raises(LoaderError, match="never writes"):
         DeltaApplier(adapter).prewarm()
     applier = DeltaApplier(adapter, coverage=CoveragePolicy.ALLOW_DROPPED)
     assert applier.prewarm()["scale"].kind is PlacementKind.DROPPED
@@ -167,7 +167,7 @@ def test_two_tensors_into_one_place_is_refused():
     def colliding(m, name, t):
         fused_loader(m, "q" if name == "k" else name, t)
 
-    with pytest.raises(PlacementError, match="same elements"):
+    with pytest.raises(LoaderError, match="same elements"):
         DeltaApplier(_runtime(_state(0), colliding)).prewarm()
 
 
@@ -195,7 +195,7 @@ def test_rebound_after_prewarm_is_refused():
     applier = DeltaApplier(adapter)
     applier.prewarm()
     adapter.module.gate = torch.nn.Parameter(adapter.module.gate.detach().clone())
-    with pytest.raises(PlacementError, match="prewarm"):
+    with pytest.raises(LoaderError, match="prewarm"):
         applier.apply(deltas(base, perturb(base, np.random.default_rng(23))))
 
 
@@ -215,7 +215,7 @@ def test_changed_view_placement_is_refused_before_writing():
     applier.prewarm()
     flip["on"] = True
     digest = state_digest(adapter.module)
-    with pytest.raises(PlacementError, match="changed since prewarm"):
+    with pytest.raises(LoaderError, match="changed since prewarm"):
         applier.apply(deltas(base, perturb(base, np.random.default_rng(24), frac=0.2)))
     assert state_digest(adapter.module) == digest
 

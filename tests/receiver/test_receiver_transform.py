@@ -11,7 +11,7 @@ import torch
 
 from nemo_dcr.codec.types import DeltaOp
 from nemo_dcr.receiver.apply import DeltaApplier, PlacementKind
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.verify import compare_with_dense, load_dense, state_digest
 from nemo_dcr.runtimes.hf import HFTransformersAdapter, checkpoint_specs, module_specs
 
@@ -74,7 +74,7 @@ def test_stale_mirror_is_refused_at_prewarm(checkpoint):
     path, _ = checkpoint
     adapter = HFTransformersAdapter.from_pretrained(path, dtype=torch.float32)
     flip_one_bit(adapter.module.get_parameter("model.layers.0.input_layernorm.weight"), 0, bit=20)
-    with pytest.raises(PlacementError, match="input_layernorm"):
+    with pytest.raises(LoaderError, match="input_layernorm"):
         DeltaApplier(adapter).prewarm()
 
 
@@ -141,6 +141,6 @@ def test_transform_without_mirror_source_is_refused():
         n: s.__class__(n, "bfloat16", s.shape) for n, s in module_specs(model).items()
     })
     before = state_digest(model)
-    with pytest.raises(PlacementError, match="canonical mirror"):
+    with pytest.raises(LoaderError, match="canonical mirror"):
         DeltaApplier(adapter).prewarm()
     assert state_digest(model) == before

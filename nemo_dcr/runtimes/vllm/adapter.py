@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr.receiver.capture import WriteCapture, module_storages
-from nemo_dcr.receiver.errors import PlacementError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs, read_checkpoint_tensor
 
@@ -112,7 +112,7 @@ class VLLMWorkerAdapter:
             info = get_layerwise_info(layer)
             meta = info.restore_metadata[0].get("weight")
             if meta is None or meta.numel() == 0:
-                raise PlacementError(f"{lname}: packed weight without vLLM reload metadata to restore it from")
+                raise LoaderError(f"{lname}: packed weight without vLLM reload metadata to restore it from")
             with info.restore_device:
                 staging = restore_layer_refs(materialize_meta_tensor(meta), layer)
             layer.register_parameter("weight", staging)
@@ -153,7 +153,7 @@ class VLLMWorkerAdapter:
             self._model.load_weights((n, tensors[n]) for n in sorted(to_fill))
         unfilled = [n for n, s in self._staged.items() if not any(n in ls for ls in self._rebuild.values())]
         if unfilled:
-            raise PlacementError(f"no checkpoint tensor fills the packed weight of {unfilled[:3]}")
+            raise LoaderError(f"no checkpoint tensor fills the packed weight of {unfilled[:3]}")
         for lname in self._staged:
             self._check_rebuilt_kernel(lname)
 
@@ -172,7 +172,7 @@ class VLLMWorkerAdapter:
             after = layer.cpu_linear(x, staged.staging, bias)
         layer.cpu_linear = engine_kernel
         if not torch.equal(before.view(torch.int16), after.view(torch.int16)):
-            raise PlacementError(
+            raise LoaderError(
                 f"{lname}: the checkpoint does not reproduce the engine's packed weight "
                 "(engine not at the checkpoint's version?)"
             )

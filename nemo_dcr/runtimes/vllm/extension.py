@@ -16,13 +16,13 @@ import torch
 
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.receiver.apply import DeltaApplier, PlacementKind
-from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, PlacementError
+from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
 from nemo_dcr.receiver.verify import module_state, tensor_digest
 
 _ERRORS = {
     "validation": DeltaValidationError,
     "incomplete": IncompleteApplyError,
-    "placement": PlacementError,
+    "placement": LoaderError,
 }
 
 
@@ -48,7 +48,7 @@ class DCRWorkerExtension:
         t0 = time.perf_counter()
         try:
             placements = self._dcr_applier.prewarm()
-        except PlacementError as e:
+        except LoaderError as e:
             return _refusal(e)
         kinds: dict[str, int] = {}
         for p in placements.values():
@@ -69,7 +69,7 @@ class DCRWorkerExtension:
     def dcr_validate(self, deltas: Sequence[TensorDelta]) -> dict:
         try:
             self._dcr_applier.validate(deltas)
-        except (DeltaValidationError, PlacementError) as e:
+        except (DeltaValidationError, LoaderError) as e:
             return _refusal(e)
         return {"rank": self.rank}
 
@@ -77,7 +77,7 @@ class DCRWorkerExtension:
         t0 = time.perf_counter()
         try:
             result = self._dcr_applier.apply(deltas)
-        except (DeltaValidationError, PlacementError) as e:
+        except (DeltaValidationError, LoaderError) as e:
             return _refusal(e)
         return {
             "rank": self.rank,
@@ -91,7 +91,7 @@ class DCRWorkerExtension:
     def dcr_canonical_bits(self, name: str) -> np.ndarray | dict:
         try:
             return np.array(self._dcr_applier.canonical_bits(name), copy=True)
-        except (DeltaValidationError, PlacementError) as e:
+        except (DeltaValidationError, LoaderError) as e:
             return _refusal(e)
 
     def dcr_state(self) -> dict[str, torch.Tensor]:
