@@ -66,7 +66,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_after_one_lie_about_a_document_the_version_commits(tmp_path, key, case):
-    committed, r, liar, want, fs = _run(tmp_path, key, dict(CASES[case]))
+    # the lie must be told for the case to mean anything: under load the receiver can be
+    # reading from the origin when it fetches the lied-about document (the liar demoted a
+    # moment earlier by a lagging answer), so a run in which the liar was never asked is run
+    # again, at most twice more, on a fresh store (seen once in CI at load ~4)
+    for attempt in range(3):
+        committed, r, liar, want, fs = _run(tmp_path / f"run{attempt}", key, dict(CASES[case]))
+        if liar.lies >= 1 or "hidden" in case:
+            break
     # the lie was told (a hidden document: or the receiver's bounded ask found it at the
     # origin before the liar was asked for it; the liar is demoted either way, below)
     assert liar.lies >= 1 or "hidden" in case
