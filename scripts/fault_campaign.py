@@ -1895,7 +1895,7 @@ def _trial_planted_resume(ep: Epoch, plan: dict, rec: dict) -> bool:
     must commit (or v+1); then the trainer is SIGKILLed between versions (v's checkpoint
     written) and resumed from it: its next version must be one past the last it published
     or, with ahead_junk, past the last bare number planted just above it (counted as a
-    killed upload's: ``protocol/run.py`` FLOOR_SLACK); far planted numbers do not raise the
+    killed upload's: ``protocol/history.py`` FLOOR_SLACK); far planted numbers do not raise the
     floor; and it must commit.  Returns whether the
     epoch must end (a refused resume or a raised floor)."""
     rec["planted"] = plant_keys(ep, ep.version + 1, plan["faults"][0])
