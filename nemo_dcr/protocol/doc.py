@@ -22,8 +22,10 @@ carries ``run_id``, checked on read here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from nemo_dcr.errors import FormatError, ValidationError
@@ -104,50 +106,73 @@ def _plain(v):
 
 def from_plain(cls: type, obj: object, what: str, *, optional: frozenset[str] = frozenset()):
     """``cls`` from a parsed JSON object, every field checked against its annotation."""
-    if not isinstance(obj, dict):
-        raise ManifestError(f"{what}: not an object")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = set(obj) - set(fields)
-    if unknown:
-        raise ManifestError(f"{what}: unknown fields {sorted(str(k)[:40] for k in unknown)[:8]}")
+    return _reader(cls)(obj, lambda: what, optional)
+
+
+@functools.cache
+def _reader(cls: type) -> Callable:
+    """The reader of a document class, built once per class from its fields' annotations
+    (evaluating annotations per object would dominate the parse of a manifest of many chunks).  ``where()`` names
+    the value in a message; it is formatted only when one is raised."""
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name in fields:
-        if name not in obj:
-            if name in optional:
-                continue
-            raise ManifestError(f"{what}: missing field {name!r}")
-        kwargs[name] = _value(obj[name], hints[name], f"{what}: field {name!r}")
-    try:
-        return cls(**kwargs)
-    except ManifestError:
-        raise
-    except ValidationError as e:  # a field's own check (an id's shape)
-        raise ManifestError(f"{what}: {e}") from None
+    fields = {f.name: _converter(hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+    def read(obj: object, where: Callable[[], str], optional: frozenset[str] = frozenset()):
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where()}: not an object")
+        unknown = obj.keys() - fields.keys()
+        if unknown:
+            raise ManifestError(f"{where()}: unknown fields {sorted(str(k)[:40] for k in unknown)[:8]}")
+        kwargs = {}
+        for name, convert in fields.items():
+            if name not in obj:
+                if name in optional:
+                    continue
+                raise ManifestError(f"{where()}: missing field {name!r}")
+            kwargs[name] = convert(obj[name], lambda name=name: f"{where()}: field {name!r}")
+        try:
+            return cls(**kwargs)
+        except ManifestError:
+            raise
+        except ValidationError as e:  # a field's own check (an id's shape)
+            raise ManifestError(f"{where()}: {e}") from None
+
+    return read
 
 
-def _value(v: object, hint: object, where: str):
+def _converter(hint: object) -> Callable[[object, Callable[[], str]], object]:
+    """A checking converter from a JSON value to ``hint`` (see the module docstring)."""
     if hint is Any:
-        return v
+        return lambda v, where: v
     origin = typing.get_origin(hint)
     if origin is tuple:
-        if not isinstance(v, list):
-            raise ManifestError(f"{where} must be a list, got {type(v).__name__}")
-        (elem, _) = typing.get_args(hint)
-        return tuple(_value(x, elem, f"{where}[{i}]") for i, x in enumerate(v))
+        elem = _converter(typing.get_args(hint)[0])
+
+        def tuple_of(v, where):
+            if not isinstance(v, list):
+                raise ManifestError(f"{where()} must be a list, got {type(v).__name__}")
+            return tuple(elem(x, lambda i=i: f"{where()}[{i}]") for i, x in enumerate(v))
+        return tuple_of
     if origin is dict:
-        if not isinstance(v, dict):
-            raise ManifestError(f"{where} must be an object, got {type(v).__name__}")
-        _, elem = typing.get_args(hint)
-        return {k: _value(x, elem, f"{where}[{str(k)[:40]!r}]") for k, x in v.items()}
+        elem = _converter(typing.get_args(hint)[1])
+
+        def dict_of(v, where):
+            if not isinstance(v, dict):
+                raise ManifestError(f"{where()} must be an object, got {type(v).__name__}")
+            return {k: elem(x, lambda k=k: f"{where()}[{str(k)[:40]!r}]") for k, x in v.items()}
+        return dict_of
     if dataclasses.is_dataclass(hint):
-        return from_plain(hint, v, where)
+        return lambda v, where: _reader(hint)(v, where)
     if hint is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ManifestError(f"{where} must be a number, got {type(v).__name__}")
-        return v
+        def number(v, where):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ManifestError(f"{where()} must be a number, got {type(v).__name__}")
+            return v
+        return number
     if hint in (int, str, bool):
-        if isinstance(v, bool) is not (hint is bool) or not isinstance(v, hint):
-            raise ManifestError(f"{where} must be {hint.__name__}, got {type(v).__name__}")
-        return v
-    raise TypeError(f"{where}: no JSON rule for the annotation {hint!r}")  # a document class's bug
+        def plain(v, where):
+            if isinstance(v, bool) is not (hint is bool) or not isinstance(v, hint):
+                raise ManifestError(f"{where()} must be {hint.__name__}, got {type(v).__name__}")
+            return v
+        return plain
+    raise TypeError(f"no JSON rule for the annotation {hint!r}")  # a document class's bug
