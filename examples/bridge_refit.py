@@ -9,7 +9,7 @@ ships only as a source distribution built against CUDA.  For a GPU job on Bridge
 This script registers ``RefitBridgeCallback`` through Megatron-Bridge 0.6.2's own
 ``callbacks.py`` (taken from the released wheel, sha256 pinned; ``make setup`` puts it in
 ``.cache/``) and fires its events in the order of Bridge's ``train.py``
-(``nemo_dcr/testbed/bridge_loop.py``: ``on_train_step_end`` before ``train_state.step += 1``,
+(``testbed/nemo_dcr_testbed/bridge_loop.py``: ``on_train_step_end`` before ``train_state.step += 1``,
 ``on_checkpoint_save`` after a save) around the test bed's megatron-core step on CPU/gloo.
 It is the driver ``tests/integration/test_bridge_callback.py`` checks bit for bit.
 
@@ -44,7 +44,7 @@ def main() -> None:
     args, overrides = p.parse_known_args()
 
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer, bridge_loop, bridge_release
+    from nemo_dcr_testbed import ModelConfig, TrainConfig, Trainer, bridge_loop, bridge_release
 
     cfg = ModelConfig(vocab_size=1003)
     trainer = Trainer(cfg, TrainConfig(lr=args.lr), tp=args.tp)

@@ -25,7 +25,7 @@ TP=2 x DP=2 is ``--nproc-per-node 4 ... --tp 2 --dp 2``; PP=2 x virtual PP=2 is
 NeMo-run style.  ``refit.vocab_size`` is set here from the recipe's tokenizer.
 
 On a CPU-only machine the script applies the test bed's CPU patches for NeMo and megatron-core
-first (``nemo_dcr/testbed/nemo_cpu.py``, listed in ``docs/megatron-on-cpu.md``); with CUDA it
+first (``testbed/nemo_dcr_testbed/nemo_cpu.py``, listed in ``docs/megatron-on-cpu.md``); with CUDA it
 runs the recipe as it is (drop the CPU-only overrides in ``tiny_llama3_recipe``).
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     import nemo_run as run
 
     if not torch.cuda.is_available():
-        from nemo_dcr.testbed import nemo_cpu
+        from nemo_dcr_testbed import nemo_cpu
 
         nemo_cpu.apply()
     recipe = build(sys.argv[1:] if argv is None else argv)

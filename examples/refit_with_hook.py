@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook  # noqa: E402
 from nemo_dcr.sender import RefitOptions  # noqa: E402
-from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer  # noqa: E402
+from nemo_dcr_testbed import ModelConfig, TrainConfig, Trainer  # noqa: E402
 from nemo_dcr.transport.store import open_store  # noqa: E402
 
 

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer  # noqa: E402
+from nemo_dcr_testbed import ModelConfig, TrainConfig, Trainer  # noqa: E402
 
 
 class ChangeCounter:

@@ -36,7 +36,7 @@ def _model(hidden: int, layers: int):
 
 def _sender(store, state, key):
     from nemo_dcr.sender import RefitOptions
-    from nemo_dcr.testbed.flat_sender import flat_sender
+    from nemo_dcr_testbed.flat_sender import flat_sender
 
     params = {n: t.clone() for n, t in state.items()}
     cfg = RefitOptions(model_id="bench", receivers=("r0",), key_file=key, ack_timeout_s=0.05, ack_poll_s=0.01,

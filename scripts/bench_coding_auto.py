@@ -3,13 +3,13 @@ is ``auto`` within 10% of the best fixed coding at each (issue 19)?
 
     sudo .venv/bin/python scripts/bench_coding_auto.py [--links 50,1000,unshaped] [--rounds 3]
         [--lead-in 2] [--lr 1e-5] [--model mid|link|small|tiny] [--out-dir benchmarks/results]
-        [hydra overrides for nemo_dcr/configs/demo.yaml ...]
+        [hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml ...]
     .venv/bin/python scripts/bench_coding_auto.py --summarize-run RUN_DIR   # tables from a run's rows
 
 Needs root (network namespace, ``tc``); refuses to run otherwise.  The topology and processes
 are ``scripts/bench_refit_link.py``'s (its ``Run``, imported, with this plan): the store
 (moto_server, S3 API) in a network namespace behind a veth pair shaped with htb on both ends,
-the trainer ranks (megatron-core, TP=2 under torchrun, ``nemo_dcr/testbed/link_refit.py``)
+the trainer ranks (megatron-core, TP=2 under torchrun, ``testbed/nemo_dcr_testbed/link_refit.py``)
 and one transformers receiver (streaming receive) in the root namespace.  ``unshaped`` leaves
 the link at ``--setup-mbit`` (10 Gbit/s), above what moto_server serves on one machine.
 
@@ -49,8 +49,8 @@ import sys
 import time
 
 from nemo_dcr.sender.coding_choice import AUTO, CODINGS
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
-from nemo_dcr.testbed.linkbench import read_rows as _read_rows
+from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import read_rows as _read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="logs and step rows (default runs/coding_auto/<date-time>)")
     ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR",
                     help="run nothing: write the results of the steps the run in RUN_DIR finished")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     args = ap.parse_args(argv)
     args.links = _pipeline_bench().parse_links(args.links)
     if args.rounds < 1 or args.lead_in < 0 or not args.lr > 0:
@@ -341,7 +341,7 @@ def _run_class():
 def _main(args) -> int:
     check_prerequisites()
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "coding_auto", time.strftime("%Y%m%d-%H%M%S")))
-    from nemo_dcr.testbed.config import describe_config_error, load_demo_config
+    from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
     plan = make_plan(args.links, args.rounds, args.lead_in, args.lr, args.setup_mbit)
     lb = _pipeline_bench()._link_bench()
@@ -374,7 +374,7 @@ def _main(args) -> int:
 
 def summarize_run(args) -> int:
     """``--summarize-run``: the results of the steps a run finished (its config, plan and rows)."""
-    from nemo_dcr.testbed.config import DemoConfig
+    from nemo_dcr_testbed.config import DemoConfig
 
     run_dir = os.path.abspath(args.summarize_run)
     with open(os.path.join(run_dir, "config.json")) as f:

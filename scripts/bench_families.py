@@ -39,11 +39,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", default="2e-6")
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for nemo_dcr/configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     args = ap.parse_args()
 
-    from nemo_dcr.testbed.config import load_demo_config
-    from nemo_dcr.testbed.demo import run
+    from nemo_dcr_testbed.config import load_demo_config
+    from nemo_dcr_testbed.demo import run
 
     out = {"steps": args.steps, "lr": float(args.lr), "scale": SCALE, "overrides": args.overrides, "runs": []}
     for label, fam in FAMILIES.items():

@@ -166,7 +166,7 @@ class Trainer:
         from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
         from nemo_dcr.receiver.bootstrap import build_receiver
         from nemo_dcr.receiver.engine import ReceiverConfig
-        from nemo_dcr.testbed.flat_sender import flat_sender
+        from nemo_dcr_testbed.flat_sender import flat_sender
         from nemo_dcr.transport.store import LocalDirStore
 
         os.makedirs(workdir, exist_ok=True)

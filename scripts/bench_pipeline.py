@@ -3,7 +3,7 @@ link and unshaped (issue 18).
 
     sudo .venv/bin/python scripts/bench_pipeline.py [--links 50,unshaped] [--steps 3]
         [--lr 2.4e-6] [--micro-batches 1] [--model link|small|tiny] [--out-dir benchmarks/results]
-        [hydra overrides for nemo_dcr/configs/demo.yaml ...]
+        [hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml ...]
 
 Needs root (network namespace, ``tc``); refuses to run otherwise.  The topology is
 ``scripts/bench_refit_link.py``'s (its ``Link``, imported): the store (moto_server, S3 API)
@@ -13,7 +13,7 @@ namespace.  ``unshaped`` leaves the link at ``--setup-mbit`` (10 Gbit/s by defau
 above what moto_server serves on one machine: the link is then not what limits a refit.
 
 The store, the receiver and the trainer start once.  For each link, the trainer runs three
-phases back to back (``nemo_dcr/testbed/pipeline_bench.py``): ``off`` (no refit), ``sync``
+phases back to back (``testbed/nemo_dcr_testbed/pipeline_bench.py``): ``off`` (no refit), ``sync``
 (``refit.pipeline=false``) and ``pipelined`` (``refit.pipeline=true``, then
 ``hook.finish()``), each ``--steps`` timed steps after one lead-in step (not in the
 medians: the first step of a phase pays the switch, e.g. the sync lead-in carries every
@@ -41,10 +41,10 @@ import subprocess
 import sys
 import time
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
-from nemo_dcr.testbed.linkbench import read_rows as _read_rows
-from nemo_dcr.testbed.linkbench import sh as _sh
-from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
+from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import read_rows as _read_rows
+from nemo_dcr_testbed.linkbench import sh as _sh
+from nemo_dcr_testbed.linkbench import write_json_atomic as _write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None, help="logs and phase rows (default runs/pipeline/<date-time>)")
     ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR[,RUN_DIR...]",
                     help="run nothing: write the results of the phases the runs in RUN_DIR finished")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     args = ap.parse_args(argv)
     args.links = parse_links(args.links)
     if args.steps < 1 or args.micro_batches < 1 or not args.lr > 0:
@@ -277,13 +277,13 @@ def _run_class():
             os.makedirs(go_dir)
             self._start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                     f"--nproc-per-node={cfg.parallel.world_size}", "-m",
-                                    "nemo_dcr.testbed.pipeline_bench", "--config", cfg_path, "--dir", self.run_dir,
+                                    "nemo_dcr_testbed.pipeline_bench", "--config", cfg_path, "--dir", self.run_dir,
                                     "--driver-pid", str(os.getpid())], env)
             rdirs = {}
             for rid in cfg.refit.receivers:
                 rdirs[rid] = os.path.join(self.run_dir, f"receiver-{rid}")
                 os.makedirs(rdirs[rid])
-                self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr.testbed.link_refit", "receiver",
+                self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr_testbed.link_refit", "receiver",
                                                 "--store", cfg.store.uri, "--receiver-id", rid,
                                                 "--model-id", cfg.refit.model_id, "--dir", rdirs[rid],
                                                 "--timeout-s", str(args.step_timeout_s),
@@ -341,7 +341,7 @@ def _main(args) -> int:
     check_prerequisites()
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "pipeline", time.strftime("%Y%m%d-%H%M%S")))
 
-    from nemo_dcr.testbed.config import describe_config_error, load_demo_config
+    from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
     lb = _link_bench()
     model = lb.MODEL if MODELS[args.model] is None else MODELS[args.model]
@@ -372,7 +372,7 @@ def summarize_run(args) -> int:
     """``--summarize-run DIR[,DIR...]``: the results of runs from their directories (config,
     go/ plans, phases.jsonl) -- the phases each finished, e.g. of a run stopped before its
     last phase -- as one set of cases, in the order given (same model and settings)."""
-    from nemo_dcr.testbed.config import DemoConfig
+    from nemo_dcr_testbed.config import DemoConfig
 
     run_dirs = [os.path.abspath(d) for d in args.summarize_run.split(",") if d.strip()]
     rows, plan, cfgs = [], [], []

@@ -24,11 +24,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lrs", default="1e-6,3e-6,1e-5")
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for nemo_dcr/configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     args = ap.parse_args()
 
-    from nemo_dcr.testbed.config import load_demo_config
-    from nemo_dcr.testbed.demo import run
+    from nemo_dcr_testbed.config import load_demo_config
+    from nemo_dcr_testbed.demo import run
 
     out = {"steps": args.steps, "overrides": args.overrides, "runs": []}
     for lr in args.lrs.split(","):

@@ -3,7 +3,7 @@ through the same S3 store, the same shaped link and the same receiver process.
 
     sudo .venv/bin/python scripts/bench_refit_link.py [--rates 50,200] [--lrs 4.5e-7,2.4e-6,4.5e-6]
         [--steps 1] [--warmup 1] [--no-stream] [--out-dir benchmarks/results]
-        [hydra overrides for nemo_dcr/configs/demo.yaml ...]
+        [hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml ...]
 
 Needs root (network namespaces, ``tc``); refuses to run otherwise.
 
@@ -22,7 +22,7 @@ cross it, each direction at R.  Gloo traffic between trainer ranks stays on loop
 One trainer run (Megatron-Core GPT, TP=2 under torchrun; by default 8 layers, hidden 1024,
 FFN 2816, 16 heads / 4 KV groups, vocabulary 32000: 155.7 M parameters, 311 MB BF16) and one
 receiver run through all cases: for each learning rate, for each link rate, ``--steps``
-optimizer steps, each followed by both refits (``nemo_dcr/testbed/link_refit.py``: nemo_dcr
+optimizer steps, each followed by both refits (``testbed/nemo_dcr_testbed/link_refit.py``: nemo_dcr
 first, then the dense one; every dense refit is also the bit-exact check of the delta
 refit).  The link is reshaped between steps only, while nothing is in flight.  Version 0
 and the ``--warmup`` steps run with the link at ``--setup-mbit`` and are not cases.
@@ -49,12 +49,12 @@ import subprocess
 import sys
 import time
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
-from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
-from nemo_dcr.testbed.linkbench import read_rows as _read_rows
-from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
-from nemo_dcr.testbed.linkbench import sh as _sh
-from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
+from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import parse_floats as _parse_floats
+from nemo_dcr_testbed.linkbench import read_rows as _read_rows
+from nemo_dcr_testbed.linkbench import remove_stale_links as _remove_stale_links
+from nemo_dcr_testbed.linkbench import sh as _sh
+from nemo_dcr_testbed.linkbench import write_json_atomic as _write_json_atomic
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,7 +326,7 @@ def plot(cases: list[dict], path: str) -> None:
 # ------------------------------------------------------------------------------- the run
 class Run:
     def __init__(self, args, cfg, run_dir: str):
-        from nemo_dcr.testbed.demo import _Children
+        from nemo_dcr_testbed.demo import _Children
 
         self.args, self.cfg, self.run_dir = args, cfg, run_dir
         self.children = _Children()
@@ -353,7 +353,7 @@ class Run:
         return p
 
     def _check_alive(self, names=None) -> None:
-        from nemo_dcr.testbed.demo import _last_error
+        from nemo_dcr_testbed.demo import _last_error
 
         for name, (p, log) in self.procs.items():
             if (names is None or name in names) and p.poll() is not None and (p.returncode != 0 or name == "moto"):
@@ -438,14 +438,14 @@ class Run:
         go_dir = os.path.join(self.run_dir, "go")
         os.makedirs(go_dir)
         self._start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc-per-node={cfg.parallel.world_size}", "-m", "nemo_dcr.testbed.link_refit",
+                                f"--nproc-per-node={cfg.parallel.world_size}", "-m", "nemo_dcr_testbed.link_refit",
                                 "trainer", "--config", cfg_path, "--dir", self.run_dir,
                                 "--driver-pid", str(os.getpid())], env)
         rdirs = {}
         for rid in cfg.refit.receivers:
             rdirs[rid] = os.path.join(self.run_dir, f"receiver-{rid}")
             os.makedirs(rdirs[rid])
-            self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr.testbed.link_refit", "receiver",
+            self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr_testbed.link_refit", "receiver",
                                             "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.refit.model_id,
                                             "--dir", rdirs[rid], "--timeout-s", str(args.step_timeout_s),
                                             "--driver-pid", str(os.getpid()),
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the receiver fetches a version's chunks only after its manifest (streaming receive off)")
     ap.add_argument("--out-dir", default=RESULTS, help="where refit_link.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml (after the defaults: "
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml (after the defaults: "
                     + " ".join(MODEL) + ")")
     args = ap.parse_args(argv)
     return run_cli("bench_refit_link", lambda: _main(args))
@@ -516,7 +516,7 @@ def _main(args) -> int:
         raise BenchError("--steps must be >= 1 and --warmup >= 0", 2)
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "link", time.strftime("%Y%m%d-%H%M%S")))
 
-    from nemo_dcr.testbed.config import describe_config_error, load_demo_config
+    from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
     total = args.warmup + args.steps * len(args.rates) * len(args.lrs)
     try:

@@ -66,12 +66,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from nemo_dcr.testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
-from nemo_dcr.testbed.linkbench import parse_floats as _parse_floats
-from nemo_dcr.testbed.linkbench import read_rows as _read_rows
-from nemo_dcr.testbed.linkbench import remove_stale_links as _remove_stale_links
-from nemo_dcr.testbed.linkbench import sh as _sh
-from nemo_dcr.testbed.linkbench import write_json_atomic as _write_json_atomic
+from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import parse_floats as _parse_floats
+from nemo_dcr_testbed.linkbench import read_rows as _read_rows
+from nemo_dcr_testbed.linkbench import remove_stale_links as _remove_stale_links
+from nemo_dcr_testbed.linkbench import sh as _sh
+from nemo_dcr_testbed.linkbench import write_json_atomic as _write_json_atomic
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-timeout-s", type=float, default=900.0)
     ap.add_argument("--out-dir", default=RESULTS, help="where relay_link.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/relay-link/<date-time>)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for nemo_dcr/configs/demo.yaml")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
@@ -624,9 +624,9 @@ def trainer_main(argv: list[str]) -> int:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from nemo_dcr.testbed.config import DemoConfig
-    from nemo_dcr.testbed.link_refit import _wait_json
-    from nemo_dcr.testbed.run_trainer import build_trainer
+    from nemo_dcr_testbed.config import DemoConfig
+    from nemo_dcr_testbed.link_refit import _wait_json
+    from nemo_dcr_testbed.run_trainer import build_trainer
 
     with open(args.config) as f:
         cfg = DemoConfig.from_dict(json.load(f))
@@ -695,7 +695,7 @@ def probe_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------- the run
 class Run:
     def __init__(self, args, cfg, run_dir: str):
-        from nemo_dcr.testbed.demo import _Children
+        from nemo_dcr_testbed.demo import _Children
 
         self.args, self.cfg, self.run_dir = args, cfg, run_dir
         self.children = _Children()
@@ -724,7 +724,7 @@ class Run:
         return p
 
     def _check_alive(self, names=None) -> None:
-        from nemo_dcr.testbed.demo import _last_error
+        from nemo_dcr_testbed.demo import _last_error
 
         for name, (p, log) in self.procs.items():
             if (names is None or name in names) and p.poll() is not None and \
@@ -962,7 +962,7 @@ class Run:
 def _main(args) -> int:
     check_prerequisites()
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "relay-link", time.strftime("%Y%m%d-%H%M%S")))
-    from nemo_dcr.testbed.config import describe_config_error, load_demo_config
+    from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
     rids = [f"rx{i}" for i in range(args.receivers)]
     total = len(args.topologies) * (1 + args.steps * len(args.rates))

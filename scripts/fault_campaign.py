@@ -5,11 +5,11 @@
 
 Setup (one "epoch"; a new one only after a trainer rank was killed or something broke):
 a moto S3 server on 127.0.0.1, a fresh bucket, one shared signing key, the trainer
-(``nemo_dcr.testbed.campaign_trainer``: megatron-core, 1 layer, hidden 64, TP=2 under
+(``nemo_dcr_testbed.campaign_trainer``: megatron-core, 1 layer, hidden 64, TP=2 under
 torchrun/gloo, the product's ``MegatronRefitHook``, ack timeout 3 s, ``on_refusal=retry``)
-and two receivers (``nemo_dcr.testbed.faults``: the product's ``Receiver`` + ``Follower``
+and two receivers (``nemo_dcr_testbed.faults``: the product's ``Receiver`` + ``Follower``
 on the transformers runtime).  Every process wraps its store (and a receiver its served
-model) in the injectors of ``nemo_dcr/testbed/faults.py``.
+model) in the injectors of ``testbed/nemo_dcr_testbed/faults.py``.
 
 One trial = one trainer step = one version ``v``: the driver draws a fault from
 ``(seed, trial)``, writes the plan of ``v``, lets the trainer step (``go/<v>``), waits for
@@ -27,7 +27,7 @@ own canonical state of each version (``dense/v<k>.safetensors``):
 
 Relay epochs (``--classes relay``: the "none" control and the relay classes): between the
 origin store and the receivers runs a chain of two real relays (``nemo-dcr relay``'s
-``Relay``, launched by ``nemo_dcr.testbed.relay_faults``): ``ra`` reads the origin, ``rb``
+``Relay``, launched by ``nemo_dcr_testbed.relay_faults``): ``ra`` reads the origin, ``rb``
 reads ``ra`` then the origin, receiver ``r0`` reads ``rb, ra, origin`` and ``r1`` reads
 ``ra, origin`` (every list ends with the origin).  The driver SIGKILLs a relay
 (``relay_kill``), SIGSTOPs it and SIGCONTs it within the trial or never (``relay_stop``),
@@ -84,7 +84,7 @@ driver reads the signed decision and checks every live receiver as above.
 
 Liar trials (relay epochs, ``--classes liars``: none, the four below and the driver
 classes).  A relay of the tree (``ra`` or ``rb``) is run by someone without the key and lies
-to its children (``nemo_dcr/testbed/relay_faults.py``'s ``LyingStore``, each lie logged as a
+to its children (``testbed/nemo_dcr_testbed/relay_faults.py``'s ``LyingStore``, each lie logged as a
 ``"relay_lie"`` line):
 
 * ``relay_doc_lie``: ONE upstream fetch of v's ``DECISION.json`` or ``MANIFEST.json`` is
@@ -552,7 +552,7 @@ class ReceiverProc:
         self.incarnation += 1
         state_dir = os.path.join(self.dir, f"state-{self.incarnation}")  # from scratch
         log = open(os.path.join(self.dir, f"log-{self.incarnation}.txt"), "w")
-        cmd = [sys.executable, "-m", "nemo_dcr.testbed.faults", "--store", self.epoch.store_uri(self.rid),
+        cmd = [sys.executable, "-m", "nemo_dcr_testbed.faults", "--store", self.epoch.store_uri(self.rid),
                "--receiver-id", self.rid, "--model-id", "fault-campaign", "--init-dir", self.epoch.init_dir,
                "--plan-dir", self.epoch.plan_dir, "--dir", self.dir, "--state-dir", state_dir]
         if self.join:
@@ -606,7 +606,7 @@ class ReceiverProc:
 
 class RelayProc:
     """One relay of a relay epoch: the product's relay server, run by the test-bed launcher
-    ``nemo_dcr.testbed.relay_faults`` (which can make it serve flipped chunk bytes, per plan),
+    ``nemo_dcr_testbed.relay_faults`` (which can make it serve flipped chunk bytes, per plan),
     on a port fixed for the epoch so that a restarted relay is found at the same address."""
 
     def __init__(self, epoch: Epoch, role: str):
@@ -626,7 +626,7 @@ class RelayProc:
     def _launch(self, standby: str | None) -> subprocess.Popen:
         self.launches += 1  # every launch has its own log and its own, empty spool directory
         upstream = ",".join([self.epoch.relays[r].uri for r in RELAY_UPSTREAMS[self.role]] + [self.epoch.uri])
-        cmd = [sys.executable, "-m", "nemo_dcr.testbed.relay_faults", "--role", self.role,
+        cmd = [sys.executable, "-m", "nemo_dcr_testbed.relay_faults", "--role", self.role,
                "--plan-dir", self.epoch.plan_dir, "--upstream", upstream, "--listen", f"127.0.0.1:{self.port}",
                "--spool", os.path.join(self.dir, f"spool-{self.launches}"),
                "--hop-timeout-s", str(self.epoch.hop_timeout_s), "--retry-after-s", str(self.epoch.retry_after_s)]
@@ -768,7 +768,7 @@ class Epoch:
 
     def launch_trainer(self, resume: bool = False) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "nemo_dcr.testbed.campaign_trainer", "--dir", self.dir, "--store", self.uri,
+               "-m", "nemo_dcr_testbed.campaign_trainer", "--dir", self.dir, "--store", self.uri,
                "--ack-timeout-s", str(self.ack_timeout_s), "--seed", str(self.seed + self.index)]
         if self.pipeline:
             cmd += ["--pipeline", "--incarnation", str(self.incarnation)]

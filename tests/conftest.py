@@ -56,8 +56,8 @@ SPAWNING = (
     "vllm",
     "triton.compile",  # runs ptxas
     "nemo_dcr.runtimes.vllm",  # VLLMRuntime.start / VLLMServedModel.start: vLLM engines
-    "nemo_dcr.testbed.demo.run",  # the demo: torchrun trainer ranks + receiver processes
-    "nemo_dcr.testbed.demo._Children.start",
+    "nemo_dcr_testbed.demo.run",  # the demo: torchrun trainer ranks + receiver processes
+    "nemo_dcr_testbed.demo._Children.start",
 )
 # Existing markers that mean "starts processes" by their definition (pyproject.toml).
 SPAWNING_MARKERS = ("slow", "vllm")
@@ -68,6 +68,16 @@ def pytest_addoption(parser):
     parser.addoption("--timelog", metavar="PATH", default=None,
                      help="append one JSON line per test (wall and CPU seconds, CPU counting waited-for "
                           "child processes) to PATH as each test ends; summary: tests/timelog_report.py")
+
+
+def pytest_sessionstart(session):
+    # matplotlib builds its font cache on first use by running ``fc-list``; on a fresh machine
+    # that first use is inside whichever plotting test runs first, where the guard below
+    # refuses the spawn.  Build it here, before any test, outside the guard.
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pytest_configure(config):

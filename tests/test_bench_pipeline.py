@@ -120,7 +120,7 @@ def test_tiniest_run_writes_every_case_and_checks_bit_exactness(tmp_path):
 
 def test_summarize_run_writes_the_finished_phases(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "git_state", lambda root: None)  # no `git` subprocess here
-    from nemo_dcr.testbed.config import load_demo_config
+    from nemo_dcr_testbed.config import load_demo_config
 
     run = tmp_path / "run"
     (run / "go").mkdir(parents=True)

@@ -113,3 +113,26 @@ def test_a_cycle_is_found():
     graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
     assert cycles(graph) == {frozenset("ab"), frozenset("cde")}
     assert cycles({"a": {"b"}, "b": {"c"}}) == set()
+
+
+def bed_imports(source: str) -> list[int]:
+    """Lines of ``source`` that import the test bed, at any depth (inside functions too)."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else []
+        if any(x == "nemo_dcr_testbed" or x.startswith("nemo_dcr_testbed.") for x in names):
+            out.append(n.lineno)
+    return sorted(out)
+
+
+def test_the_product_does_not_import_the_test_bed():
+    """The test bed (testbed/nemo_dcr_testbed, its own distribution) stays out of the
+    product: no module of nemo_dcr imports it, not even lazily (`nemo-dcr demo` reaches it
+    through an entry point)."""
+    offenders = {str(p.relative_to(ROOT)): lines for p in ROOT.rglob("*.py") if (lines := bed_imports(p.read_text()))}
+    assert offenders == {}
+    # control: each import form is seen
+    assert bed_imports("def f():\n    from nemo_dcr_testbed.demo import main\n"
+                           "import nemo_dcr_testbed\nimport os, nemo_dcr_testbed.cpu_shim as s\n"
+                           "from nemo_dcr_testbedx import y\nfrom . import nemo_dcr_testbed\n") == [2, 3, 4]

@@ -5,8 +5,10 @@ proves the sdist holds what a build needs: the C sources and headers, the config
 wheel goes into a fresh virtualenv that reuses .venv's site-packages for the heavy
 dependencies (torch, megatron-core, transformers, hydra: nothing is downloaded) without
 processing its .pth files, so the editable install of this checkout is not on the path.
-From another directory, that venv then runs what ``RefitCallback(overrides=[...])`` does and
-``nemo-dcr demo steps=2``, which must end bit-exact.
+From another directory, that venv then runs what ``RefitCallback(overrides=[...])`` does.
+The test bed (testbed/, its own distribution) is in neither the sdist nor the wheel:
+``nemo-dcr demo`` then says what to install, and with the test bed's own wheel installed
+beside it, ``nemo-dcr demo steps=2`` must end bit-exact.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ print(json.dumps({"file": nemo_dcr.__file__, "settings": cb.refit.settings.to_di
 """
 
 
+def bed_members(names: list[str]) -> list[str]:
+    """The archive members that belong to the test bed (its package, or the old in-product one)."""
+    return [n for n in names if "nemo_dcr_testbed" in n or "nemo_dcr/testbed/" in n]
+
+
 def _run(cmd, cwd, timeout=600, check=True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -65,14 +72,24 @@ def installed(tmp_path_factory) -> Path:
     assert any(n.endswith(".h") for n in needed) and any(n.endswith(".yaml") for n in needed)
     assert sorted(set(needed) - {n.removeprefix(f"{top}/") for n in names}) == []
     assert not [n for n in names if n.endswith(".so")]
+    assert bed_members(names) == [] and not [n for n in names if n.startswith(f"{top}/testbed/")]
 
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", str(dist), str(tmp / "src" / top)], cwd=tmp)
     (wheel,) = dist.glob("nemo_dcr-*.whl")
     with zipfile.ZipFile(wheel) as z:
         members = z.namelist()
-    assert {"nemo_dcr/configs/refit.yaml", "nemo_dcr/configs/demo.yaml"} <= set(members)
+    assert "nemo_dcr/configs/refit.yaml" in members
     assert len([m for m in members if m.endswith(".so")]) == 3  # _cxor, _cans, _crans
+    assert bed_members(members) == [], bed_members(members)
+    # the test bed's own wheel, from this checkout's testbed/; control: the check above
+    # finds its modules there
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+          "-w", str(dist), str(ROOT / "testbed")], cwd=tmp)
+    (testbed_wheel,) = dist.glob("nemo_dcr_testbed-*.whl")
+    with zipfile.ZipFile(testbed_wheel) as z:
+        bed = z.namelist()
+    assert {"nemo_dcr_testbed/cpu_shim.py", "nemo_dcr_testbed/configs/demo.yaml"} <= set(bed_members(bed))
 
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
@@ -84,7 +101,7 @@ def installed(tmp_path_factory) -> Path:
     (site / "_heavy_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
           str(wheel)], cwd=tmp)
-    return py
+    return py, testbed_wheel
 
 
 def _origin(python, cwd) -> dict:
@@ -93,6 +110,7 @@ def _origin(python, cwd) -> dict:
 
 @pytest.mark.slow
 def test_installed_wheel_loads_settings_and_runs_the_demo(installed, tmp_path):
+    installed, testbed_wheel = installed
     venv_site = _run([str(installed), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                      cwd=tmp_path).stdout.strip()
     probe = _origin(installed, tmp_path)
@@ -113,8 +131,18 @@ def test_installed_wheel_loads_settings_and_runs_the_demo(installed, tmp_path):
                cwd=tmp_path, check=False)
     assert bad.returncode != 0 and "unknown config key 'refit.ack_pol_s'" in bad.stderr
 
+    # without the test bed, `demo` is one line naming what to install
+    script = str(installed.parent / "nemo-dcr")
+    missing = _run([script, "demo", "steps=2"], cwd=tmp_path, check=False)
+    assert missing.returncode == 2 and missing.stdout == "", missing
+    assert missing.stderr.strip().splitlines() == [
+        "nemo-dcr demo: the end-to-end demo is part of nemo_dcr's test bed, which is not installed "
+        "(from a nemo_dcr checkout: pip install ./testbed, or make setup)"], missing.stderr
+    _run([sys.executable, "-m", "pip", "--python", str(installed), "install", "--no-deps", "--no-index", "-q",
+          str(testbed_wheel)], cwd=tmp_path)
+
     # the console script, from another directory: a two-step refit, bit-exact at the receiver
-    demo = _run([str(installed.parent / "nemo-dcr"), "demo", "steps=2", f"run_dir={tmp_path}/run"], cwd=tmp_path)
+    demo = _run([script, "demo", "steps=2", f"run_dir={tmp_path}/run"], cwd=tmp_path)
     summary = json.loads(demo.stdout.strip().splitlines()[-1])
     assert (summary["refits"], summary["committed"], summary["bit_exact"], summary["verified"]) == (2, 2, 2, True)
     rows = [ln.split() for ln in demo.stdout.splitlines() if ln.split() and ln.split()[0] in ("1", "2")]

@@ -1,6 +1,6 @@
-"""The packaged Hydra configs (``refit.yaml``, ``demo.yaml``, package data found through
-``importlib.resources``, so an installed wheel finds them as the source tree does) and the
-one strict loader that turns them into keyword-only dataclasses.
+"""The packaged Hydra config (``refit.yaml``, package data found through
+``importlib.resources``, so an installed wheel finds it as the source tree does) and the
+one strict loader that turns it (and the test bed's ``demo.yaml``) into keyword-only dataclasses.
 
 :func:`load_config` composes ``<name>.yaml`` with Hydra's override grammar
 (``refit.receivers=[r0,r1]``, ``steps=5``) over the typed schema (the yaml's defaults list

@@ -209,7 +209,7 @@ def resume_position(store: ObjectStore, sealer: Sealer, state: RunState) -> tupl
     checkpoint's and a signed ``HEAD.json``'s count as used, so none is reused; a bare key
     planted far above them by a writer without the key does not (it would push the next
     number to the end of the key space)."""
-    c, uri = state.committed_version, store.uri
+    c = state.committed_version
     if state.weights_version != c:
         raise ProtocolError(
             f"cannot resume run {state.run_id}: the checkpoint's weights are step {state.weights_version}, the run's "

@@ -52,7 +52,7 @@ def _args(dtype: str, base, lo: int, hi: int, op: int):
 
 
 def _native_decode(payload, nnz, base, args):
-    lo, hi, width = args[0], args[1], args[2]
+    width = args[2]
     pos = np.empty(nnz, dtype=np.int64)
     val = np.empty(nnz, dtype=f"<u{width}")
     _crans.lanes_decode(payload, nnz, base, *args, pos, val)
@@ -180,7 +180,6 @@ def test_chunks_round_trip_bit_exact_with_negative_control():
 def test_records_decode_alone():
     """No state is shared: a record's payload is the same whatever precedes it."""
     rng = np.random.default_rng(8)
-    base = random_bits(rng, "bfloat16", N)
     idx, vals = _record(rng, "bfloat16", 0.05, XOR)
     d = TensorDelta(name="b", dtype="bfloat16", shape=(N,), op=DeltaOp.XOR, positions=idx, values=vals)
     idx2, vals2 = _record(rng, "bfloat16", 0.1, XOR)

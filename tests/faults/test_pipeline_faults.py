@@ -116,7 +116,7 @@ def test_busy_watch_logs_a_settle_waiting_on_progress_once():
     longer than BUSY_LOG_S on steps that keep progressing is logged once (the old record's
     hang, 'j2: no settled state within 120s', had nothing to show why).  Controls: an idle
     step resets the wait; a wait under the bound logs nothing."""
-    from nemo_dcr.testbed.faults import BusyWatch
+    from nemo_dcr_testbed.faults import BusyWatch
 
     w = BusyWatch(after_s=30.0)
     assert w.note(True, 0.0, 0.5) is None and w.note(True, 10.0, 29.0) is None  # under the bound

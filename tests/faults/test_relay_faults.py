@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from nemo_dcr.testbed.faults import Plans
-from nemo_dcr.testbed.relay_faults import FlippingStore, flip, open_upstreams
+from nemo_dcr_testbed.faults import Plans
+from nemo_dcr_testbed.relay_faults import FlippingStore, flip, open_upstreams
 from nemo_dcr.transport.failover import FailoverStore
 from nemo_dcr.transport.store import HOP_POLICY, LocalDirStore, StorePolicy
 from campaign_helpers import load_campaign
@@ -114,7 +114,7 @@ def _plan(plan_dir, v, fault, trial=0):
 def test_lying_store_documents(tmp_path):
     """The liar's document lies act on the planned version and role only (controls: another
     role, another version, and the lie served once per plan, counted across restarts)."""
-    from nemo_dcr.testbed.relay_faults import OVERSIZE_PAD, LyingStore
+    from nemo_dcr_testbed.relay_faults import OVERSIZE_PAD, LyingStore
 
     origin = LocalDirStore(str(tmp_path / "store"))
     plan_dir = tmp_path / "plan"
@@ -140,7 +140,7 @@ def test_lying_store_documents(tmp_path):
 
 
 def test_lying_store_head_acks_bootstrap(tmp_path):
-    from nemo_dcr.testbed.relay_faults import LyingStore
+    from nemo_dcr_testbed.relay_faults import LyingStore
 
     origin = LocalDirStore(str(tmp_path / "store"))
     plan_dir = tmp_path / "plan"

@@ -5,7 +5,7 @@ Usage: torchrun --nproc-per-node 2 bridge_exit_worker.py --store S --dense D --i
        --exit-after E [--no-exit-settle]
 
 ``RefitBridgeCallback`` registered through Bridge 0.6.2's own ``callbacks.py`` and fired in
-its ``train.py`` order (``nemo_dcr/testbed/bridge_loop.py``), with ``train_iters=N`` and an
+its ``train.py`` order (``testbed/nemo_dcr_testbed/bridge_loop.py``), with ``train_iters=N`` and an
 exit condition met after iteration E (``exit_interval`` / ``exit_duration_in_mins`` / a
 signal): the loop breaks and calls ``sys.exit(0)`` BEFORE ``on_train_end``, so nothing
 drains the pipelined refit's last version E -- only the refit's exit settle
@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     from nemo_dcr.sender import inflight as sender_mod
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    from nemo_dcr.testbed import bridge_loop, bridge_release
+    from nemo_dcr_testbed import bridge_loop, bridge_release
 
     if args.no_exit_settle:
         sender_mod._SETTLE_ON_EXIT = False

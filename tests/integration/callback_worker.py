@@ -18,7 +18,7 @@ KIND ``bridge`` (TP=2) and ``bridge_vpp`` (``context.model`` = the two model chu
 interleaved pipeline, PP=2 x virtual PP=2, 4 layers, one per chunk, trained by megatron's
 interleaved 1F1B schedule): ``RefitBridgeCallback`` registered through Megatron-Bridge
 0.6.2's own ``callbacks.py`` and fired in its ``train.py`` order
-(``nemo_dcr/testbed/bridge_loop.py``): ``train_state.step`` is incremented AFTER
+(``testbed/nemo_dcr_testbed/bridge_loop.py``): ``train_state.step`` is incremented AFTER
 ``on_train_step_end``.  ``--skip I``: iteration I is skipped (``skipped_iter=True``; the
 optimizer makes no update, so the params are left as they are).  ``--ckpt DIR
 --save-interval N``: a checkpoint every N iterations in Bridge's layout
@@ -65,8 +65,8 @@ class InterleavedTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        from nemo_dcr.testbed import cpu_shim
-        from nemo_dcr.testbed.model import init_parallel, padded_vocab_size, transformer_config
+        from nemo_dcr_testbed import cpu_shim
+        from nemo_dcr_testbed.model import init_parallel, padded_vocab_size, transformer_config
 
         self.cfg = cfg
         init_parallel(1, 2)
@@ -95,7 +95,7 @@ class InterleavedTrainer:
         self.steps_done = 0
 
     def _batches(self, step: int):
-        from nemo_dcr.testbed import token_batch
+        from nemo_dcr_testbed import token_batch
 
         pos = torch.arange(self.cfg.seq_length).unsqueeze(0)
         for mb in range(2):
@@ -106,7 +106,7 @@ class InterleavedTrainer:
     def train_step(self) -> int:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from nemo_dcr.testbed import Trainer
+        from nemo_dcr_testbed import Trainer
 
         step = self.steps_done + 1
         for c in self.chunks:
@@ -140,7 +140,7 @@ class InterleavedTrainer:
                 assert torch.equal(state[name].view(torch.int16), w.view(torch.int16)), name
 
     def close(self) -> None:
-        from nemo_dcr.testbed.model import destroy_parallel
+        from nemo_dcr_testbed.model import destroy_parallel
 
         destroy_parallel()
 
@@ -208,7 +208,7 @@ def parse_args():
 
 
 def build(kind: str):
-    from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer
+    from nemo_dcr_testbed import ModelConfig, TrainConfig, Trainer
 
     if kind == "bridge_vpp":
         cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -266,7 +266,7 @@ def run_nemo(args, cfg, trainer, overrides) -> None:
 
 def run_bridge(args, cfg, trainer, model, overrides) -> None:
     from nemo_dcr.integrations.bridge import RefitBridgeCallback
-    from nemo_dcr.testbed import bridge_loop, bridge_release
+    from nemo_dcr_testbed import bridge_loop, bridge_release
 
     bridge = bridge_release.load()
     callback = RefitBridgeCallback(overrides=[*overrides, f"refit.every_n_steps={args.every_n}"])

@@ -22,7 +22,7 @@ def main() -> None:
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
     from nemo_dcr.sender import RefitOptions
     from nemo_dcr.layout.families import UnsupportedModelError
-    from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, transformer_config, unwrap_gpt
+    from nemo_dcr_testbed.model import ModelConfig, build_gpt, init_parallel, transformer_config, unwrap_gpt
     from nemo_dcr.transport.store import LocalDirStore
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -24,7 +24,7 @@ def main() -> None:
     from nemo_dcr.layout.families import select_family
     from nemo_dcr.layout.mapping import CanonicalProjector
     from nemo_dcr.layout.shards import collect_param_views
-    from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel
+    from nemo_dcr_testbed.model import ModelConfig, build_gpt, init_parallel
 
     moe = family == "qwen3_moe"
     # odd vocab (padded by Megatron), GQA with 2 query heads per group

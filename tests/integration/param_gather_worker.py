@@ -28,7 +28,7 @@ def main() -> None:
     out_path, store_dir = sys.argv[1], sys.argv[2]
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
     from nemo_dcr.sender import RefitOptions
-    from nemo_dcr.testbed import ModelConfig, TrainConfig, Trainer
+    from nemo_dcr_testbed import ModelConfig, TrainConfig, Trainer
     from nemo_dcr.transport.store import LocalDirStore
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -42,8 +42,8 @@ def tiny_tp2_trainer(out_dir: str):
     TP=2; and the run's signing key, written by rank 0 into ``out_dir/key``.  Returns
     (trainer, key path)."""
     from nemo_dcr.protocol.signing import new_key_file
-    from nemo_dcr.testbed.model import ModelConfig
-    from nemo_dcr.testbed.train import TrainConfig, Trainer
+    from nemo_dcr_testbed.model import ModelConfig
+    from nemo_dcr_testbed.train import TrainConfig, Trainer
 
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
                       ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)

@@ -1,7 +1,7 @@
 """``RefitBridgeCallback`` under Megatron-Bridge 0.6.2's own callback machinery.
 
 Bridge's ``megatron/bridge/training/callbacks.py`` comes from the released wheel (sha256
-pinned, ``nemo_dcr/testbed/bridge_release.py``); ``import megatron.bridge`` itself cannot run
+pinned, ``testbed/nemo_dcr_testbed/bridge_release.py``); ``import megatron.bridge`` itself cannot run
 here (Transformer Engine).  Its ``normalize_callbacks`` / ``CallbackManager`` register the
 callback, and ``testbed/bridge_loop.py`` fires the events in ``train.py``'s order:
 ``on_train_step_end`` BEFORE ``train_state.step += 1``, ``on_checkpoint_save`` after a save.
@@ -27,7 +27,7 @@ import pytest
 from nemo_dcr.integrations.attach import RefitMetrics
 from nemo_dcr.integrations.bridge import STATE_FILE, RefitBridgeCallback
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError
-from nemo_dcr.testbed import bridge_loop, bridge_release
+from nemo_dcr_testbed import bridge_loop, bridge_release
 
 from .test_callbacks import _dense_hf_state
 from .test_refit_e2e import bit_differences

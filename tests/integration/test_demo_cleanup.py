@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from nemo_dcr.testbed import demo
+from nemo_dcr_testbed import demo
 
 SMALL = ["model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.ffn_hidden_size=256", "model.vocab_size=1003",
@@ -112,7 +112,7 @@ def test_a_failing_receiver_stops_every_process_the_demo_started(tmp_path, monke
     assert "stopped" in err[-1] and "\n" not in err[-1]
     cmds = [cmd for _, cmd in watcher.seen.values()]
     # control: the trainer ranks and the healthy receiver r0 were running while the demo ran
-    assert sum("nemo_dcr.testbed.run_trainer" in c and "torch.distributed.run" not in c for c in cmds) == 2, cmds
+    assert sum("nemo_dcr_testbed.run_trainer" in c and "torch.distributed.run" not in c for c in cmds) == 2, cmds
     assert any("nemo_dcr.receiver.cli" in c and "--receiver-id r0" in c for c in cmds), cmds
     assert stops and stops[0][1] >= 3  # torchrun + 2 ranks at least were still running
     assert os.path.exists(tmp_path / "run" / "receiver-r1.log")

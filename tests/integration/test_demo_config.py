@@ -2,8 +2,8 @@
 any process starts or anything is written."""
 import pytest
 
-from nemo_dcr.testbed.config import ConfigError, load_demo_config
-from nemo_dcr.testbed.demo import main
+from nemo_dcr_testbed.config import ConfigError, load_demo_config
+from nemo_dcr_testbed.demo import main
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -58,7 +58,7 @@ def test_good_overrides_load(tmp_path):
     assert (cfg.model.family, cfg.refit.coding, cfg.steps) == ("qwen3", "plain", 2)
     assert (cfg.refit.receivers, cfg.refit.on_refusal, cfg.refit.ack_poll_s, cfg.refit.model_id,
             cfg.refit.key_file) == (("r0", "r1"), "fail", 0.5, "x", f"{tmp_path}/k")
-    assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (nemo_dcr/configs/demo.yaml)
+    assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (testbed/nemo_dcr_testbed/configs/demo.yaml)
 
 
 def test_receiver_runtime_is_any_registered_name(monkeypatch):
@@ -73,7 +73,7 @@ def test_receiver_runtime_is_any_registered_name(monkeypatch):
 def test_a_yaml_key_the_schema_lacks_names_the_file(tmp_path):
     from importlib import resources
 
-    text = (resources.files("nemo_dcr.configs") / "demo.yaml").read_text()
+    text = (resources.files("nemo_dcr_testbed") / "configs" / "demo.yaml").read_text()
     (tmp_path / "demo.yaml").write_text(text.replace("refit:\n", "refit:\n  chunk_byte: 5\n"))
     with pytest.raises(ConfigError) as e:
         load_demo_config([], config_dir=str(tmp_path))

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from nemo_dcr.testbed import demo
-from nemo_dcr.testbed.config import load_demo_config
-from nemo_dcr.testbed.demo import main
+from nemo_dcr_testbed import demo
+from nemo_dcr_testbed.config import load_demo_config
+from nemo_dcr_testbed.demo import main
 
 from .test_demo_relay import SMALL
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from nemo_dcr.testbed import demo
+from nemo_dcr_testbed import demo
 
 
 def _snapshot(root) -> dict[str, tuple[bytes, int]]:

@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from nemo_dcr.integrations.settings import RefitOptions
-from nemo_dcr.testbed import demo
-from nemo_dcr.testbed.config import RefitConfig, load_demo_config
-from nemo_dcr.testbed.demo import main, relay_tree
+from nemo_dcr_testbed import demo
+from nemo_dcr_testbed.config import RefitConfig, load_demo_config
+from nemo_dcr_testbed.demo import main, relay_tree
 
 from .test_demo_cleanup import FAIL_R1, _Watcher
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nemo_dcr.testbed import demo
-from nemo_dcr.testbed.config import load_demo_config
+from nemo_dcr_testbed import demo
+from nemo_dcr_testbed.config import load_demo_config
 from nemo_dcr.protocol.manifest import Ack, Manifest, ack_key, chunk_key, dense_key, manifest_key
 from nemo_dcr.receiver.apply import DeltaApplier
 from nemo_dcr.receiver.verify import load_dense, module_state, state_digest

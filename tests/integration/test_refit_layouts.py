@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_dcr.protocol.manifest import Manifest, dense_key, manifest_key
-from nemo_dcr.testbed import demo
-from nemo_dcr.testbed.config import load_demo_config
+from nemo_dcr_testbed import demo
+from nemo_dcr_testbed.config import load_demo_config
 from nemo_dcr.transport.store import LocalDirStore
 
 from .test_refit_e2e import SMALL, bit_differences
@@ -125,15 +125,3 @@ def test_four_rank_layout_refits_bit_exactly(tmp_path, layout):
         store = LocalDirStore(str(tmp_path / "store"))
         for v in range(1, STEPS + 1):
             assert {c.rank for c in Manifest.from_json(store.get(manifest_key(v))).chunks} == {0, 1}
-
-
-def test_the_product_does_not_import_the_test_bed():
-    """The test bed stays out of the product's data flow (DESIGN: nothing in the product
-    imports it): no module outside nemo_dcr/testbed imports nemo_dcr.testbed."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[2] / "nemo_dcr"
-    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if "testbed" not in p.parts and "nemo_dcr.testbed" in p.read_text()
-                 and p.name != "cli.py"]  # the CLI dispatches `nemo-dcr demo` to the test bed
-    assert offenders == []

@@ -16,8 +16,8 @@ import pytest
 from nemo_dcr.configs import ConfigError, check_override_keys
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
 from nemo_dcr.integrations.settings import RefitOptions, RefitSettings, RefitSetupError, load_refit_settings
-from nemo_dcr.testbed import run_trainer
-from nemo_dcr.testbed.config import DemoConfig, RefitConfig, load_demo_config
+from nemo_dcr_testbed import run_trainer
+from nemo_dcr_testbed.config import DemoConfig, RefitConfig, load_demo_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

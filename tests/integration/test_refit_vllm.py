@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_dcr.protocol.manifest import dense_key
-from nemo_dcr.testbed import demo
-from nemo_dcr.testbed.config import load_demo_config
+from nemo_dcr_testbed import demo
+from nemo_dcr_testbed.config import load_demo_config
 
 from .test_refit_e2e import SMALL, bit_differences
 

@@ -20,9 +20,9 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import torch  # noqa: E402
 
-from nemo_dcr.testbed import cpu_shim  # noqa: E402
-from nemo_dcr.testbed.model import ModelConfig  # noqa: E402
-from nemo_dcr.testbed.train import TrainConfig, Trainer  # noqa: E402
+from nemo_dcr_testbed import cpu_shim  # noqa: E402
+from nemo_dcr_testbed.model import ModelConfig  # noqa: E402
+from nemo_dcr_testbed.train import TrainConfig, Trainer  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from nemo_dcr.testbed.model import ModelConfig, padded_vocab_size
-from nemo_dcr.testbed.train import TrainConfig, token_batch
+from nemo_dcr_testbed.model import ModelConfig, padded_vocab_size
+from nemo_dcr_testbed.train import TrainConfig, token_batch
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_train_config_validation(kwargs):
 
 
 def test_cpu_shim_refuses_where_cuda_is_available_and_patches_nothing(monkeypatch):
-    from nemo_dcr.testbed import cpu_shim
+    from nemo_dcr_testbed import cpu_shim
 
     if cpu_shim.is_applied():
         pytest.skip("the shim was applied in this process by an earlier test")
@@ -160,7 +160,7 @@ def test_check_parallel_rejects_bad_expert_and_stage_layouts(cfg, kw, match):
     ],
 )
 def test_stage_layer_counts(num_layers, pp, first, last, expected):
-    from nemo_dcr.testbed.model import stage_layer_counts
+    from nemo_dcr_testbed.model import stage_layer_counts
 
     counts = stage_layer_counts(num_layers, pp, first_stage_layers=first, last_stage_layers=last)
     assert counts == expected and sum(counts) == num_layers
@@ -177,7 +177,7 @@ def test_moe_with_tensor_parallelism_is_refused_with_the_reason():
 
 
 def test_demo_config_parallel_expert_and_stage_fields_round_trip():
-    from nemo_dcr.testbed.config import DemoConfig, ParallelConfig
+    from nemo_dcr_testbed.config import DemoConfig, ParallelConfig
 
     moe = ModelConfig(family="qwen3_moe", num_moe_experts=4, num_layers=3)
     cfg = DemoConfig(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr.testbed.model import ModelConfig, padded_vocab_size
+from nemo_dcr_testbed.model import ModelConfig, padded_vocab_size
 
 from test_megatron_training import VOCAB, _all_records, _print_layout, launch, tiling_errors
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from nemo_dcr.testbed.model import ModelConfig, padded_vocab_size
+from nemo_dcr_testbed.model import ModelConfig, padded_vocab_size
 
 WORKER = Path(__file__).with_name("_worker.py")
 LAUNCH_TIMEOUT_S = 240

@@ -128,7 +128,7 @@ class Oracle(BaseCallback):
 def main() -> None:
     import nemo_run as run
 
-    from nemo_dcr.testbed import nemo_cpu
+    from nemo_dcr_testbed import nemo_cpu
 
     out_dir, argv = sys.argv[1], sys.argv[2:]
     nemo_cpu.apply()

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nemo_dcr.testbed.config import ConfigError, DemoConfig, load_demo_config
+from nemo_dcr_testbed.config import ConfigError, DemoConfig, load_demo_config
 
 STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
@@ -466,7 +466,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     trainer_log = open(os.path.join(cfg.run_dir, "trainer.log"), "w")
     trainer = children.start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-         "-m", "nemo_dcr.testbed.run_trainer", "--config", cfg_path], trainer_log, env)
+         "-m", "nemo_dcr_testbed.run_trainer", "--config", cfg_path], trainer_log, env)
     _err(f"trainer: {cfg.model.family}, {world} ranks (TP={cfg.parallel.tensor_model_parallel_size}, "
          f"PP={cfg.parallel.pipeline_model_parallel_size}, DP={cfg.parallel.data_parallel_size}, "
          f"EP={cfg.parallel.expert_model_parallel_size}), log {trainer_log.name}")

@@ -32,8 +32,8 @@ every rank waits for it, sets the learning rate (and ``refit.coding``, if the pl
 0 appends one JSON row to ``steps.jsonl``.  The receiver writes ``ready`` once it holds
 version 0 and stops when ``stop`` appears.
 
-    torchrun --nproc-per-node 2 -m nemo_dcr.testbed.link_refit trainer --config C --dir D
-    python -m nemo_dcr.testbed.link_refit receiver --store URI --receiver-id r0 --model-id M --dir D
+    torchrun --nproc-per-node 2 -m nemo_dcr_testbed.link_refit trainer --config C --dir D
+    python -m nemo_dcr_testbed.link_refit receiver --store URI --receiver-id r0 --model-id M --dir D
 
 Timestamps crossing processes are ``time.monotonic()`` (one CLOCK_MONOTONIC per machine).
 """
@@ -141,7 +141,7 @@ def _dense_refit(hook, version: int, receivers: tuple[str, ...], timeout_s: floa
 
 
 def trainer_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.link_refit trainer")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.link_refit trainer")
     ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
     ap.add_argument("--dir", required=True, help="driver directory (go/<step>.json in, steps.jsonl out)")
     ap.add_argument("--driver-pid", type=int, default=0, help="stop when this process is gone")
@@ -149,8 +149,8 @@ def trainer_main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from nemo_dcr.testbed.config import DemoConfig
-    from nemo_dcr.testbed.run_trainer import build_trainer
+    from nemo_dcr_testbed.config import DemoConfig
+    from nemo_dcr_testbed.run_trainer import build_trainer
 
     with open(args.config) as f:
         cfg = DemoConfig.from_dict(json.load(f))
@@ -206,7 +206,7 @@ def _negative_control(module, reference) -> bool:
 
 
 def receiver_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.link_refit receiver")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.link_refit receiver")
     ap.add_argument("--store", required=True)
     ap.add_argument("--receiver-id", required=True)
     ap.add_argument("--model-id", required=True)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     roles = {"trainer": trainer_main, "receiver": receiver_main}
     if not argv or argv[0] not in roles:
-        print(f"usage: python -m nemo_dcr.testbed.link_refit {{{','.join(roles)}}} ...", file=sys.stderr)
+        print(f"usage: python -m nemo_dcr_testbed.link_refit {{{','.join(roles)}}} ...", file=sys.stderr)
         return 2
     return roles[argv[0]](argv[1:])
 

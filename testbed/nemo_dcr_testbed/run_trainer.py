@@ -1,4 +1,4 @@
-"""Trainer processes of the demo: ``torchrun ... -m nemo_dcr.testbed.run_trainer --config C``.
+"""Trainer processes of the demo: ``torchrun ... -m nemo_dcr_testbed.run_trainer --config C``.
 
 Every rank trains the Megatron-Core model and runs the refit hook after each step; rank 0
 appends one JSON line per step to ``<run_dir>/steps.jsonl`` (what ``nemo-dcr demo`` prints).
@@ -14,9 +14,9 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from nemo_dcr.testbed.config import DemoConfig
+from nemo_dcr_testbed.config import DemoConfig
 from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
-from nemo_dcr.testbed.train import Trainer
+from nemo_dcr_testbed.train import Trainer
 from nemo_dcr.transport.store import open_store
 
 
@@ -60,7 +60,7 @@ def wait_for_joins(store, cfg: DemoConfig, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.run_trainer")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.run_trainer")
     ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
     args = ap.parse_args(argv)
     with open(args.config) as f:

@@ -1,7 +1,7 @@
 """Relays of the fault campaign (``scripts/fault_campaign.py``, relay classes): test bed
 only, nothing in the product imports it.
 
-``python -m nemo_dcr.testbed.relay_faults --role ra --plan-dir P --upstream URI[,URI...]
+``python -m nemo_dcr_testbed.relay_faults --role ra --plan-dir P --upstream URI[,URI...]
 --listen HOST:PORT --spool DIR`` runs the product's relay server (``transport/relay/``)
 unchanged, over an upstream store that is the product's upstream list
 (:func:`open_upstreams`) wrapped in :class:`FlippingStore`.  The wrapper does nothing
@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from nemo_dcr.testbed.faults import Plans, key_kind
+from nemo_dcr_testbed.faults import Plans, key_kind
 from nemo_dcr.protocol.manifest import DOC_LIMITS, HEAD_KEY, INIT_RECORD_KEY, RUN_KEY, decision_key, manifest_key
 from nemo_dcr.transport.store import ObjectInfo, ObjectNotFound, StorePolicy, open_store
 
@@ -275,7 +275,7 @@ class LyingStore(FlippingStore):
 
 
 def relay_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.relay_faults")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.relay_faults")
     ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--plan-dir", required=True)
     ap.add_argument("--upstream", required=True, help="the relay's ordered upstream list, ending with the origin")

@@ -10,14 +10,13 @@ taken from the wheel of the release the tests pin, never from a copy in this rep
   megatron-bridge==0.6.2`` (the wheel needs Python 3.12; ``--python-version`` lets pip on
   3.11 fetch it) with the wheel's sha256 required, extracts only ``callbacks.py`` into
   ``.cache/megatron-bridge-0.6.2/`` and drops the wheel.  ``make setup`` runs it
-  (``python -m nemo_dcr.testbed.bridge_release``); ``load()`` runs it when the cache is
+  (``python -m nemo_dcr_testbed.bridge_release``); ``load()`` runs it when the cache is
   empty.
 * ``load()`` checks the extracted file's sha256 (pinned as well), then imports it under a
   private module name, so nothing named ``megatron.bridge`` appears in ``sys.modules``.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -26,12 +25,15 @@ import sys
 import tempfile
 import zipfile
 
+from nemo_dcr.protocol.version0 import sha256_file
+
 BRIDGE_VERSION = "0.6.2"
 WHEEL = f"megatron_bridge-{BRIDGE_VERSION}-py3-none-any.whl"
 WHEEL_SHA256 = "bcb7274ab9327167c345aa24b96b95790ce5090df1945d883bdc41065d5649e2"
 MEMBER = "megatron/bridge/training/callbacks.py"
 MEMBER_SHA256 = "7f3f8a7a72c854a698948e4ccd0012f1c7e615864f7a0feecffc270a11d1d8eb"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout: this file is <checkout>/testbed/nemo_dcr_testbed/bridge_release.py
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CACHE_DIR = os.path.join(ROOT, ".cache", f"megatron-bridge-{BRIDGE_VERSION}")
 MODULE_NAME = "_nemo_dcr_bridge_callbacks_" + BRIDGE_VERSION.replace(".", "_")
 
@@ -41,11 +43,7 @@ class BridgeReleaseError(RuntimeError):
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path).removeprefix("sha256:")
 
 
 def fetch(cache_dir: str = CACHE_DIR) -> str:

@@ -1,8 +1,8 @@
 """Trainer ranks of the fault campaign: ``torchrun --nproc-per-node=2 -m
-nemo_dcr.testbed.campaign_trainer --dir D --store URI``.
+nemo_dcr_testbed.campaign_trainer --dir D --store URI``.
 
 A tiny megatron-core model (TP=2, gloo) with the product's ``MegatronRefitHook`` on a
-:class:`~nemo_dcr.testbed.faults.FaultyStore`.  Step ``s`` (= version ``s``) is taken only
+:class:`~nemo_dcr_testbed.faults.FaultyStore`.  Step ``s`` (= version ``s``) is taken only
 once the driver wrote ``D/go/<s>`` (after ``D/plan/v<s>.json``); before the refit, rank 0
 writes the trainer's canonical dense state of the step to ``D/dense/v<s>.safetensors``,
 and after the joint commit one JSON row to ``D/steps.jsonl``.  ``D/stop`` ends the run.
@@ -42,14 +42,14 @@ RECEIVERS = ("r0", "r1")
 
 
 def model_config():
-    from nemo_dcr.testbed.model import ModelConfig
+    from nemo_dcr_testbed.model import ModelConfig
 
     return ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2,
                        ffn_hidden_size=128, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=64)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.campaign_trainer")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.campaign_trainer")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--ack-timeout-s", type=float, default=3.0)
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_dcr.integrations.megatron_hook import MegatronRefitHook
     from nemo_dcr.sender import RefitOptions
     from nemo_dcr.protocol.signing import load_key
-    from nemo_dcr.testbed.faults import FaultyStore, Plans
-    from nemo_dcr.testbed.train import TrainConfig, Trainer
+    from nemo_dcr_testbed.faults import FaultyStore, Plans
+    from nemo_dcr_testbed.train import TrainConfig, Trainer
     from nemo_dcr.transport.store import open_store
 
     trainer = Trainer(model_config(), TrainConfig(lr=3e-4, data_seed=args.seed), tp=2)

@@ -3,8 +3,8 @@
 Importing this package does not import megatron-core and patches nothing; megatron is
 imported (and the CPU shim applied) by :func:`init_parallel`.
 """
-from nemo_dcr.testbed import cpu_shim
-from nemo_dcr.testbed.model import (
+from nemo_dcr_testbed import cpu_shim
+from nemo_dcr_testbed.model import (
     FAMILIES,
     ModelConfig,
     ParallelError,
@@ -15,7 +15,7 @@ from nemo_dcr.testbed.model import (
     stage_layer_counts,
     unwrap_gpt,
 )
-from nemo_dcr.testbed.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
+from nemo_dcr_testbed.train import PostStepHook, StepResult, TrainConfig, Trainer, token_batch
 
 __all__ = [
     "FAMILIES",

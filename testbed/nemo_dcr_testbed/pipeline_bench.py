@@ -24,7 +24,7 @@ of the version each step published (``PublishStats``: diff_s/project_s are the s
 rank's).
 
 A ``verify`` phase runs a dense refit of the last committed version through
-``link_refit._dense_refit``: the receiver (``python -m nemo_dcr.testbed.link_refit
+``link_refit._dense_refit``: the receiver (``python -m nemo_dcr_testbed.link_refit
 receiver``) loads it into a second model and compares its delta-refit model with it bit for
 bit, with a one-bit negative control on its first comparison.
 
@@ -32,7 +32,7 @@ Driver protocol (files in ``--dir``): ``go/<n>.json`` is phase ``n`` (``{"kind":
 "mode": ..., "steps": int, "lr": float, "link_mbit": float|None}``, ``{"kind": "verify"}``
 or ``{"kind": "stop"}``); after each, rank 0 appends one JSON line to ``phases.jsonl``.
 
-    torchrun --nproc-per-node 2 -m nemo_dcr.testbed.pipeline_bench --config C --dir D
+    torchrun --nproc-per-node 2 -m nemo_dcr_testbed.pipeline_bench --config C --dir D
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _run_phase(trainer, hook, plan: dict, state: dict) -> dict:
 
 
 def trainer_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.pipeline_bench")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.pipeline_bench")
     ap.add_argument("--config", required=True, help="resolved DemoConfig as JSON")
     ap.add_argument("--dir", required=True, help="driver directory (go/<n>.json in, phases.jsonl out)")
     ap.add_argument("--driver-pid", type=int, default=0, help="stop when this process is gone")
@@ -108,9 +108,9 @@ def trainer_main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from nemo_dcr.testbed.config import DemoConfig
-    from nemo_dcr.testbed.link_refit import _dense_refit, _wait_json
-    from nemo_dcr.testbed.run_trainer import build_trainer
+    from nemo_dcr_testbed.config import DemoConfig
+    from nemo_dcr_testbed.link_refit import _dense_refit, _wait_json
+    from nemo_dcr_testbed.run_trainer import build_trainer
 
     with open(args.config) as f:
         cfg = DemoConfig.from_dict(json.load(f))

@@ -1,5 +1,5 @@
 """Configuration of the end-to-end job: keyword-only dataclasses are the schema, Hydra
-(the packaged ``nemo_dcr/configs/demo.yaml`` + command-line overrides) is only the edge.
+(the test bed's packaged ``configs/demo.yaml`` + command-line overrides) is only the edge.
 
 ``load_demo_config(overrides)`` composes ``demo.yaml`` with Hydra's override grammar
 (``model.vocab_size=1003``, ``steps=5``) through the one strict loader
@@ -12,13 +12,15 @@ and defaults as a NeMo / Bridge callback's ``refit.*``) plus two test-bed aids.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 
 from nemo_dcr.configs import (ConfigError, build, check_override_keys,  # noqa: F401 - re-exported
                               describe_config_error, load_config)
 from nemo_dcr.integrations.settings import RefitOptions
-from nemo_dcr.testbed.model import ModelConfig
-from nemo_dcr.testbed.train import TrainConfig
+from nemo_dcr_testbed.model import ModelConfig
+from nemo_dcr_testbed.train import TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -234,4 +236,7 @@ class DemoConfig:
 def load_demo_config(overrides: list[str], *, config_dir: str | None = None, config_name: str = "demo") -> DemoConfig:
     """``<config_dir>/<config_name>.yaml`` (by default the packaged ``demo.yaml``) with Hydra
     overrides, as the validated dataclasses; any refusal is one :class:`ConfigError` line."""
-    return load_config(DemoConfig, config_name, overrides, config_dir=config_dir)
+    with ExitStack() as stack:
+        if config_dir is None:
+            config_dir = str(stack.enter_context(resources.as_file(resources.files(__package__) / "configs")))
+        return load_config(DemoConfig, config_name, overrides, config_dir=config_dir)

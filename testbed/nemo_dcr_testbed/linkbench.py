@@ -47,7 +47,7 @@ def run_cli(tag: str, body: Callable[[], int]) -> int:
 def execute_run(run) -> dict:
     """``run.execute()`` of a benchmark's ``Run``, its processes stopped and its link removed
     however it ends: on return, on an exception, at interpreter exit and on SIGTERM."""
-    from nemo_dcr.testbed.demo import _interrupt_on_sigterm
+    from nemo_dcr_testbed.demo import _interrupt_on_sigterm
 
     atexit.register(run.cleanup)
     restore = _interrupt_on_sigterm()

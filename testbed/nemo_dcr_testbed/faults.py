@@ -8,13 +8,13 @@ wraps its store in :class:`FaultyStore` and, on a receiver, its served model in
 to and act only when the plan names this process (``target``: ``r0``, ``r1``,
 ``rank0``, ``rank1``); in a relay epoch the receivers read their upstream list without
 :class:`FaultyStore` (``--no-store-faults``: the faults are the relays', see
-``nemo_dcr/testbed/relay_faults.py``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
+``testbed/nemo_dcr_testbed/relay_faults.py``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
 (at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``
 (``hold``: a trainer rank sleeps before a put, so a pipelined version stays in flight
 while the driver kills the ranks).  ``--join`` makes a receiver ask to become a member
 (elastic membership: the product's ``Follower.join``, as ``nemo-dcr receive --join``).
 
-:func:`receiver_main` (``python -m nemo_dcr.testbed.faults``) is ``nemo-dcr receive`` for
+:func:`receiver_main` (``python -m nemo_dcr_testbed.faults``) is ``nemo-dcr receive`` for
 the transformers runtime, built by the product's ``build_receiver`` with both wrappers
 through its supported injection points (``wrap_served``, ``before_fetch``), and one extra: the driver asks for the served
 state by writing ``<dir>/req``; the receiver then steps the protocol until it is idle and
@@ -341,7 +341,7 @@ class BusyWatch:
 
 
 def receiver_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nemo_dcr.testbed.faults")
+    ap = argparse.ArgumentParser(prog="nemo_dcr_testbed.faults")
     ap.add_argument("--store", required=True)
     ap.add_argument("--receiver-id", required=True)
     ap.add_argument("--model-id", required=True)
@@ -368,7 +368,7 @@ def receiver_main(argv: list[str] | None = None) -> int:
     from nemo_dcr.protocol.signing import load_key
     from nemo_dcr.receiver.bootstrap import build_receiver
     from nemo_dcr.receiver.engine import ReceiverConfig
-    from nemo_dcr.testbed.relay_faults import open_upstreams
+    from nemo_dcr_testbed.relay_faults import open_upstreams
 
     rid = args.receiver_id
     key = load_key(None)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nemo_dcr.testbed.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
+from nemo_dcr_testbed.model import ModelConfig, build_gpt, init_parallel, unwrap_gpt
 
 __all__ = ["MasterShard", "PostStepHook", "StepResult", "TrainConfig", "Trainer", "token_batch"]
 
@@ -152,7 +152,7 @@ class Trainer:
     Construct it on every rank of a torchrun launch; ``tp * pp`` must divide the world size
     (the rest is data parallelism) and ``ep`` (expert parallelism, MoE models) must divide the
     data-parallel size.  ``first_stage_layers`` / ``last_stage_layers`` (0 = even split) give
-    uneven pipeline stages (see :func:`~nemo_dcr.testbed.model.stage_layer_counts`).
+    uneven pipeline stages (see :func:`~nemo_dcr_testbed.model.stage_layer_counts`).
     """
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, tp: int, pp: int = 1,
@@ -375,7 +375,7 @@ class Trainer:
 
     def close(self) -> None:
         """Tear down megatron's model-parallel state and the process group."""
-        from nemo_dcr.testbed.model import destroy_parallel
+        from nemo_dcr_testbed.model import destroy_parallel
 
         destroy_parallel()
 

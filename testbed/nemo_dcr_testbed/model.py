@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_dcr.integrations.megatron_model import unwrap_gpt  # the product's: one definition
-from nemo_dcr.testbed import cpu_shim
+from nemo_dcr_testbed import cpu_shim
 
 __all__ = [
     "FAMILIES",

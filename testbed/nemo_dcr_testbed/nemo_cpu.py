@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from nemo_dcr.testbed import cpu_shim
+from nemo_dcr_testbed import cpu_shim
 
 __all__ = ["apply", "is_applied"]
 
