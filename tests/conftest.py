@@ -336,6 +336,17 @@ def pytest_collection_modifyitems(config, items):
         reasons = finder.item(item)
         if reasons:
             item.add_marker(pytest.mark.spawns(reason=reasons[0]))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is what is handed out
+        _spawning_files_first(items)
+
+
+def _spawning_files_first(items) -> None:
+    """``--dist loadfile`` hands whole files to the workers in collection order.  Files that
+    start processes (a torchrun launch, an engine: tens of seconds to minutes each) go first,
+    the in-process rest (seconds) after, so the short files fill the workers' gaps at the end
+    instead of one worker finishing a long launch alone.  Stable: each group keeps its order."""
+    spawning = {item.path for item in items if item.get_closest_marker("spawns")}
+    items.sort(key=lambda item: item.path not in spawning)
 
 
 # --- the guard: an unmarked test that starts a process fails ---------------------------------

@@ -1,7 +1,9 @@
 """The plugin works as an installed package, not only from this checkout.
 
-The sdist is built from the source tree and the wheel from the unpacked sdist (so the wheel
-proves the sdist holds what a build needs: the C sources and headers, the configs).  The
+The sdist is built from a copy of the source tree (a build writes ``*.egg-info`` and
+``build/`` where it runs, and ``make test`` installs this checkout into its other virtualenvs
+while the suite runs) and the wheel from the unpacked sdist (so the wheel proves the sdist
+holds what a build needs: the C sources and headers, the configs).  The
 wheel goes into a fresh virtualenv that reuses .venv's site-packages for the heavy
 dependencies (torch, megatron-core, transformers, hydra: nothing is downloaded) without
 processing its .pth files, so the editable install of this checkout is not on the path.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -59,8 +62,13 @@ def installed(tmp_path_factory) -> Path:
     """A fresh venv with the wheel built from the sdist; returns its python."""
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
+    # the checkout without what builds and runs leave in it (virtualenvs, build outputs, caches)
+    tree = tmp / "checkout"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".cache", ".*_cache",
+        ".hypothesis"))
     _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
-          "print(build_meta.build_sdist(sys.argv[1]))", str(dist)], cwd=ROOT)
+          "print(build_meta.build_sdist(sys.argv[1]))", str(dist)], cwd=tree)
     (sdist,) = dist.glob("nemo_dcr-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = tar.getnames()
@@ -82,10 +90,10 @@ def installed(tmp_path_factory) -> Path:
     assert "nemo_dcr/configs/refit.yaml" in members
     assert len([m for m in members if m.endswith(".so")]) == 3  # _cxor, _cans, _crans
     assert bed_members(members) == [], bed_members(members)
-    # the test bed's own wheel, from this checkout's testbed/; control: the check above
+    # the test bed's own wheel, from the copy's testbed/; control: the check above
     # finds its modules there
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(dist), str(ROOT / "testbed")], cwd=tmp)
+          "-w", str(dist), str(tree / "testbed")], cwd=tmp)
     (testbed_wheel,) = dist.glob("nemo_dcr_testbed-*.whl")
     with zipfile.ZipFile(testbed_wheel) as z:
         bed = z.namelist()
