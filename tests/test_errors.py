@@ -100,3 +100,39 @@ def test_bare_raise_detector():
 def test_no_bare_value_or_runtime_error():
     found = {rel: sites for rel, src in _product_sources() if (sites := bare_raises(src))}
     assert not found, f"raise a family of nemo_dcr/errors.py instead: {found}"
+
+
+# --- no bare TypeError / KeyError for what a user gave ----------------------------------
+
+# the bare builtins left on purpose: a programming bug's assertion and a Mapping's protocol
+BUILTIN_ALLOWED = {
+    ("protocol/doc.py", "TypeError"),  # an annotation a document class may not use: that class's bug
+    ("receiver/held.py", "KeyError"),  # HeldBits.__getitem__: the Mapping protocol (``in``, ``get``)
+}
+
+
+def builtin_raises(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in names:
+                out.append((node.lineno, exc.id))
+    return sorted(out)
+
+
+def test_no_bare_type_or_key_error():
+    names = ("TypeError", "KeyError")
+    assert builtin_raises('raise TypeError("x")\nraise KeyError(k)\nraise WrongTypeError("y")\n', names) == [
+        (1, "TypeError"), (2, "KeyError")]  # negative control
+    found = {rel: sites for rel, src in _product_sources()
+             if (sites := [s for s in builtin_raises(src, names) if (rel, s[1]) not in BUILTIN_ALLOWED])}
+    assert not found, f"raise a family of nemo_dcr/errors.py (WrongTypeError for a wrong type) instead: {found}"
+
+
+def test_wrong_type_and_config_errors_keep_their_builtins():
+    from nemo_dcr.configs import ConfigError, ConfigTypeError
+
+    assert issubclass(errors.WrongTypeError, errors.ValidationError) and issubclass(errors.WrongTypeError, TypeError)
+    assert issubclass(ConfigTypeError, ConfigError) and issubclass(ConfigTypeError, TypeError)
+    assert issubclass(ConfigError, ValueError)

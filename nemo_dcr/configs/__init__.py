@@ -28,13 +28,9 @@ from contextlib import ExitStack
 from dataclasses import fields, is_dataclass
 from importlib import resources
 
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.configs.check import ConfigError, ConfigTypeError  # noqa: F401 - ConfigError's home is here too
 
 T = typing.TypeVar("T")
-
-
-class ConfigError(ValidationError):
-    """A configuration that cannot be loaded: unknown key, wrong type, bad value."""
 
 
 def schema_name(config_name: str) -> str:
@@ -53,24 +49,25 @@ def check_field_types(obj, prefix: str) -> None:
     """Check (and normalise) the leaf fields of dataclass ``obj`` against their annotations:
     ``int`` (not bool), ``float`` (an int is converted), ``bool``, ``str``, ``tuple[str, ...]``
     (a list is converted).  For schemas built from Python, not through :func:`load_config`
-    (where OmegaConf's typed nodes did this already).  Raises ``TypeError`` naming the key."""
+    (where OmegaConf's typed nodes did this already).  Raises :class:`ConfigTypeError` (a
+    ``TypeError``) naming the key."""
     types = field_types(type(obj))
     for f in fields(obj):
         name, tp = f.name, types.get(f.name)
         v, key = getattr(obj, name), f"{prefix}.{name}" if prefix else name
         if tp is bool and not isinstance(v, bool):
-            raise TypeError(f"{key} must be true or false, got {v!r}")
+            raise ConfigTypeError(f"{key} must be true or false, got {v!r}")
         if tp is int and (not isinstance(v, int) or isinstance(v, bool)):
-            raise TypeError(f"{key} must be an int, got {v!r}")
+            raise ConfigTypeError(f"{key} must be an int, got {v!r}")
         if tp is float:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"{key} must be a number, got {v!r}")
+                raise ConfigTypeError(f"{key} must be a number, got {v!r}")
             object.__setattr__(obj, name, float(v))
         if tp is str and not isinstance(v, str):
-            raise TypeError(f"{key} must be a string, got {v!r}")
+            raise ConfigTypeError(f"{key} must be a string, got {v!r}")
         if typing.get_origin(tp) is tuple:
             if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-                raise TypeError(f"{key} must be a list of strings, got {v!r}")
+                raise ConfigTypeError(f"{key} must be a list of strings, got {v!r}")
             object.__setattr__(obj, name, tuple(v))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from nemo_dcr.configs import check_field_types
+from nemo_dcr.configs import ConfigTypeError, check_field_types
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.sender.coding_choice import CODING_SETTINGS
 
@@ -84,7 +84,7 @@ class RefitOptions:
 
         try:
             check_field_types(self, "refit")
-        except TypeError as e:
+        except ConfigTypeError as e:
             raise RefitSetupError(str(e)) from None
         if not self.receivers:
             raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
