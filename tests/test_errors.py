@@ -136,3 +136,32 @@ def test_wrong_type_and_config_errors_keep_their_builtins():
     assert issubclass(errors.WrongTypeError, errors.ValidationError) and issubclass(errors.WrongTypeError, TypeError)
     assert issubclass(ConfigTypeError, ConfigError) and issubclass(ConfigTypeError, TypeError)
     assert issubclass(ConfigError, ValueError)
+
+
+def test_c_decode_is_the_one_place_for_the_extensions_value_error():
+    from nemo_dcr.codec.format import ChunkFormatError, c_decode
+
+    def refuses(*args):
+        raise ValueError("coded stream is not a valid LANES payload for this record")
+
+    def buggy(*args):
+        raise TypeError("a bug")
+
+    with pytest.raises(ChunkFormatError, match=r"^LANES payload: coded stream is not a valid"):
+        c_decode("LANES", refuses, 1, 2)
+    with pytest.raises(TypeError, match="a bug"):  # anything else propagates as it is
+        c_decode("LANES", buggy)
+    for rel in ("codec/model.py", "codec/lanes.py", "codec/bucket.py"):
+        assert "except ValueError" not in (ROOT / rel).read_text(), rel
+
+
+def test_read_committed_refuses_a_record_that_is_not_an_object(tmp_path):
+    from nemo_dcr.receiver.journal import read_committed
+
+    p = tmp_path / "committed.json"
+    for text in ("[1, 2]", '{"committed": 3}', "{not json"):
+        p.write_text(text)
+        with pytest.raises(errors.ProtocolError, match="unreadable committed-version record"):
+            read_committed(str(p))
+    p.write_text('{"committed": 3, "digest": "ab"}')
+    assert read_committed(str(p)) == (3, "ab")

@@ -11,7 +11,9 @@ starts with it), then builds the dataclasses:
 * a key in the yaml file the schema does not have is refused the same way;
 * ``refit.receivers=N`` (a count) names ``N`` receivers ``r0 .. r<N-1>``
   (:func:`expand_counts`); every other value of the wrong type is refused by OmegaConf's typed nodes, a missing required one
-  (``???``) by the composition; each dataclass's ``__post_init__`` checks the rest.
+  (``???``) by the composition; each dataclass's ``__post_init__`` checks the rest (a
+  ``ValidationError``, or for a schema that is not this package's, a builtin ``ValueError``
+  or ``TypeError``).
 
 Every refusal is a :class:`ConfigError` (or the caller's subclass) with one line of text.
 Hydra and OmegaConf are imported only here, inside the functions: the schemas are plain
@@ -221,11 +223,17 @@ def load_config(schema: type[T], config_name: str, overrides: Sequence[str], *,
             raw = OmegaConf.to_container(composed, resolve=True, throw_on_missing=True)
     except ConfigError as e:
         raise error(str(e)) from None
+    # Hydra and OmegaConf raise builtin ValueError / TypeError for some values they refuse
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         raise error(describe_config_error(e)) from None
     try:
         return build(schema, raw)
+    except ConfigTypeError as e:  # a dataclass's own type check (check_field_types, check_number)
+        raise error(describe_config_error(e)) from None
     except ConfigError as e:  # the overrides were checked: the key is in the file
         raise error(f"{where}: {e}") from None
-    except (ValueError, TypeError) as e:
+    # a value the caller's schema refuses in its __post_init__: the schema is the caller's
+    # (the test bed's DemoConfig and ModelConfig refuse with the builtins), so the builtins
+    # too; the try holds the one build call
+    except (ValueError, TypeError) as e:  # ValidationError is a ValueError
         raise error(describe_config_error(e)) from None

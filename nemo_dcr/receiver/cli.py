@@ -124,11 +124,11 @@ def check_input(args):
     """Everything that can be refused before waiting for a run or loading a model."""
     from nemo_dcr.protocol.signing import Sealer, load_key
     from nemo_dcr.receiver.engine import ReceiverConfig
-    from nemo_dcr.transport.store import StoreError, open_store
+    from nemo_dcr.transport.store import open_store
 
     try:
         store = open_store(args.store)
-    except (StoreError, ValueError) as e:
+    except DcrError as e:  # StoreError, or a ValidationError for the URI
         raise _BadInput(f"--store: {type(e).__name__}: {e}") from None
     try:
         cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense,
@@ -146,7 +146,7 @@ def check_input(args):
         sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
         if args.insecure_no_key and sealer.signed:
             raise ValidationError("--insecure-no-key with a key: drop one of them")
-    except (DcrError, ValueError) as e:
+    except DcrError as e:
         raise _BadInput(str(e)) from None
     return store, sealer, cfg, options
 

@@ -260,7 +260,7 @@ class Receiver:
         if self.cfg.verify_dense:
             try:
                 stats.update(self.verify_against_dense(manifest.version))
-            except (FormatError, ValueError) as e:  # the unsigned reference is oversized or malformed
+            except (FormatError, ValidationError) as e:  # the unsigned reference is oversized or malformed
                 self.rollback()
                 return refusal(f"dense reference of v{manifest.version} unusable ({e}); rolled back")
             if not stats.get("bit_exact"):
@@ -331,11 +331,16 @@ class Receiver:
         self._undo()
 
     def verify_against_dense(self, version: int) -> dict:
+        from safetensors import SafetensorError
         from safetensors.torch import load as load_safetensors
 
         t0 = time.perf_counter()
         # unsigned test aid: bounded by the dense size of what this receiver holds (+ header)
         cap = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in self.served.tensor_specs().values()) + (64 << 20)
-        dense = load_safetensors(self.store.get(dense_key(version), max_bytes=cap))
+        blob = self.store.get(dense_key(version), max_bytes=cap)
+        try:
+            dense = load_safetensors(blob)
+        except SafetensorError as e:
+            raise FormatError(f"{dense_key(version)}: not a safetensors file ({e})") from None
         report = self.served.verify_dense(dense)
         return {**report, "verify_s": time.perf_counter() - t0}
