@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from dataclasses import fields, is_dataclass
 from importlib import resources
 
-from nemo_dcr.configs.check import ConfigError, ConfigTypeError  # noqa: F401 - ConfigError's home is here too
+from nemo_dcr.configs.check import ConfigError, ConfigTypeError, check_number  # noqa: F401 - also found here
 
 T = typing.TypeVar("T")
 
@@ -59,12 +59,10 @@ def check_field_types(obj, prefix: str) -> None:
         v, key = getattr(obj, name), f"{prefix}.{name}" if prefix else name
         if tp is bool and not isinstance(v, bool):
             raise ConfigTypeError(f"{key} must be true or false, got {v!r}")
-        if tp is int and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ConfigTypeError(f"{key} must be an int, got {v!r}")
+        if tp is int:
+            check_number(key, v, kind=int)
         if tp is float:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise ConfigTypeError(f"{key} must be a number, got {v!r}")
-            object.__setattr__(obj, name, float(v))
+            object.__setattr__(obj, name, float(check_number(key, v, kind=float)))
         if tp is str and not isinstance(v, str):
             raise ConfigTypeError(f"{key} must be a string, got {v!r}")
         if typing.get_origin(tp) is tuple:

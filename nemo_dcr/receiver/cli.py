@@ -122,6 +122,7 @@ def _fail(message: str, status: int) -> int:
 
 def check_input(args):
     """Everything that can be refused before waiting for a run or loading a model."""
+    from nemo_dcr.configs.check import check_number
     from nemo_dcr.protocol.signing import Sealer, load_key
     from nemo_dcr.receiver.engine import ReceiverConfig
     from nemo_dcr.transport.store import open_store
@@ -139,10 +140,8 @@ def check_input(args):
         check_options(args.runtime, options)
         if args.persistent_weights and not args.state_dir:
             raise ValidationError("--persistent-weights needs a --state-dir")
-        if args.until_version is not None and args.until_version < 0:
-            raise ValidationError(f"--until-version must be >= 0, got {args.until_version}")
-        if args.timeout_s is not None and args.timeout_s <= 0:
-            raise ValidationError(f"--timeout-s must be positive, got {args.timeout_s}")
+        check_number("--until-version", args.until_version, min=0, allow_none=True)
+        check_number("--timeout-s", args.timeout_s, kind=float, positive=True, allow_none=True)
         sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
         if args.insecure_no_key and sealer.signed:
             raise ValidationError("--insecure-no-key with a key: drop one of them")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from nemo_dcr.codec import DecodeBudget
 from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
+from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.receiver.fetch import RefitRefused, admission_cap, fetch_chunks
@@ -66,10 +67,8 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         check_receiver_id(self.receiver_id)
-        if self.poll_s <= 0:
-            raise ValidationError(f"poll_s must be positive, got {self.poll_s}")
-        if self.fetch_threads < 0:
-            raise ValidationError(f"fetch_threads must be >= 0, got {self.fetch_threads}")
+        check_number("poll_s", self.poll_s, kind=float, positive=True)
+        check_number("fetch_threads", self.fetch_threads, min=0)
 
     @property
     def threads(self) -> int:

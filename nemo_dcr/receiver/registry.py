@@ -21,6 +21,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import ValidationError
 
 _RUNTIMES: dict[str, tuple[str, frozenset[str]]] = {
@@ -52,12 +53,9 @@ class RuntimeOptions:
     """Greedy tokens generated after every refit and reported in the ack (0: none)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValidationError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValidationError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.sample_tokens < 0:
-            raise ValidationError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        check_number("tensor_parallel_size", self.tensor_parallel_size, min=1)
+        check_number("max_model_len", self.max_model_len, min=1, allow_none=True)
+        check_number("sample_tokens", self.sample_tokens, min=0)
 
     def set_options(self) -> list[str]:
         """The runtime-specific options set away from their defaults."""
