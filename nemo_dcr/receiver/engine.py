@@ -36,6 +36,7 @@ from nemo_dcr.codec import DecodeBudget
 from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.configs.check import check_number
+from nemo_dcr.configs.flags import flag
 from nemo_dcr.errors import FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.receiver.fetch import RefitRefused, admission_cap, fetch_chunks
@@ -46,20 +47,25 @@ from nemo_dcr.transport.store import ObjectStore
 
 @dataclass(kw_only=True, frozen=True)
 class ReceiverConfig:
-    receiver_id: str
+    receiver_id: str = field(metadata=flag(
+        "--receiver-id", "name of this receiver's acknowledgements (letters, digits, _ and -, at most 64)"))
     """Name under which acknowledgements are written (``acks/<id>/``)."""
-    model_id: str
+    model_id: str = field(metadata=flag("--model-id", "manifests of any other model are refused"))
     """Manifests of any other model are refused."""
-    poll_s: float = 0.05
+    poll_s: float = field(default=0.05, metadata=flag("--poll-s", "interval between checks for the next manifest"))
     """Interval between checks for the next manifest."""
-    verify_dense: bool = False
+    verify_dense: bool = field(default=False, metadata=flag(
+        "--verify-dense", "after each apply compare every tensor with the version's dense export (doubles memory)"))
     """After each apply, compare every parameter and buffer with a dense refit of the same
     version (``v/<v>/dense.safetensors`` loaded through the same loader into a second
     model) and report ``bit_exact`` in the ack.  Verification only: doubles memory."""
-    fetch_threads: int = 0
+    fetch_threads: int = field(default=0, metadata=flag(
+        "--fetch-threads", "chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)"))
     """Chunks downloaded, verified and decoded at once (the coder releases the GIL);
     0: one per CPU core, at most 8."""
-    stream: bool = True
+    stream: bool = field(default=True, metadata=flag(
+        "--no-stream", "fetch a version's chunks only once its signed manifest is there (default: fetch and decode "
+        "them as they land, use them only if the manifest lists the same bytes)"))
     """Streaming receive (``receiver/stream.py``): while idle, fetch and decode the chunks
     of the next version as they land, before its manifest; they are used only if the
     signed manifest lists them with the same size and digest.  False: fetch a version's
