@@ -16,7 +16,9 @@ Callers classify a failure by family, not by builtin type::
 
 Each family also derives from the builtin that code written before this hierarchy caught
 (``ValueError`` for format and validation, ``RuntimeError`` for placement and protocol,
-``OSError`` for transport), so ``except ValueError`` keeps working.
+``OSError`` for transport), so ``except ValueError`` keeps working.  A value of the wrong
+type (a setting, an argument of the library's API) is a :class:`WrongTypeError`, a
+``ValidationError`` that is also a ``TypeError`` (what was raised before).
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ class FormatError(DcrError, ValueError):
 
 class ValidationError(DcrError, ValueError):
     """Well-formed input that does not fit what it is applied to or configured for."""
+
+
+class WrongTypeError(ValidationError, TypeError):
+    """A value of the wrong type: a setting, or an argument of the library's API (also a
+    ``TypeError``, which code written before this hierarchy caught)."""
 
 
 class PlacementError(DcrError, RuntimeError):

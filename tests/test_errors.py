@@ -100,3 +100,68 @@ def test_bare_raise_detector():
 def test_no_bare_value_or_runtime_error():
     found = {rel: sites for rel, src in _product_sources() if (sites := bare_raises(src))}
     assert not found, f"raise a family of nemo_dcr/errors.py instead: {found}"
+
+
+# --- no bare TypeError / KeyError for what a user gave ----------------------------------
+
+# the bare builtins left on purpose: a programming bug's assertion and a Mapping's protocol
+BUILTIN_ALLOWED = {
+    ("protocol/doc.py", "TypeError"),  # an annotation a document class may not use: that class's bug
+    ("receiver/held.py", "KeyError"),  # HeldBits.__getitem__: the Mapping protocol (``in``, ``get``)
+}
+
+
+def builtin_raises(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in names:
+                out.append((node.lineno, exc.id))
+    return sorted(out)
+
+
+def test_no_bare_type_or_key_error():
+    names = ("TypeError", "KeyError")
+    assert builtin_raises('raise TypeError("x")\nraise KeyError(k)\nraise WrongTypeError("y")\n', names) == [
+        (1, "TypeError"), (2, "KeyError")]  # negative control
+    found = {rel: sites for rel, src in _product_sources()
+             if (sites := [s for s in builtin_raises(src, names) if (rel, s[1]) not in BUILTIN_ALLOWED])}
+    assert not found, f"raise a family of nemo_dcr/errors.py (WrongTypeError for a wrong type) instead: {found}"
+
+
+def test_wrong_type_and_config_errors_keep_their_builtins():
+    from nemo_dcr.configs import ConfigError, ConfigTypeError
+
+    assert issubclass(errors.WrongTypeError, errors.ValidationError) and issubclass(errors.WrongTypeError, TypeError)
+    assert issubclass(ConfigTypeError, ConfigError) and issubclass(ConfigTypeError, TypeError)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_c_decode_is_the_one_place_for_the_extensions_value_error():
+    from nemo_dcr.codec.format import ChunkFormatError, c_decode
+
+    def refuses(*args):
+        raise ValueError("coded stream is not a valid LANES payload for this record")
+
+    def buggy(*args):
+        raise TypeError("a bug")
+
+    with pytest.raises(ChunkFormatError, match=r"^LANES payload: coded stream is not a valid"):
+        c_decode("LANES", refuses, 1, 2)
+    with pytest.raises(TypeError, match="a bug"):  # anything else propagates as it is
+        c_decode("LANES", buggy)
+    for rel in ("codec/model.py", "codec/lanes.py", "codec/bucket.py"):
+        assert "except ValueError" not in (ROOT / rel).read_text(), rel
+
+
+def test_read_committed_refuses_a_record_that_is_not_an_object(tmp_path):
+    from nemo_dcr.receiver.journal import read_committed
+
+    p = tmp_path / "committed.json"
+    for text in ("[1, 2]", '{"committed": 3}', "{not json"):
+        p.write_text(text)
+        with pytest.raises(errors.ProtocolError, match="unreadable committed-version record"):
+            read_committed(str(p))
+    p.write_text('{"committed": 3, "digest": "ab"}')
+    assert read_committed(str(p)) == (3, "ab")

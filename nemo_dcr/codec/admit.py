@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo_dcr.codec.format import CONTEXT_CODINGS, ChunkValidationError
 from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.errors import ValidationError, WrongTypeError
 
 if TYPE_CHECKING:
     from nemo_dcr.codec.chunk import RecordInfo
@@ -47,7 +47,7 @@ def expected_spec(name: str, spec: Any) -> tuple[str, tuple[int, ...]]:
         try:
             dtype, shape = spec
         except (TypeError, ValueError):
-            raise TypeError(f"expect[{name!r}] must be (dtype, shape), got {spec!r}") from None
+            raise WrongTypeError(f"expect[{name!r}] must be (dtype, shape), got {spec!r}") from None
     dtype = str(dtype)
     if dtype not in BITS_DTYPE:
         raise ValidationError(f"expect[{name!r}]: dtype {dtype!r} is not one the wire format carries")

@@ -49,6 +49,7 @@ from nemo_dcr.codec.model import ModelStates
 from nemo_dcr.codec.payload import check_payload_size, decode_payload
 from nemo_dcr.codec.record import RecordSpec
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
+from nemo_dcr.errors import ValidationError
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class ChunkStream:
 
 
 _DEFAULT_LIMITS = ChunkLimits()
+_CODING_OF_CODE = {c.value: c for c in Coding}
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> str:
@@ -251,10 +253,9 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         raise ChunkFormatError(f"{name}: unknown dtype code {dcode}")
     if opcode not in OP_FROM_CODE:
         raise ChunkFormatError(f"{name}: unknown op code {opcode}")
-    try:
-        coding_e = Coding(coding)
-    except ValueError:
-        raise ChunkFormatError(f"{name}: unknown coding {coding}") from None
+    coding_e = _CODING_OF_CODE.get(coding)
+    if coding_e is None:
+        raise ChunkFormatError(f"{name}: unknown coding {coding}")
     if flags & ~RECORD_FLAGS_KNOWN:
         raise ChunkFormatError(f"{name}: unknown record flags {flags:#x}")
     context = bool(flags & FLAG_CONTEXT)
@@ -313,7 +314,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
     try:
         return TensorDelta(name=name, dtype=info.dtype, shape=info.shape, op=info.op, positions=pos, values=val,
                            element_range=(lo, hi))
-    except ValueError as err:
+    except ValidationError as err:  # TensorDelta's own checks (a decoder's output it refuses)
         raise ChunkFormatError(str(err)) from None
 
 

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
             return _apply(args)
         if args.delta_cmd == "inspect":
             return _inspect(args)
-    except (DcrError, ValueError) as e:
+    except DcrError as e:
         # Bad input: arguments, and files that are missing or unreadable (read through
         # ``_read``/``_load``, which raise DeltaCliError), malformed or hostile chunks
         # (FormatError), refusals (wrong base) and tensors the encoder cannot carry.

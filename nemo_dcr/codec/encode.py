@@ -31,7 +31,7 @@ from nemo_dcr.codec.model import ModelStates
 from nemo_dcr.codec.payload import encode_payload
 from nemo_dcr.codec.record import RecordSpec
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.errors import ValidationError, WrongTypeError
 
 
 _DEFAULT_LIMITS = ChunkLimits()
@@ -97,7 +97,7 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
     entries, payloads = [], []
     for d in deltas:
         if not isinstance(d, TensorDelta):
-            raise TypeError(f"expected TensorDelta, got {type(d).__name__}")
+            raise WrongTypeError(f"expected TensorDelta, got {type(d).__name__}")
         b = None
         if base is not None and d.name in base:
             b = _check_base(d.name, d.dtype, d.numel, base[d.name])
@@ -121,7 +121,7 @@ def _encode_meta(meta: Mapping[str, str]) -> bytes:
     parts = [U32.pack(len(meta))]
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError("chunk metadata keys and values must be str")
+            raise WrongTypeError("chunk metadata keys and values must be str")
         kb, vb = k.encode("utf-8"), v.encode("utf-8")
         parts += [U32.pack(len(kb)), kb, U32.pack(len(vb)), vb]
     return b"".join(parts)

@@ -106,6 +106,17 @@ class MissingBaseError(ChunkFormatError):
     ChunkFormatError so that every way a chunk can fail to decode is one exception type."""
 
 
+def c_decode(coding: str, decode, *args) -> None:
+    """``decode(*args)``, a C extension's decoder (``_cans``, ``_crans``): the ``ValueError``
+    it raises on a payload that does not decode for its record is the chunk's
+    :class:`ChunkFormatError` (``<coding> payload: <reason>``).  The one place that turns
+    the extensions' ``ValueError`` into the library's error."""
+    try:
+        decode(*args)
+    except ValueError as e:
+        raise ChunkFormatError(f"{coding} payload: {e}") from None
+
+
 class ChunkValidationError(ValidationError):
     """A well-formed chunk that does not fit what decoding it was allowed: a record whose
     name, dtype or shape is not a tensor the caller expects, or a version's chunks declaring

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nemo_dcr.codec.format import ChunkFormatError, Coding
+from nemo_dcr.codec.format import Coding, c_decode
 from nemo_dcr.codec.model import coder_params
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
@@ -61,10 +61,6 @@ def decode(spec, payload: memoryview, base: np.ndarray | None) -> tuple[np.ndarr
     width, eshift, ebits = coder_params(spec.dtype)
     pos = np.empty(spec.nnz, dtype=np.int64)
     val = np.empty(spec.nnz, dtype=BITS_DTYPE[spec.dtype])
-    try:
-        _crans.lanes_decode(payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
-                            spec.lo, spec.hi, width, eshift, ebits, spec.param,
-                            0 if spec.op is DeltaOp.XOR else 1, pos, val)
-    except ValueError as e:
-        raise ChunkFormatError(f"LANES payload: {e}") from None
+    c_decode("LANES", _crans.lanes_decode, payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
+             spec.lo, spec.hi, width, eshift, ebits, spec.param, 0 if spec.op is DeltaOp.XOR else 1, pos, val)
     return pos, val

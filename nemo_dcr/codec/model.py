@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from nemo_dcr import dtypes
-from nemo_dcr.codec.format import ChunkFormatError
+from nemo_dcr.codec.format import c_decode
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp
 
 try:
@@ -138,10 +138,6 @@ def decode(spec, payload: memoryview, base: np.ndarray | None,
     pos = np.empty(spec.nnz, dtype=np.int64)
     val = np.empty(spec.nnz, dtype=BITS_DTYPE[spec.dtype])
     state = states.get(spec.dtype, base is not None)
-    try:
-        _cans.decode(state, payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
-                     spec.lo, spec.hi, width, eshift, ebits, spec.param,
-                     0 if spec.op is DeltaOp.XOR else 1, pos, val)
-    except ValueError as e:
-        raise ChunkFormatError(f"MODEL payload: {e}") from None
+    c_decode("MODEL", _cans.decode, state, payload, spec.nnz, None if base is None else np.ascontiguousarray(base),
+             spec.lo, spec.hi, width, eshift, ebits, spec.param, 0 if spec.op is DeltaOp.XOR else 1, pos, val)
     return pos, val

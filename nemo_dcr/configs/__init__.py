@@ -11,7 +11,9 @@ starts with it), then builds the dataclasses:
 * a key in the yaml file the schema does not have is refused the same way;
 * ``refit.receivers=N`` (a count) names ``N`` receivers ``r0 .. r<N-1>``
   (:func:`expand_counts`); every other value of the wrong type is refused by OmegaConf's typed nodes, a missing required one
-  (``???``) by the composition; each dataclass's ``__post_init__`` checks the rest.
+  (``???``) by the composition; each dataclass's ``__post_init__`` checks the rest (a
+  ``ValidationError``, or for a schema that is not this package's, a builtin ``ValueError``
+  or ``TypeError``).
 
 Every refusal is a :class:`ConfigError` (or the caller's subclass) with one line of text.
 Hydra and OmegaConf are imported only here, inside the functions: the schemas are plain
@@ -28,13 +30,9 @@ from contextlib import ExitStack
 from dataclasses import fields, is_dataclass
 from importlib import resources
 
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.configs.check import ConfigError, ConfigTypeError, check_number  # noqa: F401 - also found here
 
 T = typing.TypeVar("T")
-
-
-class ConfigError(ValidationError):
-    """A configuration that cannot be loaded: unknown key, wrong type, bad value."""
 
 
 def schema_name(config_name: str) -> str:
@@ -53,24 +51,23 @@ def check_field_types(obj, prefix: str) -> None:
     """Check (and normalise) the leaf fields of dataclass ``obj`` against their annotations:
     ``int`` (not bool), ``float`` (an int is converted), ``bool``, ``str``, ``tuple[str, ...]``
     (a list is converted).  For schemas built from Python, not through :func:`load_config`
-    (where OmegaConf's typed nodes did this already).  Raises ``TypeError`` naming the key."""
+    (where OmegaConf's typed nodes did this already).  Raises :class:`ConfigTypeError` (a
+    ``TypeError``) naming the key."""
     types = field_types(type(obj))
     for f in fields(obj):
         name, tp = f.name, types.get(f.name)
         v, key = getattr(obj, name), f"{prefix}.{name}" if prefix else name
         if tp is bool and not isinstance(v, bool):
-            raise TypeError(f"{key} must be true or false, got {v!r}")
-        if tp is int and (not isinstance(v, int) or isinstance(v, bool)):
-            raise TypeError(f"{key} must be an int, got {v!r}")
+            raise ConfigTypeError(f"{key} must be true or false, got {v!r}")
+        if tp is int:
+            check_number(key, v, kind=int)
         if tp is float:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"{key} must be a number, got {v!r}")
-            object.__setattr__(obj, name, float(v))
+            object.__setattr__(obj, name, float(check_number(key, v, kind=float)))
         if tp is str and not isinstance(v, str):
-            raise TypeError(f"{key} must be a string, got {v!r}")
+            raise ConfigTypeError(f"{key} must be a string, got {v!r}")
         if typing.get_origin(tp) is tuple:
             if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-                raise TypeError(f"{key} must be a list of strings, got {v!r}")
+                raise ConfigTypeError(f"{key} must be a list of strings, got {v!r}")
             object.__setattr__(obj, name, tuple(v))
 
 
@@ -224,11 +221,17 @@ def load_config(schema: type[T], config_name: str, overrides: Sequence[str], *,
             raw = OmegaConf.to_container(composed, resolve=True, throw_on_missing=True)
     except ConfigError as e:
         raise error(str(e)) from None
+    # Hydra and OmegaConf raise builtin ValueError / TypeError for some values they refuse
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
         raise error(describe_config_error(e)) from None
     try:
         return build(schema, raw)
+    except ConfigTypeError as e:  # a dataclass's own type check (check_field_types, check_number)
+        raise error(describe_config_error(e)) from None
     except ConfigError as e:  # the overrides were checked: the key is in the file
         raise error(f"{where}: {e}") from None
-    except (ValueError, TypeError) as e:
+    # a value the caller's schema refuses in its __post_init__: the schema is the caller's
+    # (the test bed's DemoConfig and ModelConfig refuse with the builtins), so the builtins
+    # too; the try holds the one build call
+    except (ValueError, TypeError) as e:  # ValidationError is a ValueError
         raise error(describe_config_error(e)) from None

@@ -63,7 +63,7 @@ import json
 import os
 
 
-from nemo_dcr.errors import DcrError, ValidationError
+from nemo_dcr.errors import DcrError, FormatError, ValidationError
 from nemo_dcr.integrations.attach import RefitAttachment, RefitMetrics
 from nemo_dcr.sender.collectives import from_rank0, rank
 from nemo_dcr.integrations.settings import RefitSettings, RefitSetupError, load_refit_settings
@@ -76,6 +76,16 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _STATE_MAX_BYTES = 64 << 10
 _KEEP_STATES = 1024  # run states kept for checkpoints whose (async) save is not finalized yet
 _AT_SAVE: dict = {}  # marker: the newest iteration's state, taken when its checkpoint is saved
+
+
+def _tracker_step(path: str) -> int:
+    """The iteration Bridge's tracker file ``path`` names (``FormatError`` if it names none)."""
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise FormatError(f"{path}: not an iteration number: {text[:40]!r}") from None
 
 
 def _note(msg: str) -> None:
@@ -169,8 +179,7 @@ class RefitBridgeCallback:
         try:
             if getattr(ckpt, "async_save", False):
                 # finalized now, saved earlier: Bridge wrote its tracker just before this event
-                with open(os.path.join(ckpt.save, TRACKER_FILE)) as f:
-                    step = int(f.read().strip())
+                step = _tracker_step(os.path.join(ckpt.save, TRACKER_FILE))
             else:
                 step = int(context.state.train_state.step)
             directory = checkpoint_dir(ckpt.save, step)
@@ -188,7 +197,7 @@ class RefitBridgeCallback:
                       "restarted from it will be refused")
                 return
             write_state_file(directory, state)
-        except (OSError, ValueError) as e:
+        except (OSError, FormatError) as e:
             _note(f"the refit state of a checkpoint in {ckpt.save} was not saved ({type(e).__name__}: {e}); a job "
                   "restarted from that checkpoint will be refused")
             return

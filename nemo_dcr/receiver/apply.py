@@ -40,7 +40,7 @@ import torch
 from nemo_dcr import dtypes
 from nemo_dcr.codec.types import BITS_DTYPE, DeltaOp, TensorDelta
 from nemo_dcr.dtypes import int_view
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.errors import ValidationError, WrongTypeError
 from nemo_dcr.receiver.capture import CapturedWrite, Geometry, WriteCapture, module_storages, storage_fingerprint
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
 from nemo_dcr.receiver.placement import (
@@ -113,7 +113,7 @@ class DeltaApplier:
         probe_bytes: int = 1 << 30,
     ) -> None:
         if not isinstance(adapter, RuntimeAdapter):
-            raise TypeError(f"{type(adapter).__name__} does not implement RuntimeAdapter")
+            raise WrongTypeError(f"{type(adapter).__name__} does not implement RuntimeAdapter")
         if probe_bytes <= 0:
             raise ValidationError("probe_bytes must be positive")
         self._adapter = adapter

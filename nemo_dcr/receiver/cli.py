@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 
+from nemo_dcr.configs.flags import FieldFlags, field_values
 from nemo_dcr.errors import DcrError, ValidationError
 from nemo_dcr.receiver.registry import RuntimeOptions, check_options, runtime_names
 
@@ -27,11 +28,14 @@ class _BadInput(ValidationError):
 
 
 def parser() -> argparse.ArgumentParser:
+    """The flags of ``ReceiverConfig``'s and ``RuntimeOptions``' fields come from the fields
+    (type, default, help: ``configs/flags.py``); the others are written here."""
+    from nemo_dcr.receiver.engine import ReceiverConfig
+
     ap = argparse.ArgumentParser(prog=PROG)
+    fields = FieldFlags(ap)
     ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
-    ap.add_argument("--receiver-id", required=True,
-                    help="name of this receiver's acknowledgements (letters, digits, _ and -, at most 64)")
-    ap.add_argument("--model-id", required=True, help="manifests of any other model are refused")
+    fields.add(ReceiverConfig, "receiver_id", "model_id")
     ap.add_argument("--key-file", default=None,
                     help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")
     ap.add_argument("--insecure-no-key", action="store_true",
@@ -46,14 +50,7 @@ def parser() -> argparse.ArgumentParser:
                     help="exit once the trainer decided on this version (committed or aborted)")
     ap.add_argument("--timeout-s", type=float, default=None,
                     help="give up when nothing new appears for this long (default: wait forever)")
-    ap.add_argument("--poll-s", type=float, default=0.05, help="interval between checks for the next manifest")
-    ap.add_argument("--fetch-threads", type=int, default=0,
-                    help="chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)")
-    ap.add_argument("--no-stream", dest="stream", action="store_false",
-                    help="fetch a version's chunks only once its signed manifest is there (default: fetch and "
-                         "decode them as they land, use them only if the manifest lists the same bytes)")
-    ap.add_argument("--verify-dense", action="store_true",
-                    help="after each apply compare every tensor with the version's dense export (doubles memory)")
+    fields.add(ReceiverConfig, "poll_s", "fetch_threads", "stream", "verify_dense")
     ap.add_argument("--init-dir", default=None,
                     help="local copy of the initial HF checkpoint (checked against the run's init/INIT.json; "
                          "default: download it from the store)")
@@ -65,15 +62,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--runtime", choices=names, default=names[0],
                     help="serving runtime kept current (hf: a transformers model in this process; vllm: a "
                          "vllm.LLM engine)")
-    ap.add_argument("--persistent-weights", action="store_true",
-                    help="keep the weights under --state-dir, so a receiver killed mid-apply restarts over its "
-                         "own weights and repairs them from the journal instead of reloading version 0 and "
-                         "catching up (runtimes: hf)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="workers the engine shards each tensor over (runtimes: vllm)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="the engine's context length (runtimes: vllm)")
-    ap.add_argument("--sample-tokens", type=int, default=0,
-                    help="greedy tokens generated after every refit and reported in the ack (runtimes: vllm)")
+    fields.add(RuntimeOptions, "persistent", "tensor_parallel_size", "max_model_len", "sample_tokens")
     ap.add_argument("--join", action="store_true",
                     help="elastic membership (refit.membership=elastic): once this receiver holds the committed "
                          "version, write a signed join request so the trainer admits it at a next version, and "
@@ -81,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-dir", default=None,
                     help="testing aid: after each applied version write every parameter and buffer "
                          "to DIR/v<version>.safetensors")
+    fields.add_rest(ReceiverConfig)  # a field given a flag later: at the end, never missing
+    fields.add_rest(RuntimeOptions)
 
     def one_line(message: str):  # argparse's default prints the whole usage block
         raise _BadInput(f"{message} (see --help)")
@@ -122,31 +113,27 @@ def _fail(message: str, status: int) -> int:
 
 def check_input(args):
     """Everything that can be refused before waiting for a run or loading a model."""
+    from nemo_dcr.configs.check import check_number
     from nemo_dcr.protocol.signing import Sealer, load_key
     from nemo_dcr.receiver.engine import ReceiverConfig
-    from nemo_dcr.transport.store import StoreError, open_store
+    from nemo_dcr.transport.store import open_store
 
     try:
         store = open_store(args.store)
-    except (StoreError, ValueError) as e:
+    except DcrError as e:  # StoreError, or a ValidationError for the URI
         raise _BadInput(f"--store: {type(e).__name__}: {e}") from None
     try:
-        cfg = ReceiverConfig(receiver_id=args.receiver_id, model_id=args.model_id, verify_dense=args.verify_dense,
-                             poll_s=args.poll_s, fetch_threads=args.fetch_threads, stream=args.stream)
-        options = RuntimeOptions(reference=args.verify_dense, persistent=args.persistent_weights,
-                                 tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-                                 sample_tokens=args.sample_tokens)
+        cfg = ReceiverConfig(**field_values(args, ReceiverConfig))
+        options = RuntimeOptions(reference=args.verify_dense, **field_values(args, RuntimeOptions))
         check_options(args.runtime, options)
         if args.persistent_weights and not args.state_dir:
             raise ValidationError("--persistent-weights needs a --state-dir")
-        if args.until_version is not None and args.until_version < 0:
-            raise ValidationError(f"--until-version must be >= 0, got {args.until_version}")
-        if args.timeout_s is not None and args.timeout_s <= 0:
-            raise ValidationError(f"--timeout-s must be positive, got {args.timeout_s}")
+        check_number("--until-version", args.until_version, min=0, allow_none=True)
+        check_number("--timeout-s", args.timeout_s, kind=float, positive=True, allow_none=True)
         sealer = Sealer(load_key(args.key_file, log=lambda m: print(m, file=sys.stderr, flush=True)))
         if args.insecure_no_key and sealer.signed:
             raise ValidationError("--insecure-no-key with a key: drop one of them")
-    except (DcrError, ValueError) as e:
+    except DcrError as e:
         raise _BadInput(str(e)) from None
     return store, sealer, cfg, options
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from nemo_dcr.codec import DecodeBudget
 from nemo_dcr.codec.types import BITS_DTYPE
 from nemo_dcr.codec.types import TensorDelta
+from nemo_dcr.configs.check import check_number
+from nemo_dcr.configs.flags import flag
 from nemo_dcr.errors import FormatError, ProtocolError, ValidationError
 from nemo_dcr.protocol.manifest import Ack, Manifest, check_receiver_id, dense_key
 from nemo_dcr.receiver.fetch import RefitRefused, admission_cap, fetch_chunks
@@ -45,20 +47,25 @@ from nemo_dcr.transport.store import ObjectStore
 
 @dataclass(kw_only=True, frozen=True)
 class ReceiverConfig:
-    receiver_id: str
+    receiver_id: str = field(metadata=flag(
+        "--receiver-id", "name of this receiver's acknowledgements (letters, digits, _ and -, at most 64)"))
     """Name under which acknowledgements are written (``acks/<id>/``)."""
-    model_id: str
+    model_id: str = field(metadata=flag("--model-id", "manifests of any other model are refused"))
     """Manifests of any other model are refused."""
-    poll_s: float = 0.05
+    poll_s: float = field(default=0.05, metadata=flag("--poll-s", "interval between checks for the next manifest"))
     """Interval between checks for the next manifest."""
-    verify_dense: bool = False
+    verify_dense: bool = field(default=False, metadata=flag(
+        "--verify-dense", "after each apply compare every tensor with the version's dense export (doubles memory)"))
     """After each apply, compare every parameter and buffer with a dense refit of the same
     version (``v/<v>/dense.safetensors`` loaded through the same loader into a second
     model) and report ``bit_exact`` in the ack.  Verification only: doubles memory."""
-    fetch_threads: int = 0
+    fetch_threads: int = field(default=0, metadata=flag(
+        "--fetch-threads", "chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)"))
     """Chunks downloaded, verified and decoded at once (the coder releases the GIL);
     0: one per CPU core, at most 8."""
-    stream: bool = True
+    stream: bool = field(default=True, metadata=flag(
+        "--no-stream", "fetch a version's chunks only once its signed manifest is there (default: fetch and decode "
+        "them as they land, use them only if the manifest lists the same bytes)"))
     """Streaming receive (``receiver/stream.py``): while idle, fetch and decode the chunks
     of the next version as they land, before its manifest; they are used only if the
     signed manifest lists them with the same size and digest.  False: fetch a version's
@@ -66,10 +73,8 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         check_receiver_id(self.receiver_id)
-        if self.poll_s <= 0:
-            raise ValidationError(f"poll_s must be positive, got {self.poll_s}")
-        if self.fetch_threads < 0:
-            raise ValidationError(f"fetch_threads must be >= 0, got {self.fetch_threads}")
+        check_number("poll_s", self.poll_s, kind=float, positive=True)
+        check_number("fetch_threads", self.fetch_threads, min=0)
 
     @property
     def threads(self) -> int:
@@ -260,7 +265,7 @@ class Receiver:
         if self.cfg.verify_dense:
             try:
                 stats.update(self.verify_against_dense(manifest.version))
-            except (FormatError, ValueError) as e:  # the unsigned reference is oversized or malformed
+            except (FormatError, ValidationError) as e:  # the unsigned reference is oversized or malformed
                 self.rollback()
                 return refusal(f"dense reference of v{manifest.version} unusable ({e}); rolled back")
             if not stats.get("bit_exact"):
@@ -331,11 +336,16 @@ class Receiver:
         self._undo()
 
     def verify_against_dense(self, version: int) -> dict:
+        from safetensors import SafetensorError
         from safetensors.torch import load as load_safetensors
 
         t0 = time.perf_counter()
         # unsigned test aid: bounded by the dense size of what this receiver holds (+ header)
         cap = sum(s.numel * BITS_DTYPE[s.dtype].itemsize for s in self.served.tensor_specs().values()) + (64 << 20)
-        dense = load_safetensors(self.store.get(dense_key(version), max_bytes=cap))
+        blob = self.store.get(dense_key(version), max_bytes=cap)
+        try:
+            dense = load_safetensors(blob)
+        except SafetensorError as e:
+            raise FormatError(f"{dense_key(version)}: not a safetensors file ({e})") from None
         report = self.served.verify_dense(dense)
         return {**report, "verify_s": time.perf_counter() - t0}

@@ -24,7 +24,7 @@ class HeldBits(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
-            raise KeyError(name)
+            raise KeyError(name)  # the Mapping protocol (``in``, ``get``), not an error report
         got = self._cache.get(name)
         if got is None:
             with self._lock:

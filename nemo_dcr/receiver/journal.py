@@ -200,11 +200,13 @@ def read_committed(path: str) -> tuple[int, str]:
     try:
         with open(path) as f:
             rec = json.load(f)
-        v, digest = rec["committed"], rec["digest"]
     except FileNotFoundError:
         return 0, ""
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise ProtocolError(f"{path}: unreadable committed-version record ({e})") from None
+    if not isinstance(rec, dict) or "committed" not in rec or "digest" not in rec:
+        raise ProtocolError(f"{path}: unreadable committed-version record (not an object with committed and digest)")
+    v, digest = rec["committed"], rec["digest"]
     if not isinstance(v, int) or isinstance(v, bool) or v < 0 or not isinstance(digest, str):
         raise ProtocolError(f"{path}: committed version must be a non-negative int with a digest, got {v!r}")
     return v, digest

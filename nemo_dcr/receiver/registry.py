@@ -21,6 +21,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nemo_dcr.configs.check import check_number
+from nemo_dcr.configs.flags import flag
 from nemo_dcr.errors import ValidationError
 
 _RUNTIMES: dict[str, tuple[str, frozenset[str]]] = {
@@ -42,22 +44,24 @@ class RuntimeOptions:
     reference: bool = False
     """Also build what ``ServedModel.verify_dense`` compares against (a second runtime of
     the same kind); without it ``verify_dense`` refuses."""
-    persistent: bool = False
+    persistent: bool = field(default=False, metadata=flag(
+        "--persistent-weights", "keep the weights under --state-dir, so a receiver killed mid-apply restarts over its "
+        "own weights and repairs them from the journal instead of reloading version 0 and catching up (runtimes: hf)"))
     """Keep the weights where a restarted receiver finds them (``state_dir/weights``)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "--tensor-parallel-size", "workers the engine shards each tensor over (runtimes: vllm)"))
     """Workers the engine shards each tensor over."""
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "--max-model-len", "the engine's context length (runtimes: vllm)"))
     """The engine's context length (``None``: the runtime's default)."""
-    sample_tokens: int = 0
+    sample_tokens: int = field(default=0, metadata=flag(
+        "--sample-tokens", "greedy tokens generated after every refit and reported in the ack (runtimes: vllm)"))
     """Greedy tokens generated after every refit and reported in the ack (0: none)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValidationError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValidationError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.sample_tokens < 0:
-            raise ValidationError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        check_number("tensor_parallel_size", self.tensor_parallel_size, min=1)
+        check_number("max_model_len", self.max_model_len, min=1, allow_none=True)
+        check_number("sample_tokens", self.sample_tokens, min=0)
 
     def set_options(self) -> list[str]:
         """The runtime-specific options set away from their defaults."""

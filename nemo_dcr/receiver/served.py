@@ -52,7 +52,7 @@ def validate_version(specs: Mapping[str, TensorSpec], deltas: Sequence[TensorDel
             raise DeltaValidationError(f"{d.name}: positions and values must be numpy arrays")
         try:
             checked = replace(d)  # the record's own checks, whether or not its constructor ran
-        except (TypeError, ValueError) as e:
+        except ValidationError as e:  # TensorDelta's checks
             raise DeltaValidationError(str(e)) from None
         grouped[d.name].append(checked)
     for name, records in grouped.items():

@@ -159,8 +159,10 @@ class StreamState:
         started = time.perf_counter()
         try:
             info = store.stat(key)
-            if info is None:
-                raise KeyError(key)
+            if info is None:  # vanished since it was listed
+                with self._lock:
+                    self.failed += 1
+                return False
             with self._lock:  # reserve before downloading: the cap holds whatever is in flight
                 if self.stopped:
                     return False
@@ -170,7 +172,7 @@ class StreamState:
                     return False
                 self.reserved += info.size
             blob = store.get(key, max_bytes=info.size)
-        except (KeyError, DcrError):  # vanished, grew since stat, store failed, refused by a failover list
+        except DcrError:  # vanished (ObjectNotFound), grew since stat, store failed, refused by a failover list
             with self._lock:
                 self.failed += 1
             return False

@@ -39,6 +39,7 @@ import torch
 
 from nemo_dcr import dtypes
 from nemo_dcr.errors import FormatError, ValidationError
+from nemo_dcr.receiver.errors import LoaderError
 from nemo_dcr.receiver.runtime import TensorSpec, dtype_name
 from nemo_dcr.runtimes.hf_convert import CheckpointConversion, conversion_transforms, reverted_specs
 
@@ -173,7 +174,7 @@ class HFTransformersAdapter:
             batch = self._conversion.to_module(batch)
         result = self._model.load_state_dict(batch, strict=False, assign=False)
         if result.unexpected_keys:
-            raise KeyError(f"load_state_dict did not take {sorted(result.unexpected_keys)}")
+            raise LoaderError(f"load_state_dict did not take {sorted(result.unexpected_keys)}")
 
     def load_groups(self) -> list[tuple[str, ...]]:
         """Canonical names ``load_weights`` must be given together (one converter's inputs)."""

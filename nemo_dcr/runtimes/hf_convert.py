@@ -126,7 +126,7 @@ class CheckpointConversion:
         for name in batch:
             key = self._target_of.get(name)
             if key is None:
-                raise KeyError(f"{name} is not a canonical name of this model")
+                raise ValidationError(f"{name} is not a canonical name of this model")
             keys[key] = None
         out: dict[str, torch.Tensor] = {}
         for key in keys:

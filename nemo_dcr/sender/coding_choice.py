@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nemo_dcr.codec import Coding, TensorDelta, decode_chunk, encode_chunk
+from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import ValidationError
 
 
@@ -252,8 +253,7 @@ class CodingChooser:
         unknown = [c for c in self.candidates if c not in CODINGS]
         if unknown or not self.candidates:
             raise ValidationError(f"candidates must be among {sorted(CODINGS)}, got {self.candidates}")
-        if self.encode_parallel < 1:
-            raise ValidationError(f"encode_parallel must be >= 1, got {self.encode_parallel}")
+        check_number("encode_parallel", self.encode_parallel, min=1)
 
     @property
     def needs_probe(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from nemo_dcr.configs import check_field_types
+from nemo_dcr.configs import ConfigError, check_field_types, check_number
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.sender.coding_choice import CODING_SETTINGS
 
@@ -84,7 +84,7 @@ class RefitOptions:
 
         try:
             check_field_types(self, "refit")
-        except TypeError as e:
+        except ConfigError as e:  # ConfigTypeError
             raise RefitSetupError(str(e)) from None
         if not self.receivers:
             raise RefitSetupError("refit.receivers is empty: a joint commit needs at least one receiver")
@@ -95,19 +95,22 @@ class RefitOptions:
         if self.min_receivers > len(self.receivers) and self.membership == "static":
             raise RefitSetupError(f"refit.min_receivers={self.min_receivers} exceeds the {len(self.receivers)} static "
                                   "receivers")
-        for name in ("chunk_bytes", "upload_workers", "ack_timeout_s", "ack_poll_s", "pipeline_max_staged_bytes",
-                     "min_receivers", "evict_after"):
-            if getattr(self, name) <= 0:
-                raise RefitSetupError(f"refit.{name} must be positive, got {getattr(self, name)}")
+        for name, kind in (("chunk_bytes", int), ("upload_workers", int), ("ack_timeout_s", float),
+                           ("ack_poll_s", float), ("pipeline_max_staged_bytes", int), ("min_receivers", int),
+                           ("evict_after", int)):
+            try:
+                check_number(f"refit.{name}", getattr(self, name), kind=kind, positive=True)
+            except ConfigError as e:
+                raise RefitSetupError(str(e)) from None
         try:
             FailureBudget(self.on_refusal, self.max_consecutive_failures)  # validates both
         except ValidationError as e:
             raise RefitSetupError(f"refit.{e}") from None
-        if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool)
-                                                or not isinstance(self.snapshot_every, int)
-                                                or self.snapshot_every < 0):
+        try:
+            check_number("refit.snapshot_every", self.snapshot_every, min=0, allow_none=True)
+        except ConfigError:
             raise RefitSetupError(f"refit.snapshot_every must be an int >= 0 (0 = off) or null (20 with elastic "
-                                  f"membership, else off), got {self.snapshot_every!r}")
+                                  f"membership, else off), got {self.snapshot_every!r}") from None
         if self.membership == "elastic":
             budget = 1 if self.on_refusal == "fail" else self.max_consecutive_failures
             if self.evict_after > budget:

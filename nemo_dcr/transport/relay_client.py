@@ -220,9 +220,12 @@ class RelayStore(BoundedStore):
             if data.count(b'"') > 2 * most + 2:  # "keys" and one pair per key, before parsing
                 raise RelayRefused(f"list answer of over {most} keys")
             try:
-                keys = json.loads(data)["keys"]
-            except (ValueError, KeyError, TypeError) as e:
+                answer = json.loads(data)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 raise RelayUnavailable(f"unreadable list answer: {type(e).__name__}: {e}") from None
+            if not isinstance(answer, dict) or "keys" not in answer:
+                raise RelayUnavailable("unreadable list answer: no 'keys'")
+            keys = answer["keys"]
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise RelayRefused("list answer: 'keys' is not a list of strings")
             return sorted(keys) if limit is None else sorted(keys)[:limit]
@@ -256,9 +259,11 @@ class RelayStore(BoundedStore):
 
 def _int_header(resp, name: str) -> int | None:
     v = resp.headers.get(name)
+    if v is None:
+        return None
     try:
-        return int(v) if v is not None else None
-    except ValueError:
+        return int(v)
+    except ValueError:  # not a number: as if the header were not there
         return None
 
 

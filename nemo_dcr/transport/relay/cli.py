@@ -34,7 +34,7 @@ def byte_count(text: str) -> int:
 
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValidationError(f"--listen must be HOST:PORT (port 0: any free port), got {text!r}")
     return host.strip("[]"), int(port)
 
@@ -111,12 +111,12 @@ def check_input(args) -> RelayRun:
             raise ValidationError(f"--progress-s must be >= 0, got {args.progress_s}")
         if args.spool is not None and os.path.exists(args.spool) and not os.path.isdir(args.spool):
             raise ValidationError(f"--spool {args.spool!r} is not a directory")
-    except (DcrError, ValueError) as e:
+    except DcrError as e:
         raise _BadInput(str(e)) from None
     try:
         given = {k: v for k, v in (("timeout_s", args.timeout_s), ("retries", args.retries)) if v is not None}
         store = open_store(args.upstream, **given)
-    except (DcrError, ValueError, TypeError, ImportError) as e:
+    except (DcrError, ImportError) as e:  # ImportError: a scheme whose package is not installed
         raise _BadInput(f"--upstream: {type(e).__name__}: {e}") from None
     return RelayRun(store=store, config=cfg, listen=listen, progress_s=args.progress_s)
 

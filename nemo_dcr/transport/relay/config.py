@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import ValidationError
 
 PROG = "nemo-dcr relay"
@@ -71,16 +72,11 @@ class RelayConfig:
     def __post_init__(self) -> None:
         for name in ("max_memory_bytes", "max_spool_bytes", "keep_versions", "fetch_threads", "prefetch",
                      "piece_bytes", "max_connections"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValidationError(f"relay {name} must be an integer >= 1, got {v!r}")
-        for name in ("coalesce_ms", "send_timeout_s", "admit_wait_s", "idle_timeout_s", "put_rate", "run_check_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValidationError(f"relay {name} must be a number >= 0, got {v!r}")
+            check_number(f"relay {name}", getattr(self, name), kind=int, min=1)
+        for name in ("coalesce_ms", "admit_wait_s"):
+            check_number(f"relay {name}", getattr(self, name), kind=float, min=0)
         for name in ("send_timeout_s", "idle_timeout_s", "put_rate", "run_check_s"):
-            if getattr(self, name) <= 0:
-                raise ValidationError(f"relay {name} must be > 0, got {getattr(self, name)}")
+            check_number(f"relay {name}", getattr(self, name), kind=float, positive=True)
         if self.prefetch > self.fetch_threads:
             raise ValidationError(f"relay prefetch ({self.prefetch}) must not exceed fetch_threads "
                                   f"({self.fetch_threads})")

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from nemo_dcr.errors import ValidationError
+from nemo_dcr.configs.check import check_number
+from nemo_dcr.errors import WrongTypeError
 from nemo_dcr.protocol.keys import CHUNK_MARK
 from nemo_dcr.transport.store.base import ObjectNotFound, ObjectTooLarge, StoreError, SymlinkRefused
 
@@ -43,16 +44,12 @@ class StorePolicy:
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "backoff_s", "backoff_max_s", "min_bytes_per_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"store {name} must be a number, got {v!r}")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int):
-            raise TypeError(f"store retries must be an int, got {self.retries!r}")
-        if self.timeout_s <= 0 or self.min_bytes_per_s <= 0:
-            raise ValidationError(f"store timeout_s and min_bytes_per_s must be > 0, got {self.timeout_s}, "
-                                  f"{self.min_bytes_per_s}")
-        if self.retries < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
-            raise ValidationError("store retries, backoff_s and backoff_max_s must be >= 0")
+            check_number(f"store {name}", getattr(self, name), kind=float)
+        check_number("store retries", self.retries, kind=int, min=0)
+        for name in ("timeout_s", "min_bytes_per_s"):
+            check_number(f"store {name}", getattr(self, name), kind=float, positive=True)
+        for name in ("backoff_s", "backoff_max_s"):
+            check_number(f"store {name}", getattr(self, name), kind=float, min=0)
 
     def budget_s(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / self.min_bytes_per_s
@@ -192,7 +189,7 @@ class BoundedStore:
 
     def _init_policy(self, policy: StorePolicy | None) -> None:
         if policy is not None and not isinstance(policy, StorePolicy):
-            raise TypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
+            raise WrongTypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
         self._reads_lock = threading.Lock()
         self.policy = policy or StorePolicy()
         self._rng = random.Random()
