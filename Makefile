@@ -44,7 +44,7 @@ BRIDGE_ONLY := tests/integration/test_bridge_callback.py
 
 # Test lanes (docs/testing.md).  tests/conftest.py marks every test that starts a process
 # (torchrun, vLLM, moto_server, a receiver, a `python -c` probe) `spawns`, and fails a test
-# that starts one without the mark.  `make test-fast`: the unmarked rest, in one process.
+# that starts one without the mark.  `make test-fast`: the unmarked rest.
 # `make test` (CI): everything, on PYTEST_JOBS pytest-xdist workers (default 2, the CI
 # machine's cores; pytest-xdist is in [dev] and [bridge-stack]; PYTEST_JOBS=0: one process),
 # one file per worker at a time (--dist loadfile: a module's shared torchrun launch runs
@@ -122,9 +122,10 @@ test: setup
 	$(PY) -m pytest -m "not gpu" tests/nemo $(filter-out tests/%,$(ARGS)) || test $$? -eq 5
 	$(MAKE) --no-print-directory test-bridge
 
-# every test that starts no process (one process, ~100 CPU s measured); no NeMo / Bridge venv needed
+# every test that starts no process, on PYTEST_JOBS workers (~70 CPU s, mostly waiting: 2 min
+# on 2 workers, 3 min in one process; docs/testing.md); no NeMo / Bridge venv needed
 test-fast: setup
-	$(PY) -m pytest -m "not spawns and not gpu" $(ARGS)
+	$(PY) -m pytest -m "not spawns and not gpu" $(call XDIST,$(PY)) $(ARGS)
 
 # ARGS' options apply here too, its test paths (tests/...) only to the main suite; exit 5
 # (ARGS selected none of BRIDGE_TESTS, e.g. ARGS="-k codec") is not a failure here
