@@ -6,7 +6,8 @@ the tests check them against each other.
 """
 from setuptools import Extension, setup
 
-_RECORD_H = ["nemo_dcr/codec/csrc/record.h"]
+_PYBIND_H = ["nemo_dcr/codec/csrc/pybind.h"]  # the CPython glue of the record coders
+_RECORD_H = ["nemo_dcr/codec/csrc/record.h"] + _PYBIND_H
 _COMMON = dict(extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"])
 
 setup(
