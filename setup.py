@@ -6,13 +6,13 @@ the tests check them against each other.
 """
 from setuptools import Extension, setup
 
-_PYBIND_H = ["nemo_dcr/codec/csrc/pybind.h"]  # the CPython glue of the record coders
+_PYBIND_H = ["nemo_dcr/codec/csrc/pybind.h"]  # the CPython glue of every extension
 _RECORD_H = ["nemo_dcr/codec/csrc/record.h"] + _PYBIND_H
 _COMMON = dict(extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"])
 
 setup(
     ext_modules=[
-        Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], **_COMMON),
+        Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], depends=_PYBIND_H, **_COMMON),
         # the MODEL and BUCKET record coders share record.h
         Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], depends=_RECORD_H, **_COMMON),
         # rans.c includes lanes.c (coding 5, LANES), which shares its scan and bit I/O
