@@ -21,7 +21,8 @@
 #include <stdarg.h>
 #include <stdlib.h>
 
-/* Set exc with a PyErr_Format message; returns -1 (for int-returning checks). */
+/* Set exc with a PyErr_Format message (a format: '%' as "%%"); returns -1 (for int-returning
+ * checks). */
 static inline int pyb_raise(PyObject *exc, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);

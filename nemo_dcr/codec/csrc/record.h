@@ -61,8 +61,9 @@ static inline uint64_t iord_of(const Params *P, uint64_t o) {
  * nnz, base, lo, hi, width, eshift, ebits, e_lo, op, positions_out, values_out).  A binding
  * rec_parse()s one, runs the rec_* checks in its own order (each: 0, or -1 with the error set)
  * and rec_release()s it on every path after a successful parse.
- * REC_LOCAL_P: the coder gets a local copy of r->P, not r->P itself: r escaped to
- * PyArg_ParseTuple, so the compiler would have to assume that the coder's stores alias it. */
+ * REC_LOCAL_P: a coder inlined into its binding gets a local copy of r->P, not r->P itself:
+ * r escaped to PyArg_ParseTuple, so the compiler would have to assume the coder's stores
+ * alias it. */
 typedef struct {
     Py_buffer state, stream, pos, vals, base; /* decode: pos, vals are the outputs */
     PyObject *base_obj;
