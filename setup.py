@@ -8,7 +8,8 @@ import os
 
 from setuptools import Extension, setup
 
-_RECORD_H = ["nemo_dcr/codec/csrc/record.h"]
+_PYBIND_H = ["nemo_dcr/codec/csrc/pybind.h"]  # the CPython glue of every extension
+_RECORD_H = ["nemo_dcr/codec/csrc/record.h"] + _PYBIND_H
 _COMMON = dict(extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"])
 
 # NEMO_DCR_INPLACE_EXT=1: install without building the extensions, for a second virtualenv of
@@ -19,7 +20,7 @@ _EXT = os.environ.get("NEMO_DCR_INPLACE_EXT") != "1"
 
 setup(
     ext_modules=[] if not _EXT else [
-        Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], **_COMMON),
+        Extension("nemo_dcr.kernels._cxor", ["nemo_dcr/kernels/csrc/xor_diff.c"], depends=_PYBIND_H, **_COMMON),
         # the MODEL and BUCKET record coders share record.h
         Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], depends=_RECORD_H, **_COMMON),
         # rans.c includes lanes.c (coding 5, LANES), which shares its scan and bit I/O

@@ -1032,133 +1032,98 @@ static int decode_record(Model *m, const Params *P, const uint8_t *buf, size_t l
 
 /* ------------------------------------------------------------------ Python bindings */
 
-/* parse_params, get_base, check_positions: record.h */
+/* Rec, rec_parse and the rec_* checks: record.h; PYB_*, pyb_*: pybind.h */
 
 static int get_model(Py_buffer *mb, Model **m, const Params *P, int decoding) {
-    if (mb->len != (Py_ssize_t)sizeof(Model) && (decoding || mb->len != (Py_ssize_t)ENC_BYTES)) {
-        PyErr_SetString(PyExc_ValueError, "model state buffer has the wrong size (decoding needs MODEL_BYTES)");
-        return -1;
-    }
+    if (mb->len != (Py_ssize_t)sizeof(Model) && (decoding || mb->len != (Py_ssize_t)ENC_BYTES))
+        return pyb_raise(PyExc_ValueError, "model state buffer has the wrong size (decoding needs MODEL_BYTES)");
     *m = (Model *)mb->buf;
-    if ((*m)->magic != MODEL_MAGIC || (P && (*m)->width_mode != (uint32_t)(P->width * 2 + P->context))) {
-        PyErr_SetString(PyExc_ValueError, "model state was not initialised for this dtype and mode");
-        return -1;
-    }
+    if ((*m)->magic != MODEL_MAGIC || (P && (*m)->width_mode != (uint32_t)(P->width * 2 + P->context)))
+        return pyb_raise(PyExc_ValueError, "model state was not initialised for this dtype and mode");
     return 0;
 }
 
 static PyObject *py_model_init(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer mb;
+    Py_buffer mb = {0};
+    PyObject *res = NULL;
     int width, context;
     if (!PyArg_ParseTuple(args, "w*ii", &mb, &width, &context)) return NULL;
     if ((mb.len != (Py_ssize_t)sizeof(Model) && mb.len != (Py_ssize_t)ENC_BYTES) ||
-        (width != 1 && width != 2 && width != 4 && width != 8)) {
-        PyBuffer_Release(&mb);
-        PyErr_SetString(PyExc_ValueError, "bad model state buffer or width");
-        return NULL;
-    }
+        (width != 1 && width != 2 && width != 4 && width != 8))
+        PYB_FAIL(PyExc_ValueError, "bad model state buffer or width");
     model_init((Model *)mb.buf, width, context);
-    PyBuffer_Release(&mb);
-    Py_RETURN_NONE;
+    res = pyb_none();
+done:
+    PYB_RELEASE(&mb);
+    return res;
 }
 
-static PyObject *py_encode(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer pb, vb, bb, mb;
-    PyObject *base_obj;
-    Py_ssize_t lo, hi;
-    int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "w*y*y*Onniiiii", &mb, &pb, &vb, &base_obj, &lo, &hi, &width, &eshift, &ebits,
-                          &e_lo, &op))
-        return NULL;
+/* rec_inputs, then what v1 carries: no XOR value of 0, ranges of at most 2^40 elements */
+static int v1_inputs(Rec *r) {
+    if (rec_inputs(r) < 0) return -1;
+    for (Py_ssize_t j = 0; j < r->nnz; j++)
+        if (r->op == 0 && load((const uint8_t *)r->vals.buf, r->width, j) == 0)
+            return pyb_raise(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
+    if (r->hi - r->lo > ((Py_ssize_t)1 << 40)) return pyb_raise(PyExc_ValueError, "ranges are at most 2^40 elements");
+    return 0;
+}
+
+/* encode (BUCKET, with a state) and lanes_encode (LANES, no state): the same checks.  Inlined
+ * into each binding, so that each inlines only its own coder, as a binding of its own did. */
+static inline __attribute__((always_inline)) PyObject *encode_v1(PyObject *args, int lanes) {
+    Rec r;
     Model *m = NULL;
-    Params P;
     PyObject *res = NULL;
-    int have_base = 0;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
-    have_base = get_base(base_obj, &bb, &P);
-    if (have_base < 0) goto done;
-    if (get_model(&mb, &m, &P, 0) < 0) goto done;
-    Py_ssize_t nnz = pb.len / 8;
-    if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
-        PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
-        goto done;
-    }
-    const int64_t *pos = (const int64_t *)pb.buf;
-    if (check_positions(pos, nnz, lo, hi) < 0) goto done;
-    for (Py_ssize_t j = 0; j < nnz; j++) {
-        if (op == 0 && load((const uint8_t *)vb.buf, width, j) == 0) {
-            PyErr_SetString(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
-            goto done;
-        }
-    }
-    if (hi - lo > ((Py_ssize_t)1 << 40)) {
-        PyErr_SetString(PyExc_ValueError, "ranges are at most 2^40 elements");
-        goto done;
-    }
     Coded c = {0};
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = encode_record(m, &P, pos, (const uint8_t *)vb.buf, nnz, &c);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        PyErr_NoMemory();
+    if (!rec_parse(&r, args, !lanes, 0)) return NULL;
+    if (rec_params(&r) < 0 || rec_base(&r) < 0 || (!lanes && get_model(&r.state, &m, &r.P, 0) < 0) ||
+        v1_inputs(&r) < 0)
         goto done;
-    }
-    res = PyBytes_FromStringAndSize((const char *)c.out, (Py_ssize_t)c.len);
-    free(c.out);
+    const Params P = r.P; /* REC_LOCAL_P (record.h) */
+    Py_BEGIN_ALLOW_THREADS
+    rc = lanes ? lanes_encode_record(&P, r.pos.buf, r.vals.buf, r.nnz, &c)
+               : encode_record(m, &P, r.pos.buf, r.vals.buf, r.nnz, &c);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) PYB_NOMEM();
+    res = pyb_bytes_free(c.out, 0, c.len);
 done:
-    if (have_base > 0) PyBuffer_Release(&bb);
-    PyBuffer_Release(&mb);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&vb);
+    rec_release(&r);
     return res;
 }
 
-static PyObject *py_decode(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer sb, bb, pob, vob, mb;
-    PyObject *base_obj;
-    Py_ssize_t lo, hi, nnz;
-    int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "w*y*nOnniiiiiw*w*", &mb, &sb, &nnz, &base_obj, &lo, &hi, &width, &eshift, &ebits,
-                          &e_lo, &op, &pob, &vob))
-        return NULL;
+/* decode (BUCKET, with a state) and lanes_decode (LANES, no state); inlined like encode_v1 */
+static inline __attribute__((always_inline)) PyObject *decode_v1(PyObject *args, int lanes) {
+    Rec r;
     Model *m = NULL;
-    Params P;
     PyObject *res = NULL;
-    int have_base = 0;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
-    have_base = get_base(base_obj, &bb, &P);
-    if (have_base < 0) goto done;
-    if (get_model(&mb, &m, &P, 1) < 0) goto done;
-    if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
-        PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
-        goto done;
-    }
     int rc;
+    if (!rec_parse(&r, args, !lanes, 1)) return NULL;
+    if (rec_params(&r) < 0 || rec_base(&r) < 0 || (!lanes && get_model(&r.state, &m, &r.P, 1) < 0) ||
+        rec_outputs(&r) < 0)
+        goto done;
+    const Params P = r.P; /* REC_LOCAL_P (record.h) */
+    const uint8_t *buf = r.stream.buf;
+    size_t len = (size_t)r.stream.len;
     Py_BEGIN_ALLOW_THREADS
-    rc = decode_record(m, &P, (const uint8_t *)sb.buf, (size_t)sb.len, (int64_t *)pob.buf, (uint8_t *)vob.buf, nnz);
+    rc = lanes ? lanes_decode_record(&P, buf, len, r.pos.buf, r.vals.buf, r.nnz)
+               : decode_record(m, &P, buf, len, r.pos.buf, r.vals.buf, r.nnz);
     Py_END_ALLOW_THREADS
-    if (rc == -2) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (rc < 0) {
-        PyErr_SetString(PyExc_ValueError, "coded stream is not a valid BUCKET payload for this record");
-        goto done;
-    }
-    res = Py_None;
-    Py_INCREF(res);
+    if (rc == -2) PYB_NOMEM();
+    if (rc < 0)
+        PYB_FAIL(PyExc_ValueError, lanes ? "coded stream is not a valid LANES payload for this record"
+                                         : "coded stream is not a valid BUCKET payload for this record");
+    res = pyb_none();
 done:
-    if (have_base > 0) PyBuffer_Release(&bb);
-    PyBuffer_Release(&mb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&pob);
-    PyBuffer_Release(&vob);
+    rec_release(&r);
     return res;
 }
+
+static PyObject *py_encode(PyObject *self, PyObject *args) { (void)self; return encode_v1(args, 0); }
+static PyObject *py_decode(PyObject *self, PyObject *args) { (void)self; return decode_v1(args, 0); }
+static PyObject *py_lanes_encode(PyObject *self, PyObject *args) { (void)self; return encode_v1(args, 1); }
+static PyObject *py_lanes_decode(PyObject *self, PyObject *args) { (void)self; return decode_v1(args, 1); }
 
 /* Largest exponent field below emax in q[lo, hi) (2-byte floats): one branch-free pass.
  * The compiler does not vectorise it, so the AVX2 copy is explicit. */
@@ -1195,16 +1160,14 @@ AVX2 static uint32_t emax_w2_avx2(const uint16_t *q, Py_ssize_t lo, Py_ssize_t h
  * branch-free pass, which the compiler vectorises; the numpy version made two. */
 static PyObject *py_choose_e_lo(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer bb;
+    Py_buffer bb = {0};
+    PyObject *res = NULL;
     Py_ssize_t lo, hi;
     int width, eshift, ebits;
     if (!PyArg_ParseTuple(args, "y*nniii", &bb, &lo, &hi, &width, &eshift, &ebits)) return NULL;
     if ((width != 1 && width != 2 && width != 4 && width != 8) || lo < 0 || hi < lo || bb.len < hi * width ||
-        ebits < 0 || ebits > 16 || eshift < 0 || eshift + ebits > 8 * width) {
-        PyBuffer_Release(&bb);
-        PyErr_SetString(PyExc_ValueError, "bad base buffer or parameters");
-        return NULL;
-    }
+        ebits < 0 || ebits > 16 || eshift < 0 || eshift + ebits > 8 * width)
+        PYB_FAIL(PyExc_ValueError, "bad base buffer or parameters");
     uint32_t top = 0;
     if (ebits) {
         const uint32_t emax = (1u << ebits) - 1;
@@ -1224,8 +1187,10 @@ static PyObject *py_choose_e_lo(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&bb);
-    return PyLong_FromLong(top > NB - 1 ? (long)(top - (NB - 1)) : 0);
+    res = PyLong_FromLong(top > NB - 1 ? (long)(top - (NB - 1)) : 0);
+done:
+    PYB_RELEASE(&bb);
+    return res;
 }
 
 static PyObject *py_simd(PyObject *self, PyObject *args) {
@@ -1240,96 +1205,6 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
     set_paths(level);
     return py_simd(NULL, NULL);
-}
-
-static PyObject *py_lanes_encode(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer pb, vb, bb;
-    PyObject *base_obj;
-    Py_ssize_t lo, hi;
-    int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "y*y*Onniiiii", &pb, &vb, &base_obj, &lo, &hi, &width, &eshift, &ebits, &e_lo, &op))
-        return NULL;
-    Params P;
-    PyObject *res = NULL;
-    int have_base = 0;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
-    have_base = get_base(base_obj, &bb, &P);
-    if (have_base < 0) goto done;
-    Py_ssize_t nnz = pb.len / 8;
-    if (pb.len != nnz * 8 || vb.len != nnz * width || nnz > hi - lo) {
-        PyErr_SetString(PyExc_ValueError, "positions/values buffers inconsistent");
-        goto done;
-    }
-    const int64_t *pos = (const int64_t *)pb.buf;
-    if (check_positions(pos, nnz, lo, hi) < 0) goto done;
-    for (Py_ssize_t j = 0; j < nnz; j++) {
-        if (op == 0 && load((const uint8_t *)vb.buf, width, j) == 0) {
-            PyErr_SetString(PyExc_ValueError, "an XOR value of 0 is a no-op that v1 does not carry");
-            goto done;
-        }
-    }
-    if (hi - lo > ((Py_ssize_t)1 << 40)) {
-        PyErr_SetString(PyExc_ValueError, "ranges are at most 2^40 elements");
-        goto done;
-    }
-    Coded c = {0};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = lanes_encode_record(&P, pos, (const uint8_t *)vb.buf, nnz, &c);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    res = PyBytes_FromStringAndSize((const char *)c.out, (Py_ssize_t)c.len);
-    free(c.out);
-done:
-    if (have_base > 0) PyBuffer_Release(&bb);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&vb);
-    return res;
-}
-
-static PyObject *py_lanes_decode(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer sb, bb, pob, vob;
-    PyObject *base_obj;
-    Py_ssize_t lo, hi, nnz;
-    int width, eshift, ebits, e_lo, op;
-    if (!PyArg_ParseTuple(args, "y*nOnniiiiiw*w*", &sb, &nnz, &base_obj, &lo, &hi, &width, &eshift, &ebits, &e_lo,
-                          &op, &pob, &vob))
-        return NULL;
-    Params P;
-    PyObject *res = NULL;
-    int have_base = 0;
-    if (parse_params(&P, width, eshift, ebits, e_lo, op, lo, hi) < 0) goto done;
-    have_base = get_base(base_obj, &bb, &P);
-    if (have_base < 0) goto done;
-    if (nnz < 0 || nnz > hi - lo || pob.len != nnz * 8 || vob.len != nnz * width) {
-        PyErr_SetString(PyExc_ValueError, "output buffers inconsistent with nnz");
-        goto done;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = lanes_decode_record(&P, (const uint8_t *)sb.buf, (size_t)sb.len, (int64_t *)pob.buf, (uint8_t *)vob.buf, nnz);
-    Py_END_ALLOW_THREADS
-    if (rc == -2) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (rc < 0) {
-        PyErr_SetString(PyExc_ValueError, "coded stream is not a valid LANES payload for this record");
-        goto done;
-    }
-    res = Py_None;
-    Py_INCREF(res);
-done:
-    if (have_base > 0) PyBuffer_Release(&bb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&pob);
-    PyBuffer_Release(&vob);
-    return res;
 }
 
 static PyMethodDef methods[] = {

@@ -32,8 +32,7 @@
  * Both are O(n) with no O(n) temporaries; the portable and AVX2 loops give identical
  * output (tests run both).  Assumes a little-endian host (lane k of a word is element k).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "../../codec/csrc/pybind.h" /* Python.h and the binding helpers */
 
 #include <pthread.h>
 #include <stdint.h>
@@ -512,58 +511,41 @@ static void run_jobs(job_t *jobs, int nt) {
 /* ---------------------------------------------------------------- arguments ---------- */
 
 typedef struct {
-    Py_buffer cur, base, counts;
-    int have_cur, have_base, have_counts;
+    Py_buffer cur, base, counts; /* zero until acquired: release_args on every path */
     int w, nthreads;
     int64_t numel, block_size, nblocks;
 } args_t;
 
-static void release_args(args_t *c) {
-    if (c->have_cur) PyBuffer_Release(&c->cur);
-    if (c->have_base) PyBuffer_Release(&c->base);
-    if (c->have_counts) PyBuffer_Release(&c->counts);
-}
+static void release_args(args_t *c) { PYB_RELEASE(&c->cur, &c->base, &c->counts); }
 
 static int parse_args(args_t *c, PyObject *cur, PyObject *base, int w, long long block_size,
                       int nthreads, PyObject *counts, int counts_flags) {
     memset(c, 0, sizeof(*c));
-    if (w != 1 && w != 2 && w != 4 && w != 8) {
-        PyErr_Format(PyExc_ValueError, "element width must be 1, 2, 4 or 8 bytes, got %d", w);
-        return 0;
-    }
-    if (block_size < 1) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1");
-        return 0;
-    }
-    if (PyObject_GetBuffer(cur, &c->cur, PyBUF_C_CONTIGUOUS) < 0) return 0;
-    c->have_cur = 1;
-    if (PyObject_GetBuffer(base, &c->base, PyBUF_C_CONTIGUOUS) < 0) return 0;
-    c->have_base = 1;
-    if (PyObject_GetBuffer(counts, &c->counts, PyBUF_C_CONTIGUOUS | counts_flags) < 0) return 0;
-    c->have_counts = 1;
-    if (c->cur.len != c->base.len) {
-        PyErr_Format(PyExc_ValueError, "current has %zd bytes, baseline %zd", c->cur.len,
-                     c->base.len);
-        return 0;
-    }
-    if (c->cur.len % w) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes is not a whole number of %d-byte elements",
-                     c->cur.len, w);
-        return 0;
-    }
+    if (w != 1 && w != 2 && w != 4 && w != 8)
+        return pyb_raise(PyExc_ValueError, "element width must be 1, 2, 4 or 8 bytes, got %d", w);
+    if (block_size < 1)
+        return pyb_raise(PyExc_ValueError, "block_size must be >= 1");
+    if (PyObject_GetBuffer(cur, &c->cur, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(base, &c->base, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(counts, &c->counts, PyBUF_C_CONTIGUOUS | counts_flags) < 0)
+        return -1;
+    if (c->cur.len != c->base.len)
+        return pyb_raise(PyExc_ValueError, "current has %zd bytes, baseline %zd", c->cur.len,
+                         c->base.len);
+    if (c->cur.len % w)
+        return pyb_raise(PyExc_ValueError, "%zd bytes is not a whole number of %d-byte elements",
+                         c->cur.len, w);
     c->w = w;
     c->numel = c->cur.len / w;
     c->block_size = block_size;
     c->nblocks = c->numel / block_size + (c->numel % block_size != 0);
-    if (c->counts.len != c->nblocks * (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_Format(PyExc_ValueError, "counts buffer has %zd bytes, need %lld int64s",
-                     c->counts.len, (long long)c->nblocks);
-        return 0;
-    }
+    if (c->counts.len != c->nblocks * (Py_ssize_t)sizeof(int64_t))
+        return pyb_raise(PyExc_ValueError, "counts buffer has %zd bytes, need %lld int64s",
+                         c->counts.len, (long long)c->nblocks);
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
     if (nthreads > c->nblocks) nthreads = (int)c->nblocks;
     c->nthreads = nthreads < 1 ? 1 : nthreads;
-    return 1;
+    return 0;
 }
 
 static void split_blocks(const args_t *c, job_t *jobs, int mode) {
@@ -593,10 +575,9 @@ static PyObject *py_count(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOiLiO", &cur, &base, &w, &block_size, &nthreads, &counts))
         return NULL;
     args_t c;
-    if (!parse_args(&c, cur, base, w, block_size, nthreads, counts, PyBUF_WRITABLE)) {
-        release_args(&c);
-        return NULL;
-    }
+    PyObject *result = NULL;
+    if (parse_args(&c, cur, base, w, block_size, nthreads, counts, PyBUF_WRITABLE) < 0)
+        goto done;
     job_t jobs[MAX_THREADS];
     split_blocks(&c, jobs, MODE_COUNT);
     Py_BEGIN_ALLOW_THREADS
@@ -605,8 +586,10 @@ static PyObject *py_count(PyObject *self, PyObject *args) {
     int64_t total = 0;
     for (int64_t b = 0; b < c.nblocks; b++)
         total += ((int64_t *)c.counts.buf)[b];
+    result = PyLong_FromLongLong(total);
+done:
     release_args(&c);
-    return PyLong_FromLongLong(total);
+    return result;
 }
 
 static PyObject *py_fill(PyObject *self, PyObject *args) {
@@ -618,41 +601,32 @@ static PyObject *py_fill(PyObject *self, PyObject *args) {
                           &pos_obj, &val_obj))
         return NULL;
     args_t c;
-    Py_buffer pos, val;
-    int have_pos = 0, have_val = 0;
+    Py_buffer pos = {0}, val = {0};
     int64_t *offsets = NULL;
     PyObject *result = NULL;
     job_t jobs[MAX_THREADS];
-    if (!parse_args(&c, cur, base, w, block_size, nthreads, counts, 0))
+    if (parse_args(&c, cur, base, w, block_size, nthreads, counts, 0) < 0 ||
+        PyObject_GetBuffer(pos_obj, &pos, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(val_obj, &val, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto done;
-    if (PyObject_GetBuffer(pos_obj, &pos, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
-    have_pos = 1;
-    if (PyObject_GetBuffer(val_obj, &val, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
-    have_val = 1;
     offsets = malloc((size_t)(c.nblocks + 1) * sizeof(int64_t));
-    if (!offsets) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!offsets)
+        PYB_NOMEM();
     const int64_t *cnt = c.counts.buf;
     int64_t total = 0;
     for (int64_t b = 0; b < c.nblocks; b++) {
         int64_t len = c.numel - b * c.block_size < c.block_size ? c.numel - b * c.block_size
                                                                  : c.block_size;
-        if (cnt[b] < 0 || cnt[b] > len) {
-            PyErr_Format(PyExc_ValueError, "block %lld: count %lld outside [0, %lld]",
-                         (long long)b, (long long)cnt[b], (long long)len);
-            goto done;
-        }
+        if (cnt[b] < 0 || cnt[b] > len)
+            PYB_FAIL(PyExc_ValueError, "block %lld: count %lld outside [0, %lld]", (long long)b,
+                     (long long)cnt[b], (long long)len);
         offsets[b] = total;
         total += cnt[b];
     }
-    if (pos.len / 8 < total || val.len / w < total) {
-        PyErr_Format(PyExc_ValueError,
-                     "output buffers hold %zd positions / %zd values, the counts need %lld",
-                     pos.len / 8, val.len / w, (long long)total);
-        goto done;
-    }
+    if (pos.len / 8 < total || val.len / w < total)
+        PYB_FAIL(PyExc_ValueError,
+                 "output buffers hold %zd positions / %zd values, the counts need %lld",
+                 pos.len / 8, val.len / w, (long long)total);
     split_blocks(&c, jobs, MODE_FILL);
     for (int t = 0; t < c.nthreads; t++) {
         jobs[t].offsets = offsets;
@@ -662,19 +636,14 @@ static PyObject *py_fill(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run_jobs(jobs, c.nthreads);
     Py_END_ALLOW_THREADS
-    for (int t = 0; t < c.nthreads; t++) {
-        if (jobs[t].mismatch_block >= 0) {
-            PyErr_Format(PyExc_LookupError,
-                         "block %lld: its count does not match current ^ baseline",
-                         (long long)jobs[t].mismatch_block);
-            goto done;
-        }
-    }
+    for (int t = 0; t < c.nthreads; t++)
+        if (jobs[t].mismatch_block >= 0)
+            PYB_FAIL(PyExc_LookupError, "block %lld: its count does not match current ^ baseline",
+                     (long long)jobs[t].mismatch_block);
     result = PyLong_FromLongLong(total);
 done:
     free(offsets);
-    if (have_pos) PyBuffer_Release(&pos);
-    if (have_val) PyBuffer_Release(&val);
+    PYB_RELEASE(&pos, &val);
     release_args(&c);
     return result;
 }
@@ -691,15 +660,15 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
                           &alloc))
         return NULL;
     args_t c;
-    Py_buffer pos, val;
-    int have_pos = 0, have_val = 0, own_pool = 0;
+    Py_buffer pos = {0}, val = {0};
+    int own_pool = 0;
     int64_t *offsets = NULL;
     PyObject *result = NULL, *outs = NULL;
     job_t jobs[MAX_THREADS];
     scratch_t fresh[MAX_THREADS];
     scratch_t *scratch = fresh;
     memset(fresh, 0, sizeof(fresh));
-    if (!parse_args(&c, cur, base, w, block_size, nthreads, counts, PyBUF_WRITABLE))
+    if (parse_args(&c, cur, base, w, block_size, nthreads, counts, PyBUF_WRITABLE) < 0)
         goto done;
     if (!scratch_pool_busy) { /* the GIL is held: no race on the flag */
         scratch_pool_busy = own_pool = 1;
@@ -711,18 +680,13 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run_jobs(jobs, c.nthreads);
     Py_END_ALLOW_THREADS
-    for (int t = 0; t < c.nthreads; t++) {
-        if (jobs[t].nomem) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
+    for (int t = 0; t < c.nthreads; t++)
+        if (jobs[t].nomem)
+            PYB_NOMEM();
     /* output offset of every block; spilled blocks are in the counts, not in a scratch */
     offsets = malloc((size_t)(c.nblocks + 1) * sizeof(int64_t));
-    if (!offsets) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!offsets)
+        PYB_NOMEM();
     int64_t total = 0;
     for (int64_t blk = 0; blk < c.nblocks; blk++) {
         offsets[blk] = total;
@@ -732,21 +696,14 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     outs = PyObject_CallFunction(alloc, "L", (long long)total);
     if (!outs)
         goto done;
-    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != 2) {
-        PyErr_SetString(PyExc_TypeError, "alloc must return (positions, values)");
+    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != 2)
+        PYB_FAIL(PyExc_TypeError, "alloc must return (positions, values)");
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 0), &pos, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 1), &val, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto done;
-    }
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 0), &pos, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    have_pos = 1;
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, 1), &val, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    have_val = 1;
-    if (pos.len / 8 < total || val.len / w < total) {
-        PyErr_Format(PyExc_ValueError, "alloc(%lld) returned buffers for %zd positions / %zd values",
-                     (long long)total, pos.len / 8, val.len / w);
-        goto done;
-    }
+    if (pos.len / 8 < total || val.len / w < total)
+        PYB_FAIL(PyExc_ValueError, "alloc(%lld) returned buffers for %zd positions / %zd values",
+                 (long long)total, pos.len / 8, val.len / w);
     for (int t = 0; t < c.nthreads; t++) {
         jobs[t].mode = MODE_GATHER;
         jobs[t].offsets = offsets;
@@ -756,19 +713,14 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run_jobs(jobs, c.nthreads);
     Py_END_ALLOW_THREADS
-    for (int t = 0; t < c.nthreads; t++) {
-        if (jobs[t].mismatch_block >= 0) {
-            PyErr_Format(PyExc_LookupError, "block %lld changed while it was being diffed",
-                         (long long)jobs[t].mismatch_block);
-            goto done;
-        }
-    }
-    result = outs;
-    Py_INCREF(result);
+    for (int t = 0; t < c.nthreads; t++)
+        if (jobs[t].mismatch_block >= 0)
+            PYB_FAIL(PyExc_LookupError, "block %lld changed while it was being diffed",
+                     (long long)jobs[t].mismatch_block);
+    result = Py_NewRef(outs);
 done:
     free(offsets);
-    if (have_pos) PyBuffer_Release(&pos);
-    if (have_val) PyBuffer_Release(&val);
+    PYB_RELEASE(&pos, &val);
     Py_XDECREF(outs);
     for (int t = 0; t < MAX_THREADS; t++)
         scratch_release(&scratch[t], own_pool);
