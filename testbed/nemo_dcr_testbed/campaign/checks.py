@@ -9,6 +9,7 @@ import numpy as np
 
 from .epoch import Epoch
 from .procs import _tail
+from .records import TrialRecord
 
 
 def int_view(t) -> np.ndarray:
@@ -49,7 +50,7 @@ def _flips(ep: Epoch) -> int:
     return sum(r.log_count('"relay_flip"') for r in ep.relays.values())
 
 
-def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed_tentative: set,
+def check_receivers(ep: Epoch, rec: TrialRecord, v: int, expect_committed: int, allowed_tentative: set,
                     planned_kill: set = frozenset(), lag: list | None = None) -> bool:
     """Every receiver of ``ep`` settles after the decision on ``v``; its committed version
     must be ``expect_committed``, it may hold no tentative version outside
@@ -72,20 +73,20 @@ def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed
         st, restarts = rx.status(reqs[rid], timeout=120)
         dead_restarts = restarts + 0
         if rid in planned_kill:
-            rec["planned_restarts"] += min(dead_restarts, 1)
+            rec.planned_restarts += min(dead_restarts, 1)
             dead_restarts -= min(dead_restarts, 1)
-        rec["unplanned_restarts"] += dead_restarts
+        rec.unplanned_restarts += dead_restarts
         if dead_restarts:
             rec.setdefault("crashes", []).append(f"{rid}: {_tail(os.path.join(rx.dir, f'log-{rx.incarnation - 1}.txt'), 3)}")
         if st is None:
-            rec["hang"] = True
-            rec["violations"].append(f"{rid}: no settled state within 120s (was_dead={was_dead})")
+            rec.hang = True
+            rec.violations.append(f"{rid}: no settled state within 120s (was_dead={was_dead})")
             log = os.path.join(rx.dir, f"log-{rx.incarnation}.txt")
             rec.setdefault("hang_logs", {})[rid] = _tail(log, 6)[-1500:]
             end_epoch = True
             continue
         info = {k: st.get(k) for k in ("committed", "tentative", "awaiting", "handled", "held_version", "member")}
-        rec["receivers"][rid] = info
+        rec.receivers[rid] = info
         held = st["tentative"] if st["tentative"] is not None else st["committed"]
         if held not in dense_cache:
             dense_cache[held] = ep.dense(held)
@@ -99,11 +100,11 @@ def check_receivers(ep: Epoch, rec: dict, v: int, expect_committed: int, allowed
                        f"the trainer committed v{expect_committed}")
             continue
         if st["committed"] != expect_committed:
-            rec["violations"].append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
+            rec.violations.append(f"{rid}: committed v{st['committed']}, trainer committed v{expect_committed}")
         if st["tentative"] not in allowed_tentative:
-            rec["violations"].append(f"{rid}: serves tentative v{st['tentative']} after the decision")
+            rec.violations.append(f"{rid}: serves tentative v{st['tentative']} after the decision")
         if bad:
-            rec["violations"].append(f"{rid}: {len(bad)} tensors differ from the dense state of v{held}: {bad[:3]}")
+            rec.violations.append(f"{rid}: {len(bad)} tensors differ from the dense state of v{held}: {bad[:3]}")
         if st["committed"] != expect_committed or bad:
             # which version's bits does it hold?  (diagnosis only)
             for k in range(max(0, v - 3), v + 1):

@@ -17,6 +17,7 @@ from .kinds import (CLASSES, CLASS_GROUPS, DRIVER_CLASSES, ELASTIC_CLASSES, LIAR
     make_plan)
 from .pipeline_trials import run_pipeline_trial
 from .procs import Moto, ROOT
+from .records import TrialRecord
 from .relay_trials import run_claim_race, run_liar_trial
 from .report import _source, load_records, plot, summarize
 from .store_trials import run_trial
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(c in RELAY_TREE_CLASSES for c in classes):
         summary.update(hop_timeout_s=args.hop_timeout_s, retry_after_s=args.retry_after_s)
     with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(summary.to_json(), f, indent=1)
     plot(summary, everything, args.plot or os.path.splitext(args.out)[0] + ".png")
     print(json.dumps({k: summary[k] for k in ("trials", "silent_corruptions", "hangs", "epochs", "wall_s")}))
     for cls, c in summary["by_class"].items():
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["silent_corruptions"] == 0 and summary["hangs"] == 0 else 1
 
 
-def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
+def campaign(args, classes: tuple[str, ...], records: list[TrialRecord]) -> list[TrialRecord]:
     import tempfile
 
     from nemo_dcr.protocol.signing import new_key_file
@@ -139,14 +140,14 @@ def campaign(args, classes: tuple[str, ...], records: list[dict]) -> list[dict]:
                     rec, end = run_liar_trial(ep, moto, plan, args.seed)
                 else:
                     rec, end = run_trial(ep, moto, plan, args.seed)
-                rec["epoch_start"] = new_epoch
-                out.write(json.dumps(rec) + "\n")
+                rec.epoch_start = new_epoch
+                out.write(json.dumps(rec.to_json()) + "\n")
                 out.flush()
                 records.append(rec)
-                print(f"trial {t:4d} {rec['cls']:16s} v{rec['version']:<4d} {'commit' if rec['committed'] else 'abort '} "
-                      f"{rec['duration_s']:6.2f}s detected={int(rec['detected'])} "
-                      f"{'VIOLATION ' + '; '.join(rec['violations']) if rec['violations'] else ''}"
-                      f"{'FAILED ' + '; '.join(rec['failures']) if rec.get('failures') else ''}",
+                print(f"trial {t:4d} {rec.cls:16s} v{rec.version:<4d} {'commit' if rec.committed else 'abort '} "
+                      f"{rec.duration_s:6.2f}s detected={int(rec.detected)} "
+                      f"{'VIOLATION ' + '; '.join(rec.violations) if rec.violations else ''}"
+                      f"{'FAILED ' + '; '.join(rec.failures) if rec.get('failures') else ''}",
                       file=sys.stderr, flush=True)
                 if end:
                     ep.close()

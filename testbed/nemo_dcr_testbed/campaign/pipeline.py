@@ -10,6 +10,7 @@ import time
 from .checks import check_receivers
 from .epoch import Epoch
 from .procs import _tail
+from .records import TrialRecord
 
 
 def _sealer():
@@ -67,7 +68,7 @@ def _wait_row(ep: Epoch, v: int, timeout: float = 180.0) -> dict | None:
     return None
 
 
-def _pstep(ep: Epoch, plan: dict, rec: dict, during=None) -> tuple[int, dict | None, object]:
+def _pstep(ep: Epoch, plan: dict, rec: TrialRecord, during=None) -> tuple[int, dict | None, object]:
     """One version of a pipelined epoch: plan, go, ``during(v)`` (the driver's hand at a
     moment of ``v``, in a thread), the trainer's row once ``v`` is decided, the signed
     decision, then every live receiver checked bit for bit against the version it must
@@ -84,37 +85,37 @@ def _pstep(ep: Epoch, plan: dict, rec: dict, during=None) -> tuple[int, dict | N
     entry = {"version": v, "committed": row["committed"] if row else None}
     if d is not None:
         entry.update(members=list(d.receivers), joined=list(d.joined), evicted=list(d.evicted))
-    rec["versions"].append(entry)
+    rec.versions.append(entry)
     if row is None:
-        rec["hang"] = ep.trainer.poll() is None
-        rec["violations"].append(f"v{v}: the trainer {'did not decide within 180s' if rec['hang'] else 'exited'}: "
+        rec.hang = ep.trainer.poll() is None
+        rec.violations.append(f"v{v}: the trainer {'did not decide within 180s' if rec.hang else 'exited'}: "
                                  + _tail(ep.trainer_log, 3))
         return v, None, None
     if d is None or d.commit != row["committed"]:
-        rec["violations"].append(f"v{v}: the trainer's row says committed={row['committed']}, the signed decision "
+        rec.violations.append(f"v{v}: the trainer's row says committed={row['committed']}, the signed decision "
                                  f"{'is missing' if d is None else f'says {d.commit}'}")
     if row["base_version"] != ep.committed:
-        rec["violations"].append(f"v{v}: trainer base {row['base_version']}, driver expected {ep.committed}")
+        rec.violations.append(f"v{v}: trainer base {row['base_version']}, driver expected {ep.committed}")
     if row["committed"]:
         ep.committed = v
     else:
         ep.aborted.add(v)
     if d is not None:
         ep.members = set(d.receivers)
-    rec["t_decided"] = row["t_decided"]
-    rec["committed"] = row["committed"]
+    rec.t_decided = row["t_decided"]
+    rec.committed = row["committed"]
     if check_receivers(ep, rec, v, ep.committed, {None}):
-        rec["end_epoch"] = True
+        rec.end_epoch = True
     return v, row, d
 
 
-def _new_record(ep: Epoch, plan: dict, seed: int) -> dict:
-    return {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
-            "topology": "pipeline", "membership": "elastic" if ep.elastic else "static",
-            "ack_timeout_s": ep.ack_timeout_s, "epoch": ep.index, "version": ep.version + 1,
-            "base_version": ep.committed, "violations": [], "failures": [], "hang": False,
-            "unplanned_restarts": 0, "planned_restarts": 0, "versions": [], "t_go": time.time(),
-            "committed": False, "t_decided": time.time()}
+def _new_record(ep: Epoch, plan: dict, seed: int) -> TrialRecord:
+    return TrialRecord.new(trial=plan["trial"], seed=seed, cls=plan["cls"], faults=plan["faults"],
+                           topology="pipeline", membership="elastic" if ep.elastic else "static",
+                           ack_timeout_s=ep.ack_timeout_s, epoch=ep.index, version=ep.version + 1,
+                           base_version=ep.committed, violations=[], failures=[], hang=False,
+                           unplanned_restarts=0, planned_restarts=0, versions=[], t_go=time.time(),
+                           committed=False, t_decided=time.time())
 
 
 def _listed_versions(ep: Epoch) -> list[int]:

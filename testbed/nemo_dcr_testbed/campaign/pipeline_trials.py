@@ -12,10 +12,11 @@ from .epoch import Epoch
 from .kinds import ELASTIC_CLASSES, EVICT_AFTER, EXIT_SLACK_S, HOSTILE_DOCS
 from .pipeline import _decision, _go, _listed_versions, _moment, _new_record, _pstep, _sealer
 from .procs import ReceiverProc, _kill
+from .records import TrialRecord
 from .relay_trials import plant_keys
 
 
-def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
+def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[TrialRecord, bool]:
     """One trial of a pipelined epoch (``--classes pipeline``); it may span several versions.
     Returns (record, epoch_must_end).  ``violations`` are broken safety checks (counted as
     silent corruptions); ``failures`` are liveness checks that did not hold (a resumed run
@@ -26,11 +27,11 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
         raise ValueError(f"{cls} needs an elastic epoch")
     if cls == "receiver_dies" and len(ep.receivers) < 2:
         # keep at least one member: a death with one live receiver becomes a join
-        rec["redrawn_from"], cls = cls, "receiver_joins_midversion"
+        rec.redrawn_from, cls = cls, "receiver_joins_midversion"
         plan = {**plan, "cls": cls, "faults": [{"kind": "join", "target": "driver", "at": "manifest"}]}
         rec.update(cls=cls, faults=plan["faults"])
     elif cls == "receiver_joins_midversion" and len(ep.receivers) >= 4:
-        rec["redrawn_from"], cls = cls, "receiver_dies"
+        rec.redrawn_from, cls = cls, "receiver_dies"
         plan = {**plan, "cls": cls, "faults": [{"kind": "receiver_dies", "target": "driver", "at": "manifest",
                                                 "pick": 0.5}]}
         rec.update(cls=cls, faults=plan["faults"])
@@ -38,8 +39,8 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
     if cls == "none":
         _, row, _ = _pstep(ep, plan, rec)
         if row is not None and not row["committed"]:
-            rec["failures"].append("the control version did not commit")
-        rec["detected"] = False
+            rec.failures.append("the control version did not commit")
+        rec.detected = False
     elif cls == "trainer_kill_inflight":
         end = _trial_trainer_kill(ep, plan, rec)
     elif cls == "receiver_dies":
@@ -57,14 +58,14 @@ def run_pipeline_trial(ep: Epoch, plan: dict, seed: int) -> tuple[dict, bool]:
         end = True
     else:
         raise ValueError(f"{cls} does not run in a pipelined epoch")
-    rec["duration_s"] = round(time.time() - rec["t_go"], 3)
-    rec["silent"] = bool(rec["violations"]) and not rec["hang"]
+    rec.duration_s = round(time.time() - rec.t_go, 3)
+    rec.silent = bool(rec.violations) and not rec.hang
     rec.setdefault("detected", True)
-    end = end or rec.pop("end_epoch", False) or bool(rec["violations"]) or rec["hang"] or ep.trainer.poll() is not None
+    end = end or rec.pop("end_epoch", False) or bool(rec.violations) or rec.hang or ep.trainer.poll() is not None
     return rec, end
 
 
-def _trial_trainer_kill(ep: Epoch, plan: dict, rec: dict) -> bool:
+def _trial_trainer_kill(ep: Epoch, plan: dict, rec: TrialRecord) -> bool:
     """SIGKILL the trainer ranks while version v is in flight, then resume the run from the
     last checkpoint; returns whether the epoch must end (a resume refused as documented)."""
     from nemo_dcr.protocol.manifest import manifest_key
@@ -81,25 +82,25 @@ def _trial_trainer_kill(ep: Epoch, plan: dict, rec: dict) -> bool:
     fate["alive_at_kill"] = ep.trainer.poll() is None
     survivors = ep.kill_trainer()
     if survivors:
-        rec["violations"].append(f"trainer ranks {survivors} survived the SIGKILL (the check would be void)")
-        rec["end_epoch"] = True
+        rec.violations.append(f"trainer ranks {survivors} survived the SIGKILL (the check would be void)")
+        rec.end_epoch = True
         return True
-    rec["t_kill"] = time.time()
+    rec.t_kill = time.time()
     d = _decision(ep, v)
     with open(os.path.join(ep.dir, "ckpt", "LATEST")) as fh:
         ckpt = json.load(fh)["version"]
     fate.update(chunks=len(ep.store.list(f"v/{v:08d}/chunks/")), manifest=ep.store.exists(manifest_key(v)),
                 decision=None if d is None else ("commit" if d.commit else "abort"), checkpoint=ckpt)
-    rec["fate"] = fate
+    rec.fate = fate
     if fate["row_before_kill"] and f["at"] != "decision":
-        rec["failures"].append(f"v{v} was decided before the kill at {f['at']} (the hold did not keep it in flight)")
+        rec.failures.append(f"v{v} was decided before the kill at {f['at']} (the hold did not keep it in flight)")
     # the resumed trainer starts while the receivers settle on what the killed one left
     ep.incarnation += 1
     ep.launch_trainer(resume=True)
     expect = v if d is not None and d.commit else base
     if check_receivers(ep, rec, v, expect, {None} if d is not None else {None, v}):
-        rec["end_epoch"] = True
-    fate["receivers_tentative"] = sorted(r for r, i in rec["receivers"].items() if i.get("tentative") == v)
+        rec.end_epoch = True
+    fate["receivers_tentative"] = sorted(r for r, i in rec.receivers.items() if i.get("tentative") == v)
     if d is not None and d.commit:
         ep.committed = v
     ready = ep.wait_trainer()
@@ -109,32 +110,32 @@ def _trial_trainer_kill(ep: Epoch, plan: dict, rec: dict) -> bool:
         # documented (docs/protocol.md, "Run state"): a checkpoint older than the store's
         # committed version is refused; any other refusal is a failure of the resume
         if not (d is not None and d.commit and ckpt < v):
-            rec["failures"].append(f"resume from checkpoint v{ckpt} refused: {fate['refusal']}")
+            rec.failures.append(f"resume from checkpoint v{ckpt} refused: {fate['refusal']}")
         elif f"committed v{v} after it" not in fate["refusal"]:
-            rec["failures"].append(f"resume refused with an unexpected message: {fate['refusal']}")
-        rec["t_decided"] = rec["t_kill"]
+            rec.failures.append(f"resume refused with an unexpected message: {fate['refusal']}")
+        rec.t_decided = rec.t_kill
         return True
     in_use = max([v, *_listed_versions(ep)])
     fate.update(resume="ok", resumed_committed=ready["committed"], next_version=ready["next_version"],
                 in_use=in_use)
     if ready["committed"] != ep.committed:
-        rec["violations"].append(f"resumed at committed v{ready['committed']}, the store's run committed "
+        rec.violations.append(f"resumed at committed v{ready['committed']}, the store's run committed "
                                  f"v{ep.committed}")
     if ready["next_version"] <= in_use:
-        rec["violations"].append(f"resumed trainer's next version {ready['next_version']} reuses a number in use "
+        rec.violations.append(f"resumed trainer's next version {ready['next_version']} reuses a number in use "
                                  f"(<= {in_use})")
     ep.version = ready["next_version"] - 1
     for _ in range(3):  # the resumed run must commit (an abort under load is retried, bounded)
         w, row, _ = _pstep(ep, {"trial": plan["trial"], "cls": plan["cls"], "faults": []}, rec)
-        if row is None or row["committed"] or rec["violations"]:
+        if row is None or row["committed"] or rec.violations:
             break
-    fate["resumed_versions"] = [e["version"] for e in rec["versions"]]
-    if not rec["committed"]:
-        rec["failures"].append("the resumed run did not commit within 3 versions")
+    fate["resumed_versions"] = [e["version"] for e in rec.versions]
+    if not rec.committed:
+        rec.failures.append("the resumed run did not commit within 3 versions")
     return False
 
 
-def _trial_receiver_dies(ep: Epoch, plan: dict, rec: dict) -> None:
+def _trial_receiver_dies(ep: Epoch, plan: dict, rec: TrialRecord) -> None:
     """SIGKILL a member for good; it must be evicted after EVICT_AFTER versions without
     its ack, no version it did not ack may commit while it is a member, and the next
     version commits with the rest."""
@@ -145,7 +146,7 @@ def _trial_receiver_dies(ep: Epoch, plan: dict, rec: dict) -> None:
     target = live[min(int(f["pick"] * len(live)), len(live) - 1)]
     rx = ep.receivers.pop(target)
     ep.dead[target] = rx
-    rec["target"] = target
+    rec.target = target
 
     def kill(v: int) -> None:
         if f["at"] == "manifest":
@@ -168,39 +169,39 @@ def _trial_receiver_dies(ep: Epoch, plan: dict, rec: dict) -> None:
             return
         # (its ack may have landed just before the kill: what counts is whether one is there)
         if target in d.receivers and d.commit and not ep.store.exists(ack_key(target, v)):
-            rec["violations"].append(f"v{v} committed while {target} was a member and had not acked it")
+            rec.violations.append(f"v{v} committed while {target} was a member and had not acked it")
         if target in d.evicted:
             evicted_at = v
             if target in d.receivers:
-                rec["violations"].append(f"v{v} evicts {target} and still names it a member")
+                rec.violations.append(f"v{v} evicts {target} and still names it a member")
             break
-    rec["evicted_at"] = evicted_at
+    rec.evicted_at = evicted_at
     if evicted_at is None:
-        rec["failures"].append(f"{target} not evicted within {EVICT_AFTER + 2} versions")
+        rec.failures.append(f"{target} not evicted within {EVICT_AFTER + 2} versions")
         return
-    if not rec["committed"]:  # the eviction version aborted (e.g. another slow ack): one more
+    if not rec.committed:  # the eviction version aborted (e.g. another slow ack): one more
         _pstep(ep, {**plan, "faults": []}, rec)
     v, row, d = _pstep(ep, {**plan, "faults": []}, rec)  # a later version commits with the rest
     if row is not None and not row["committed"]:
-        rec["failures"].append(f"v{v} after the eviction did not commit")
+        rec.failures.append(f"v{v} after the eviction did not commit")
     if d is not None and target in d.receivers:
-        rec["violations"].append(f"v{v}: evicted {target} is a member again")
+        rec.violations.append(f"v{v}: evicted {target} is a member again")
 
 
-def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
+def _trial_join(ep: Epoch, plan: dict, rec: TrialRecord) -> None:
     """Start a fresh receiver with --join while version v is in flight; it must be admitted
     at a later version, which commits, and serve that version's bits (checked with the
     others after every version)."""
     f = plan["faults"][0]
     ep.joins += 1
     rid = f"j{ep.joins}"
-    rec["target"] = rid
+    rec.target = rid
 
     started: list[ReceiverProc] = []
 
     def start(v: int) -> None:
         _moment(ep, v, f["at"])
-        rec["started_in_flight"] = ep.row(v) is None
+        rec.started_in_flight = ep.row(v) is None
         started.append(ReceiverProc(ep, rid, join=True))
 
     v, row, d = _pstep(ep, plan, rec, during=start)
@@ -212,7 +213,7 @@ def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
             Epoch.wait_ready(started[0], time.monotonic(), timeout=300)
         except RuntimeError as e:
             started[0].close()
-            rec["failures"].append(f"{rid} did not start: {str(e)[:200]}")
+            rec.failures.append(f"{rid} did not start: {str(e)[:200]}")
             return
         ep.receivers[rid] = started[0]
         for _ in range(4):
@@ -222,24 +223,24 @@ def _trial_join(ep: Epoch, plan: dict, rec: dict) -> None:
             if rid in d.joined:
                 admitted = w
                 if rid not in d.receivers:
-                    rec["violations"].append(f"v{w} admits {rid} and does not name it a member")
+                    rec.violations.append(f"v{w} admits {rid} and does not name it a member")
                 if d.commit and row["committed"] is False:
-                    rec["violations"].append(f"v{w}: decision and row disagree")
+                    rec.violations.append(f"v{w}: decision and row disagree")
                 break
-    rec["admitted_at"] = admitted
+    rec.admitted_at = admitted
     if admitted is None:
-        rec["failures"].append(f"{rid} not admitted within 4 versions after the one it started in")
+        rec.failures.append(f"{rid} not admitted within 4 versions after the one it started in")
         return
-    if not rec["committed"]:
+    if not rec.committed:
         _pstep(ep, {**plan, "faults": []}, rec)
     w, row, d = _pstep(ep, {**plan, "faults": []}, rec)  # its ack counts now: commits with it
     if row is not None and not row["committed"]:
-        rec["failures"].append(f"v{w} after {rid}'s admission did not commit")
+        rec.failures.append(f"v{w} after {rid}'s admission did not commit")
     if d is not None and rid not in d.receivers:
-        rec["violations"].append(f"v{w}: admitted {rid} is no longer a member")
+        rec.violations.append(f"v{w}: admitted {rid} is no longer a member")
 
 
-def _trial_stall_inflight(ep: Epoch, plan: dict, rec: dict) -> None:
+def _trial_stall_inflight(ep: Epoch, plan: dict, rec: TrialRecord) -> None:
     """Stop the store while version v is in flight (the training loop goes on; the next hook
     call waits in settle); v may commit or abort, never half of each: every live receiver is
     checked bit for bit as after any version.  Then the run must go on: no member evicted by
@@ -256,23 +257,23 @@ def _trial_stall_inflight(ep: Epoch, plan: dict, rec: dict) -> None:
         ep.moto.stall(stall_s)
 
     v, row, d = _pstep(ep, plan, rec, during=stall)
-    rec["stall"] = {"stall_s": round(stall_s, 2), **seen,
+    rec.stall = {"stall_s": round(stall_s, 2), **seen,
                     "outcome": None if row is None else ("commit" if row["committed"] else "abort")}
     if row is None:
         return
     if d is not None and d.evicted:
-        rec["failures"].append(f"v{v}: one stalled version evicted {list(d.evicted)}")
+        rec.failures.append(f"v{v}: one stalled version evicted {list(d.evicted)}")
     for _ in range(3):
         w, row, d = _pstep(ep, {**plan, "faults": []}, rec)
-        if row is None or row["committed"] or rec["violations"]:
+        if row is None or row["committed"] or rec.violations:
             break
     if row is not None and not row["committed"]:
-        rec["failures"].append("no version committed within 3 versions after the stall")
+        rec.failures.append("no version committed within 3 versions after the stall")
     if d is not None and d.commit and set(d.receivers) != members_before:
-        rec["failures"].append(f"members changed across the stall: {sorted(members_before)} -> {sorted(d.receivers)}")
+        rec.failures.append(f"members changed across the stall: {sorted(members_before)} -> {sorted(d.receivers)}")
 
 
-def _trial_planted_resume(ep: Epoch, plan: dict, rec: dict) -> bool:
+def _trial_planted_resume(ep: Epoch, plan: dict, rec: TrialRecord) -> bool:
     """planted_keys in a pipelined epoch: keys planted before the go of v (plant_keys); v
     must commit (or v+1); then the trainer is SIGKILLed between versions (v's checkpoint
     written) and resumed from it: its next version must be one past the last it published
@@ -280,42 +281,42 @@ def _trial_planted_resume(ep: Epoch, plan: dict, rec: dict) -> bool:
     killed upload's: ``protocol/history.py`` FLOOR_SLACK); far planted numbers do not raise the
     floor; and it must commit.  Returns whether the
     epoch must end (a refused resume or a raised floor)."""
-    rec["planted"] = plant_keys(ep, ep.version + 1, plan["faults"][0])
+    rec.planted = plant_keys(ep, ep.version + 1, plan["faults"][0])
     for i in range(2):
         v, row, _ = _pstep(ep, plan if i == 0 else {**plan, "faults": []}, rec)
-        if row is None or row["committed"] or rec["violations"]:
+        if row is None or row["committed"] or rec.violations:
             break
-    if row is None or rec["violations"]:
+    if row is None or rec.violations:
         return True
     if not row["committed"]:
-        rec["failures"].append(f"neither v{v - 1} nor v{v} committed after the planted keys")
+        rec.failures.append(f"neither v{v - 1} nor v{v} committed after the planted keys")
         return True
     survivors = ep.kill_trainer()  # between versions: v decided and checkpointed (its row is written after)
     if survivors:
-        rec["violations"].append(f"trainer ranks {survivors} survived the SIGKILL")
+        rec.violations.append(f"trainer ranks {survivors} survived the SIGKILL")
         return True
     ep.incarnation += 1
     ready = ep.start_trainer(resume=True)
-    rec["resume"] = {k: ready.get(k) for k in ("next_version", "committed", "refused")}
+    rec.resume = {k: ready.get(k) for k in ("next_version", "committed", "refused")}
     if "refused" in ready:
-        rec["failures"].append(f"resume after planted keys refused: {ready['refused']['error'][:300]}")
+        rec.failures.append(f"resume after planted keys refused: {ready['refused']['error'][:300]}")
         return True
-    expect = max(ep.version, rec["planted"].get("near_to", 0)) + 1
+    expect = max(ep.version, rec.planted.get("near_to", 0)) + 1
     if ready["next_version"] != expect:
-        rec["failures"].append(f"resumed trainer's next version is {ready['next_version']}, one past the last "
+        rec.failures.append(f"resumed trainer's next version is {ready['next_version']}, one past the last "
                                f"published or near bare number is {expect}: planted keys set the floor")
         return True
     ep.version = ready["next_version"] - 1  # the driver's next go is the resumed trainer's next version
     for _ in range(3):
         w, row, _ = _pstep(ep, {**plan, "faults": []}, rec)
-        if row is None or row["committed"] or rec["violations"]:
+        if row is None or row["committed"] or rec.violations:
             break
-    if not rec["committed"]:
-        rec["failures"].append("the resumed run did not commit within 3 versions")
+    if not rec.committed:
+        rec.failures.append("the resumed run did not commit within 3 versions")
     return False
 
 
-def _trial_exit(ep: Epoch, plan: dict, rec: dict) -> None:
+def _trial_exit(ep: Epoch, plan: dict, rec: TrialRecord) -> None:
     """exit_without_finish: every trainer rank leaves its loop with sys.exit() right after
     the hook call of v (v in flight), calling no finish().  Within the ack timeout plus
     EXIT_SLACK_S of the go the trainer must be gone and v decided (a signed decision on the
@@ -324,7 +325,7 @@ def _trial_exit(ep: Epoch, plan: dict, rec: dict) -> None:
     f = plan["faults"][0]
     for _ in range(f.get("before", 0)):  # clean versions first: the exit is not always the run's first
         _, row, _ = _pstep(ep, {**plan, "faults": []}, rec)
-        if row is None or rec["violations"]:
+        if row is None or rec.violations:
             return
     base = ep.committed
     os.makedirs(os.path.join(ep.dir, "exit"), exist_ok=True)
@@ -344,25 +345,25 @@ def _trial_exit(ep: Epoch, plan: dict, rec: dict) -> None:
         time.sleep(0.05)
     if d is None:
         d = _decision(ep, v)
-    rec["exit"] = {"trainer_gone": gone, "rc": ep.trainer.returncode, "after_s": round(time.monotonic() - t0, 2),
+    rec.exit = {"trainer_gone": gone, "rc": ep.trainer.returncode, "after_s": round(time.monotonic() - t0, 2),
                    "decision": None if d is None else ("commit" if d.commit else "abort")}
-    rec["versions"].append({"version": v, "committed": bool(d and d.commit)})
+    rec.versions.append({"version": v, "committed": bool(d and d.commit)})
     if not gone:
-        rec["hang"] = True
-        rec["violations"].append(f"v{v}: the trainer did not end within {bound:.0f}s of its sys.exit()")
+        rec.hang = True
+        rec.violations.append(f"v{v}: the trainer did not end within {bound:.0f}s of its sys.exit()")
         ep.kill_trainer()
     if d is None:
-        rec["failures"].append(f"v{v}: no signed decision after the trainer exited without finish()")
+        rec.failures.append(f"v{v}: no signed decision after the trainer exited without finish()")
     elif d.commit:
         ep.committed = v
     else:
         ep.aborted.add(v)
-    rec["committed"] = bool(d and d.commit)
-    rec["t_decided"] = time.time()
+    rec.committed = bool(d and d.commit)
+    rec.t_decided = time.time()
     check_receivers(ep, rec, v, v if (d and d.commit) else base, {None} if d is not None else {None, v})
 
 
-def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
+def _trial_join_forged(ep: Epoch, plan: dict, rec: TrialRecord) -> None:
     """A store writer without the key plants a join request; it must admit nobody and change
     nothing: the next two versions name the same members and commit."""
     import secrets as _secrets
@@ -415,10 +416,10 @@ def _trial_join_forged(ep: Epoch, plan: dict, rec: dict) -> None:
         if row is None or d is None:
             return
         if rid in d.joined or (rid in d.receivers and rid not in members_before):
-            rec["violations"].append(f"v{v}: the forged join request admitted {rid}")
+            rec.violations.append(f"v{v}: the forged join request admitted {rid}")
         if set(d.receivers) != members_before:
-            rec["violations"].append(f"v{v}: members {sorted(d.receivers)}, before the forgery "
+            rec.violations.append(f"v{v}: members {sorted(d.receivers)}, before the forgery "
                                      f"{sorted(members_before)}")
         if not row["committed"]:
-            rec["failures"].append(f"v{v} did not commit after the forgery")
-    rec["detected"] = not any(e.get("joined") for e in rec["versions"])
+            rec.failures.append(f"v{v} did not commit after the forgery")
+    rec.detected = not any(e.get("joined") for e in rec.versions)

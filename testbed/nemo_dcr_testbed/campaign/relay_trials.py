@@ -14,6 +14,7 @@ from .kinds import (ACK_FLOOD, FAR_VERSIONS, FIRST_READER, LIAR_CLASSES, RELAY_A
     liar_bound)
 from .pipeline import _sealer
 from .procs import Moto, ROOT, _kill, _tail
+from .records import TrialRecord
 from .store_trials import run_trial
 
 
@@ -134,7 +135,7 @@ def _bootstrap_restart(ep: Epoch, plan: dict, v: int, rec: dict) -> None:
     rec["bootstrap"] = boot
 
 
-def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, bool]:
+def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[TrialRecord, bool]:
     """A liar class (relay epochs) or planted_keys in a store or relay epoch: version v
     with the fault, then, while no version has committed with every receiver on it, the
     next ones (the fault on the first ``LIAR_BOUNDS[cls][0]`` of them) up to v + the
@@ -162,32 +163,32 @@ def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, 
         if end or (r["committed"] and not r["lagging"]) or k >= bound:
             break
     rec = parts[0]
-    rec["faults"] = plan["faults"]
+    rec.faults = plan["faults"]
     rec.update(head)
-    rec["versions"] = [{"version": r["version"], "committed": r["committed"], "lagging": r["lagging"]}
+    rec.versions = [{"version": r["version"], "committed": r["committed"], "lagging": r["lagging"]}
                        for r in parts]
     for r in parts[1:]:
-        rec["violations"] += r["violations"]
-        rec["hang"] = rec["hang"] or r["hang"]
-        rec["unplanned_restarts"] += r["unplanned_restarts"]
+        rec.violations += r["violations"]
+        rec.hang = rec.hang or r["hang"]
+        rec.unplanned_restarts += r["unplanned_restarts"]
         for key in ("reparents", "switches"):
             for n, c in (r.get(key) or {}).items():
                 rec.setdefault(key, {})[n] = rec.get(key, {}).get(n, 0) + c
-        rec["detected"] = rec["detected"] or r["detected"]
+        rec.detected = rec.detected or r["detected"]
     last = parts[-1]
     rec.update(committed=last["committed"], t_decided=last["t_decided"], receivers=last.get("receivers"))
     clean = last["committed"] and not last["lagging"]
-    if not clean and not rec["violations"]:
-        rec["failures"].append(f"no version within v{v0}..v{v0 + bound} committed with every receiver on it "
-                               f"(versions {[(e['version'], e['committed']) for e in rec['versions']]}; "
+    if not clean and not rec.violations:
+        rec.failures.append(f"no version within v{v0}..v{v0 + bound} committed with every receiver on it "
+                               f"(versions {[(e['version'], e['committed']) for e in rec.versions]}; "
                                f"{'; '.join(last['lagging'])[:300]})")
     if ep.relays:
-        rec["lies"] = _lies(ep) - lies_before
-        rec["struck"] = rec["lies"] > 0 or cls == "planted_keys"
+        rec.lies = _lies(ep) - lies_before
+        rec.struck = rec.lies > 0 or cls == "planted_keys"
     if cls == "planted_keys" and ep.relays:
         kept, seen = _relay_versions(ep), _relay_versions(ep, "recently_confirmed")
-        rec["relay_versions"] = kept
-        rec["relay_confirmed"] = seen
+        rec.relay_versions = kept
+        rec.relay_confirmed = seen
         # planted numbers must not push the real versions out: a relay through which a
         # child read the version's manifest or decision must still hold it; one its
         # children bypassed (a liar epoch's relay, left after a lie) may not (planted junk
@@ -195,9 +196,9 @@ def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, 
         for role, vs in kept.items():
             if vs is not None and last["version"] in (seen.get(role) or []) and last["version"] not in vs \
                     and any(w in ep.planted for w in vs):
-                rec["failures"].append(f"{role} keeps {vs}: planted versions pushed v{last['version']} out")
+                rec.failures.append(f"{role} keeps {vs}: planted versions pushed v{last['version']} out")
         if head["planted"].get("relay_acks_accepted"):
-            rec["failures"].append(f"ra forwarded {head['planted']['relay_acks_accepted']} acks of "
+            rec.failures.append(f"ra forwarded {head['planted']['relay_acks_accepted']} acks of "
                                    f"{RELAY_ACK_FLOOD_BYTES} bytes to the origin")
     if cls in LIAR_CLASSES and not end:  # the liar forgets what it cached
         relay = ep.relays[f["target"]]
@@ -206,9 +207,9 @@ def run_liar_trial(ep: Epoch, moto: Moto, plan: dict, seed: int) -> tuple[dict, 
         relay.wait_ready()
         rec.setdefault("healed", []).append(f"{f['target']}: liar restarted on an empty spool")
         ep.quiet_at = time.monotonic() + ep.retry_after_s
-    rec["duration_s"] = round(time.time() - rec["t_go"], 3)
-    rec["silent"] = bool(rec["violations"]) and not rec["hang"]
-    return rec, end or bool(rec["failures"]) or bool(rec["violations"])
+    rec.duration_s = round(time.time() - rec.t_go, 3)
+    rec.silent = bool(rec.violations) and not rec.hang
+    return rec, end or bool(rec.failures) or bool(rec.violations)
 
 
 CLAIM_SCRIPT = """
@@ -228,7 +229,7 @@ print(json.dumps(out), flush=True)
 """
 
 
-def run_claim_race(ep: Epoch, plan: dict, seed: int) -> dict:
+def run_claim_race(ep: Epoch, plan: dict, seed: int) -> TrialRecord:
     """claim_race: N processes call the product's ``claim_store`` (``nemo_dcr.protocol.run``)
     on one fresh prefix at once (the epoch's moto S3 server or a local directory), released
     together by a file once every one has imported and opened its store.  Checked: exactly
@@ -239,11 +240,11 @@ def run_claim_race(ep: Epoch, plan: dict, seed: int) -> dict:
 
     f = plan["faults"][0]
     t_go = time.time()
-    rec = {"trial": plan["trial"], "seed": seed, "cls": plan["cls"], "faults": plan["faults"],
-           "topology": "pipeline" if ep.pipeline else "relay" if ep.relays else "store",
-           "ack_timeout_s": ep.ack_timeout_s, "epoch": ep.index, "version": ep.version, "base_version": ep.committed,
-           "violations": [], "failures": [], "hang": False, "unplanned_restarts": 0, "planned_restarts": 0,
-           "t_go": t_go, "committed": None, "t_decided": t_go, "detected": True}
+    rec = TrialRecord.new(trial=plan["trial"], seed=seed, cls=plan["cls"], faults=plan["faults"],
+                          topology="pipeline" if ep.pipeline else "relay" if ep.relays else "store",
+                          ack_timeout_s=ep.ack_timeout_s, epoch=ep.index, version=ep.version,
+                          base_version=ep.committed, violations=[], failures=[], hang=False, unplanned_restarts=0,
+                          planned_restarts=0, t_go=t_go, committed=None, t_decided=t_go, detected=True)
     tag = f"claim-{plan['trial']}-{uuid.uuid4().hex[:8]}"
     uri = f"{ep.uri.rsplit('/', 1)[0]}/{tag}" if f["backend"] == "s3" else os.path.join(ep.dir, "claims", tag)
     go = os.path.join(ep.dir, f"{tag}.go")
@@ -255,14 +256,14 @@ def run_claim_race(ep: Epoch, plan: dict, seed: int) -> dict:
         for pr in procs:  # every one ready (imports done, store open) before the release
             line = pr.stdout.readline()
             if line.strip() != "ready":
-                rec["failures"].append(f"a claimant did not start: {line.strip()[:200]}")
+                rec.failures.append(f"a claimant did not start: {line.strip()[:200]}")
         open(go, "w").close()
         for pr in procs:
             try:
                 out, _ = pr.communicate(timeout=120)
             except subprocess.TimeoutExpired:
-                rec["hang"] = True
-                rec["violations"].append("a claimant did not return within 120s")
+                rec.hang = True
+                rec.violations.append("a claimant did not return within 120s")
                 continue
             lines = [x for x in out.splitlines() if x.startswith("{")]
             outs.append(json.loads(lines[-1]) if lines else {"lost": "no answer", "error": out[-200:]})
@@ -271,18 +272,18 @@ def run_claim_race(ep: Epoch, plan: dict, seed: int) -> dict:
             _kill(pr)
     winners = [o["won"] for o in outs if "won" in o]
     losers = [o["lost"] for o in outs if "lost" in o]
-    rec["claims"] = {"backend": f["backend"], "n": f["n"], "winners": len(winners), "losers": losers}
+    rec.claims = {"backend": f["backend"], "n": f["n"], "winners": len(winners), "losers": losers}
     if len(winners) != 1:
-        rec["failures"].append(f"{len(winners)} of {f['n']} claimants won the prefix")
+        rec.failures.append(f"{len(winners)} of {f['n']} claimants won the prefix")
     if any(x != "ForeignRunError" for x in losers):
-        rec["failures"].append(f"losers got {losers}, not ForeignRunError each")
+        rec.failures.append(f"losers got {losers}, not ForeignRunError each")
     try:
         held = read_run(open_store(uri), _sealer())
         if len(winners) == 1 and (held is None or held.run_id != winners[0]):
-            rec["failures"].append("RUN.json does not name the winner")
+            rec.failures.append("RUN.json does not name the winner")
     except Exception as e:  # noqa: BLE001 - recorded
-        rec["failures"].append(f"RUN.json unreadable after the race: {str(e)[:200]}")
-    rec["committed"] = not rec["failures"]
-    rec["duration_s"] = round(time.time() - t_go, 3)
-    rec["silent"] = False
+        rec.failures.append(f"RUN.json unreadable after the race: {str(e)[:200]}")
+    rec.committed = not rec.failures
+    rec.duration_s = round(time.time() - t_go, 3)
+    rec.silent = False
     return rec

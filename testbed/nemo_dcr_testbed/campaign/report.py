@@ -8,9 +8,10 @@ import os
 import numpy as np
 
 from .kinds import CLASSES, RELAY_TREE_CLASSES, STORE_CLASSES
+from .records import CampaignSummary, ClassSummary, SourceSummary, TrialRecord
 
 
-def _row(r: dict) -> str:
+def _row(r: TrialRecord | dict) -> str:
     """The summary row of a record: its class; a store class run in a relay epoch (the
     "none" control of a relay campaign) is a row of its own, ``<class>@relay``."""
     if r["cls"] not in STORE_CLASSES:
@@ -22,13 +23,13 @@ def _row(r: dict) -> str:
     return r["cls"]
 
 
-def _run_of(r: dict) -> tuple[str, int]:
+def _run_of(r: TrialRecord | dict) -> tuple[str, int]:
     """The run (trainer epoch) a record belongs to: a store campaign and a relay campaign
     summarized together number their epochs and trials each from 0."""
     return r.get("topology", "store"), r["epoch"]
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[TrialRecord]) -> CampaignSummary:
     # grouped by campaign (each numbers its trials from 0), so a fault's recovery is looked for in its own run
     records = sorted(records, key=lambda r: (r.get("topology", "store"), r["trial"]))
     # recovery: fault -> the next committed version of the same epoch (this one included)
@@ -49,40 +50,40 @@ def summarize(records: list[dict]) -> dict:
     classes = {c: {"trials": b["trials"], "silent_corruptions": b["silent"]} for c, b in by_class.items()}
     relay_rs = [r for r in records if r["cls"] in RELAY_TREE_CLASSES]
     pipe_rs = [r for r in records if r.get("topology") == "pipeline"]
-    return {
-        "trials": len(records),
+    return CampaignSummary.new(
+        trials=len(records),
         # class -> {"trials", "silent_corruptions"} (the rest per class is in by_class)
-        "classes": classes,
-        "silent_corruptions": sum(1 for r in records if r["silent"]),
-        "hangs": sum(1 for r in records if r["hang"]),
-        "relay_trials": len(relay_rs),
-        "relay_silent_corruptions": sum(1 for r in relay_rs if r["silent"]),
-        "pipeline_trials": len(pipe_rs),
-        "pipeline_silent_corruptions": sum(1 for r in pipe_rs if r["silent"]),
+        classes=classes,
+        silent_corruptions=sum(1 for r in records if r["silent"]),
+        hangs=sum(1 for r in records if r["hang"]),
+        relay_trials=len(relay_rs),
+        relay_silent_corruptions=sum(1 for r in relay_rs if r["silent"]),
+        pipeline_trials=len(pipe_rs),
+        pipeline_silent_corruptions=sum(1 for r in pipe_rs if r["silent"]),
         # liveness checks that did not hold (pipelined epochs): not corruptions, counted apart
-        "failures": [f"trial {r['trial']} ({r['cls']}): {x}" for r in records for x in r.get("failures", ())][:50],
-        "violations": [f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
-        "epochs": len({_run_of(r) for r in records}),
-        "wall_s": round(sum(r["duration_s"] for r in records), 1),
-        "by_class": by_class,
-    }
+        failures=[f"trial {r['trial']} ({r['cls']}): {x}" for r in records for x in r.get("failures", ())][:50],
+        violations=[f"trial {r['trial']} ({r['cls']}): {v}" for r in records for v in r["violations"]][:50],
+        epochs=len({_run_of(r) for r in records}),
+        wall_s=round(sum(r["duration_s"] for r in records), 1),
+        by_class=by_class,
+    )
 
 
-def _class_summary(rs: list[dict]) -> dict:
+def _class_summary(rs: list[TrialRecord]) -> ClassSummary:
     rec_s = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
-    out = {
-        "trials": len(rs),
-        "committed": sum(1 for r in rs if r.get("committed")),
-        "aborted": sum(1 for r in rs if not r.get("committed")),
-        "detected": sum(1 for r in rs if r["detected"]),
-        "recovered": len(rec_s),
-        "silent": sum(1 for r in rs if r["silent"]),
-        "hangs": sum(1 for r in rs if r["hang"]),
-        "unplanned_receiver_restarts": sum(r["unplanned_restarts"] for r in rs),
-        "mean_recovery_s": round(float(np.mean(rec_s)), 3) if rec_s else None,
-        "max_recovery_s": round(float(np.max(rec_s)), 3) if rec_s else None,
-        "modes": _modes(rs),
-    }
+    out = ClassSummary.new(
+        trials=len(rs),
+        committed=sum(1 for r in rs if r.get("committed")),
+        aborted=sum(1 for r in rs if not r.get("committed")),
+        detected=sum(1 for r in rs if r["detected"]),
+        recovered=len(rec_s),
+        silent=sum(1 for r in rs if r["silent"]),
+        hangs=sum(1 for r in rs if r["hang"]),
+        unplanned_receiver_restarts=sum(r["unplanned_restarts"] for r in rs),
+        mean_recovery_s=round(float(np.mean(rec_s)), 3) if rec_s else None,
+        max_recovery_s=round(float(np.max(rec_s)), 3) if rec_s else None,
+        modes=_modes(rs),
+    )
     if any("failures" in r for r in rs):
         out["failed"] = sum(1 for r in rs if r.get("failures"))
     if any("struck" in r for r in rs):  # liar trials whose relay told at least one lie
@@ -101,7 +102,7 @@ def _class_summary(rs: list[dict]) -> dict:
     return out
 
 
-def _outcomes(rs: list[dict]) -> dict:
+def _outcomes(rs: list[TrialRecord]) -> dict:
     """What happened in the pipelined classes, counted: the killed version's fate and the
     resume, where a death was evicted, when a joiner was admitted, what a forgery was."""
     out: dict[str, int] = {}
@@ -130,7 +131,7 @@ def _outcomes(rs: list[dict]) -> dict:
     return dict(sorted(out.items()))
 
 
-def _modes(rs: list[dict]) -> dict:
+def _modes(rs: list[TrialRecord]) -> dict:
     out: dict[str, int] = {}
     for r in rs:
         for f in r["faults"]:
@@ -142,7 +143,7 @@ def _modes(rs: list[dict]) -> dict:
     return dict(sorted(out.items()))
 
 
-def plot(summary: dict, records: list[dict], path: str) -> None:
+def plot(summary: CampaignSummary, records: list[TrialRecord], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,15 +169,16 @@ def plot(summary: dict, records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _source(rs: list[dict]) -> dict:
+def _source(rs: list[TrialRecord]) -> SourceSummary:
     """What one results file holds (the summary may merge several)."""
-    return {"trials": len(rs), "topology": sorted({r.get("topology", "store") for r in rs}),
-            "ack_timeout_s": sorted({r["ack_timeout_s"] for r in rs if "ack_timeout_s" in r}),
-            "wall_s": round(sum(r["duration_s"] for r in rs), 1),
-            "silent_corruptions": sum(1 for r in rs if r["silent"]), "hangs": sum(1 for r in rs if r["hang"])}
+    return SourceSummary.new(trials=len(rs), topology=sorted({r.get("topology", "store") for r in rs}),
+                             ack_timeout_s=sorted({r["ack_timeout_s"] for r in rs if "ack_timeout_s" in r}),
+                             wall_s=round(sum(r["duration_s"] for r in rs), 1),
+                             silent_corruptions=sum(1 for r in rs if r["silent"]),
+                             hangs=sum(1 for r in rs if r["hang"]))
 
 
-def load_records(path: str) -> list[dict]:
+def load_records(path: str) -> list[TrialRecord]:
     if not os.path.exists(path):
         return []
     out = []
@@ -185,7 +187,7 @@ def load_records(path: str) -> list[dict]:
             line = line.strip()
             if line:
                 try:
-                    out.append(json.loads(line))
+                    out.append(TrialRecord.from_json(json.loads(line)))
                 except json.JSONDecodeError:  # a line cut by an interrupted run
                     pass
     return out
