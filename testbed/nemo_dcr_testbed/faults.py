@@ -1,4 +1,4 @@
-"""Fault injection for the fault campaign (``scripts/fault_campaign.py``): test bed only,
+"""Fault injection for the fault campaign (``nemo_dcr_testbed.campaign``): test bed only,
 nothing in the product imports it.
 
 The campaign driver writes one plan per version, ``<plan_dir>/v<version>.json``, before it
@@ -9,7 +9,7 @@ to and act only when the plan names this process (``target``: ``r0``, ``r1``,
 ``rank0``, ``rank1``); in a relay epoch the receivers read their upstream list without
 :class:`FaultyStore` (``--no-store-faults``: the faults are the relays', see
 ``testbed/nemo_dcr_testbed/relay_faults.py``).  A plan is ``{"trial", "cls", "faults": [{"kind", "target", ...}]}``
-(at most one fault per process); the kinds are made in ``scripts/fault_campaign.py``
+(at most one fault per process); the kinds are made in ``nemo_dcr_testbed.campaign.kinds``
 (``hold``: a trainer rank sleeps before a put, so a pipelined version stays in flight
 while the driver kills the ranks).  ``--join`` makes a receiver ask to become a member
 (elastic membership: the product's ``Follower.join``, as ``nemo-dcr receive --join``).

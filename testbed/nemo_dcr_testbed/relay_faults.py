@@ -1,4 +1,4 @@
-"""Relays of the fault campaign (``scripts/fault_campaign.py``, relay classes): test bed
+"""Relays of the fault campaign (``nemo_dcr_testbed.campaign``, relay classes): test bed
 only, nothing in the product imports it.
 
 ``python -m nemo_dcr_testbed.relay_faults --role ra --plan-dir P --upstream URI[,URI...]

@@ -10,41 +10,35 @@ import sys
 import time
 
 import pytest
-from campaign_helpers import load_campaign
-
-
-def _campaign():
-    return load_campaign()
+from nemo_dcr_testbed.campaign import cli, kinds, procs
 
 
 def test_pipeline_plans_and_class_group():
-    fc = _campaign()
-    assert set(fc.CLASS_GROUPS["pipeline"]) == {"none", *fc.PIPELINE_CLASSES}
+    assert set(kinds.CLASS_GROUPS["pipeline"]) == {"none", *kinds.PIPELINE_CLASSES}
     seen_at = set()
     for t in range(60):
-        for cls in fc.PIPELINE_CLASSES:
-            plan = fc.make_plan(4, t, cls)
-            assert plan == fc.make_plan(4, t, cls)
+        for cls in kinds.PIPELINE_CLASSES:
+            plan = kinds.make_plan(4, t, cls)
+            assert plan == kinds.make_plan(4, t, cls)
             assert plan["faults"][0]["target"] == "driver"
-        kill = fc.make_plan(4, t, "trainer_kill_inflight")["faults"]
+        kill = kinds.make_plan(4, t, "trainer_kill_inflight")["faults"]
         seen_at.add(kill[0]["at"])
         # the decision is held (the version stays in flight) unless the kill waits for the decision
         assert any(f["kind"] == "hold" and f["target"] == "rank0" for f in kill) == (kill[0]["at"] != "decision")
-    assert seen_at == set(fc.KILL_MOMENTS)
-    stalls = [fc.make_plan(4, t, "store_stall_inflight")["faults"][0] for t in range(60)]
-    assert {s["at"] for s in stalls} == set(fc.STALL_MOMENTS) and {s["length"] for s in stalls} == {"short", "long"}
+    assert seen_at == set(kinds.KILL_MOMENTS)
+    stalls = [kinds.make_plan(4, t, "store_stall_inflight")["faults"][0] for t in range(60)]
+    assert {s["at"] for s in stalls} == set(kinds.STALL_MOMENTS) and {s["length"] for s in stalls} == {"short", "long"}
     # a short stall has its length, a long one its excess over the ack timeout (known to the epoch)
     assert all((s["stall_s"] is None) == (s["length"] == "long") != (s["over_ack_timeout_s"] is None) for s in stalls)
     assert all(f[1]["kind"] == "hold" and f[1]["target"] == "rank0"
-               for f in (fc.make_plan(4, t, "store_stall_inflight")["faults"] for t in range(60)))
+               for f in (kinds.make_plan(4, t, "store_stall_inflight")["faults"] for t in range(60)))
     with pytest.raises(SystemExit):  # pipelined epochs take no store or relay class but the control
-        fc.main(["--classes", "trainer_kill_inflight,chunk_tamper", "--report-only", "--results", os.devnull])
+        cli.main(["--classes", "trainer_kill_inflight,chunk_tamper", "--report-only", "--results", os.devnull])
 
 
 def test_descendants_finds_a_detached_grandchild():
     """The trainer ranks run in sessions of their own, out of torchrun's process group: the
     driver finds them through /proc (control: a process outside the tree is not listed)."""
-    fc = _campaign()
     code = ("import subprocess, sys, time; "
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
             "time.sleep(60)")
@@ -52,9 +46,9 @@ def test_descendants_finds_a_detached_grandchild():
     outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 30
-        while len(fc._descendants(parent.pid)) < 1 and time.monotonic() < deadline:
+        while len(procs._descendants(parent.pid)) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        below = fc._descendants(parent.pid)
+        below = procs._descendants(parent.pid)
         assert len(below) == 1 and outsider.pid not in below
         grandchild = below[0]
         # (caught between fork and setsid it is still in the parent's group: wait for the setsid)
@@ -63,26 +57,25 @@ def test_descendants_finds_a_detached_grandchild():
         assert os.getpgid(grandchild) != os.getpgid(parent.pid)  # killpg of the parent would miss it
         os.kill(grandchild, 9)
         deadline = time.monotonic() + 10
-        while fc._pid_alive(grandchild) and time.monotonic() < deadline:
+        while procs._pid_alive(grandchild) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not fc._pid_alive(grandchild) and fc._pid_alive(outsider.pid)
+        assert not procs._pid_alive(grandchild) and procs._pid_alive(outsider.pid)
     finally:
         for p in (parent, outsider):
             p.kill()
             p.wait()
 
 
-# explicit: the campaign is a script loaded at run time (tests/conftest.py's auto-marker cannot
-# follow it); it starts torchrun trainers, receivers and a moto server
+# explicit: the campaign is the test bed's package (nemo_dcr_testbed.campaign, outside tests/), whose
+# calls tests/conftest.py's auto-marker does not follow; it starts torchrun trainers, receivers and a moto server
 @pytest.mark.spawns
 def test_pipeline_campaign(tmp_path):
-    fc = _campaign()
     schedule = ["trainer_kill_inflight", "receiver_dies", "receiver_joins_midversion", "join_forged",
                 "store_stall_inflight"]
     results, out = tmp_path / "r.jsonl", tmp_path / "s.json"
-    rc = fc.main(["--trials", str(len(schedule)), "--seed", "3", "--schedule", "list", "--ack-timeout-s", "8",
-                  "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
-                  "--work", str(tmp_path / "work")])
+    rc = cli.main(["--trials", str(len(schedule)), "--seed", "3", "--schedule", "list", "--ack-timeout-s", "8",
+                   "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
+                   "--work", str(tmp_path / "work")])
     summary = json.loads(out.read_text())
     assert summary["violations"] == [], summary["violations"]
     assert summary["failures"] == [], summary["failures"]

@@ -7,15 +7,11 @@ import os
 
 import pytest
 
+from nemo_dcr_testbed.campaign import cli, kinds, report
 from nemo_dcr_testbed.faults import Plans
 from nemo_dcr_testbed.relay_faults import FlippingStore, flip, open_upstreams
 from nemo_dcr.transport.failover import FailoverStore
 from nemo_dcr.transport.store import HOP_POLICY, LocalDirStore, StorePolicy
-from campaign_helpers import load_campaign
-
-
-def _campaign():
-    return load_campaign()
 
 
 def test_flip_one_bit():
@@ -68,37 +64,36 @@ def test_open_upstreams_policies(tmp_path):
 
 
 def test_relay_plans_and_class_groups():
-    fc = _campaign()
     for t in range(40):
-        for cls in fc.RELAY_CLASSES:
-            plan = fc.make_plan(5, t, cls)
-            assert plan == fc.make_plan(5, t, cls)
+        for cls in kinds.RELAY_CLASSES:
+            plan = kinds.make_plan(5, t, cls)
+            assert plan == kinds.make_plan(5, t, cls)
             (f,) = plan["faults"]
-            assert f["kind"] == cls and f["target"] in fc.RELAYS
-    assert set(fc.CLASS_GROUPS["relay"]) == {"none", *fc.RELAY_CLASSES}
+            assert f["kind"] == cls and f["target"] in kinds.RELAYS
+    assert set(kinds.CLASS_GROUPS["relay"]) == {"none", *kinds.RELAY_CLASSES}
     with pytest.raises(SystemExit):  # receiver store injectors are off in relay epochs
-        fc.main(["--classes", "relay_kill,chunk_tamper", "--report-only", "--results", os.devnull])
+        cli.main(["--classes", "relay_kill,chunk_tamper", "--report-only", "--results", os.devnull])
 
 
-# explicit: the campaign is a script loaded at run time (tests/conftest.py's auto-marker cannot
-# follow it); it starts torchrun trainers, relays, receivers and a moto server
+# explicit: the campaign is the test bed's package (nemo_dcr_testbed.campaign, outside tests/), whose
+# calls tests/conftest.py's auto-marker does not follow; it starts torchrun trainers, relays, receivers and
+# a moto server
 @pytest.mark.spawns
 def test_relay_campaign(tmp_path):
-    fc = _campaign()
     # the flip first (its relay has not been left for an earlier fault), a clean step last
     schedule = ["relay_flip", "relay_kill", "relay_stop", "relay_restart_empty", "none"]
     results, out = tmp_path / "r.jsonl", tmp_path / "s.json"
-    rc = fc.main(["--trials", str(len(schedule)), "--seed", "2", "--schedule", "list", "--ack-timeout-s", "8",
-                  "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
-                  "--work", str(tmp_path / "work")])
+    rc = cli.main(["--trials", str(len(schedule)), "--seed", "2", "--schedule", "list", "--ack-timeout-s", "8",
+                   "--classes", ",".join(schedule), "--results", str(results), "--out", str(out),
+                   "--work", str(tmp_path / "work")])
     summary = json.loads(out.read_text())
     assert summary["violations"] == [], summary["violations"]
     assert summary["silent_corruptions"] == 0 and summary["hangs"] == 0 and rc == 0
     assert summary["relay_trials"] == 4 and summary["relay_silent_corruptions"] == 0
     assert summary["classes"] == {c: {"trials": 1, "silent_corruptions": 0}
-                                  for c in (*fc.RELAY_CLASSES, "none@relay")}
+                                  for c in (*kinds.RELAY_CLASSES, "none@relay")}
     by = summary["by_class"]
-    for cls in fc.RELAY_CLASSES:
+    for cls in kinds.RELAY_CLASSES:
         assert by[cls]["receiver_reloads"] == 0 and by[cls]["relay_crashes"] == 0, (cls, by[cls])
     # the flipped bytes reached a receiver, which left that relay for its next upstream
     assert by["relay_flip"]["flipped_chunks"] >= 1 and by["relay_flip"]["reparented"] == 1
@@ -173,21 +168,20 @@ def test_lying_store_head_acks_bootstrap(tmp_path):
 
 
 def test_new_class_plans_and_groups():
-    fc = _campaign()
     for t in range(40):
-        for cls in fc.LIAR_CLASSES:
-            (f,) = fc.make_plan(6, t, cls)["faults"]
-            assert f["target"] in fc.RELAYS
-        for cls in fc.DRIVER_CLASSES + fc.EXIT_CLASSES:
-            assert fc.make_plan(6, t, cls)["faults"][0]["target"] == "driver"
-    assert set(fc.LIAR_BOUNDS) == {*fc.LIAR_CLASSES, "planted_keys"}
-    assert all(lies_on >= 1 and bound >= 0 for lies_on, bound in fc.LIAR_BOUNDS.values())
+        for cls in kinds.LIAR_CLASSES:
+            (f,) = kinds.make_plan(6, t, cls)["faults"]
+            assert f["target"] in kinds.RELAYS
+        for cls in kinds.DRIVER_CLASSES + kinds.EXIT_CLASSES:
+            assert kinds.make_plan(6, t, cls)["faults"][0]["target"] == "driver"
+    assert set(kinds.LIAR_BOUNDS) == {*kinds.LIAR_CLASSES, "planted_keys"}
+    assert all(lies_on >= 1 and bound >= 0 for lies_on, bound in kinds.LIAR_BOUNDS.values())
     # a hidden HEAD is probed after HEAD_PROBE_S (10 s): the liar hides it past that, and the
     # version that must commit is the last it hides (control: a hidden manifest keeps (2, 1))
-    assert fc.liar_bound("relay_hides", {"doc": "head"}, 3.0) == (5, 4)
-    assert fc.liar_bound("relay_hides", {"doc": "head"}, 6.0) == (3, 2)
-    assert fc.liar_bound("relay_hides", {"doc": "manifest"}, 3.0) == fc.LIAR_BOUNDS["relay_hides"] == (2, 1)
+    assert kinds.liar_bound("relay_hides", {"doc": "head"}, 3.0) == (5, 4)
+    assert kinds.liar_bound("relay_hides", {"doc": "head"}, 6.0) == (3, 2)
+    assert kinds.liar_bound("relay_hides", {"doc": "manifest"}, 3.0) == kinds.LIAR_BOUNDS["relay_hides"] == (2, 1)
     with pytest.raises(SystemExit):  # a relay epoch and a pipelined one cannot be one epoch
-        fc.main(["--classes", "relay_hides,exit_without_finish", "--report-only", "--results", os.devnull])
-    assert fc._row({"cls": "planted_keys", "topology": "relay"}) == "planted_keys"
-    assert fc._row({"cls": "none", "topology": "relay"}) == "none@relay"
+        cli.main(["--classes", "relay_hides,exit_without_finish", "--report-only", "--results", os.devnull])
+    assert report._row({"cls": "planted_keys", "topology": "relay"}) == "planted_keys"
+    assert report._row({"cls": "none", "topology": "relay"}) == "none@relay"
