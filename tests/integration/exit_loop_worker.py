@@ -12,6 +12,7 @@ the refit must settle, then run it).  ``--no-exit-settle`` switches the exit set
 Every line the worker prints starts with ``worker:``; the test acknowledges versions as
 receiver r0 itself.
 """
+import faulthandler
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ ACK_TIMEOUT_S = 120.0
 
 def main() -> int:
     store_dir, key, end = sys.argv[1:4]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a worker that overran
     if "--no-exit-settle" in sys.argv:
         sender_mod._SETTLE_ON_EXIT = False
     if end == "sigterm_chained":
@@ -64,8 +66,13 @@ def main() -> int:
             break
         time.sleep(0.01)
     print(f"worker: v3 in flight (committed v{sender.baseline.version}), ending by {end}", flush=True)
-    if end != "return":
-        time.sleep(600)  # the test sends SIGTERM
+    if end != "return":  # the test sends SIGTERM; wait for it in short sleeps, as a training loop
+        # returns to Python between steps: a process-directed signal may be taken by another
+        # thread, and then Python runs its handler only when the main thread next runs Python
+        # code -- after one time.sleep(600), 600 s later (seen once under two pytest workers)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     return 0  # no finish(): interpreter exit
 
 

@@ -11,11 +11,13 @@ private) end with no decision on the last version -- what every process did befo
 the reason a receiver then waited until its own timeout.  Bounds are bounded waits (the
 worker's ack timeout plus the exit settle's graces), never timed assertions.
 """
+import glob
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -88,12 +90,32 @@ def _finish(proc, acker, lines, *, ack_last_before_exit: bool) -> str:
     try:
         out, _ = proc.communicate(timeout=exit_settle_bound_s(WORKER_ACK_TIMEOUT_S) + 30)
     except subprocess.TimeoutExpired:
+        masks = _signal_masks(proc.pid)
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack (faulthandler), then kill
+        time.sleep(2)
         proc.kill()
-        raise AssertionError("the worker did not exit within the exit settle's bound") from None
+        out = proc.communicate()[0]  # all of it, what the timed-out call read included
+        raise AssertionError("the worker did not exit within the exit settle's bound; its threads' signal "
+                             f"masks: {masks}; its output and stacks:\n" + ("".join(lines) + (out or ""))[-8000:]) from None
     acker.release()  # the control: acknowledged only once the process is gone
     acker.stop.set()
     acker.thread.join(5)
     return "".join(lines) + out
+
+
+def _signal_masks(pid: int) -> dict[str, str]:
+    """Each thread's blocked / pending / caught signal sets (``/proc``), for a worker that overran."""
+    masks = {}
+    for status in sorted(glob.glob(f"/proc/{pid}/task/*/status")):
+        try:
+            with open(status) as f:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        except OSError:
+            continue
+        tid = status.split("/")[-2]
+        masks[f"{tid} {fields.get('Name', '?')}"] = " ".join(
+            f"{k}={fields.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+    return masks
 
 
 def _decision(store, v: int) -> Decision | None:
