@@ -71,16 +71,20 @@ def test_layout_error_is_placement_and_value_error():
 ROOT = Path(nemo_dcr.__file__).resolve().parent
 BARE = ("ValueError", "RuntimeError")
 
-def bare_raises(source: str) -> list[tuple[int, str]]:
-    """(line, builtin) of each ``raise ValueError(...)`` / ``raise RuntimeError`` (with or
-    without arguments or ``from``), however many lines the statement spans."""
+def builtin_raises(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, builtin) of each ``raise NAME(...)`` / ``raise NAME`` for NAME in ``names``
+    (with or without arguments or ``from``), however many lines the statement spans."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Raise) and node.exc is not None:
             exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
-            if isinstance(exc, ast.Name) and exc.id in BARE:
+            if isinstance(exc, ast.Name) and exc.id in names:
                 out.append((node.lineno, exc.id))
     return sorted(out)
+
+
+def bare_raises(source: str) -> list[tuple[int, str]]:
+    return builtin_raises(source, BARE)
 
 
 def _product_sources():
@@ -109,16 +113,6 @@ BUILTIN_ALLOWED = {
     ("protocol/doc.py", "TypeError"),  # an annotation a document class may not use: that class's bug
     ("receiver/held.py", "KeyError"),  # HeldBits.__getitem__: the Mapping protocol (``in``, ``get``)
 }
-
-
-def builtin_raises(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Raise) and node.exc is not None:
-            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
-            if isinstance(exc, ast.Name) and exc.id in names:
-                out.append((node.lineno, exc.id))
-    return sorted(out)
 
 
 def test_no_bare_type_or_key_error():
