@@ -1,0 +1,128 @@
+"""nemo_dcr as vLLM's weight-transfer backend, through a real ``vllm serve`` (CPU, loopback):
+the backend registered by the package's ``vllm.general_plugins`` entry point (the server is
+started with ``--weight-transfer-config '{"backend": "nemo_dcr"}'`` and nothing else), driven
+over vLLM's RL routes by the product's controller, versions published by a signed run of a
+small Llama (``nemo_dcr_testbed.vllm_serve.TinyRun``: a RefitSender over the model's own
+tensors, no Megatron trainer).
+
+Bit-exactness: after the last version a second, stock server (no backend) is started from that
+version's dense checkpoint; ``/weight_checker`` checksums (sha256 of each parameter's bytes,
+i.e. integer-view equality) must be equal for every parameter the stock engine keeps in plain
+form, and greedy generations with top-5 logprobs on three prompts must be identical (the
+packed oneDNN kernels are opaque to checksums on both sides: the stock engine reports their
+emptied parameters, the backend its staging weights; the generations cover them).  Negative
+control: the checksums the backend reported one version earlier differ from the dense
+server's.  Marked by hand (``vllm``): the auto-marker does not follow calls into the test bed.
+"""
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from nemo_dcr.runtimes.vllm.controller import Controller, RefitFailed, ServerClient
+from nemo_dcr_testbed.vllm_serve import InFlight, TinyRun, generate, start_server
+
+pytestmark = pytest.mark.vllm
+EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8], [100, 200, 300, 400, 500]]
+LONG = 150  # tokens of the completion kept in flight across a refit
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-serve")
+    run = TinyRun(str(work / "run"), ack_timeout_s=20.0)
+    srv = start_server(run.init_dir, str(work / "server.log"), max_model_len=256)
+    status = str(work / "status.json")
+    ctl = Controller([ServerClient(srv.url, status_path=status)], run_id=run.run_id)
+    try:
+        ctl.init([run.init_info("e0", status)])
+        yield SimpleNamespace(run=run, srv=srv, ctl=ctl, client=ctl.servers[0], work=work, checksums={})
+    finally:
+        srv.stop()
+
+
+def differing(ours: dict, dense: dict) -> list[str]:
+    """Keys whose checksums differ, but for parameters the stock engine packed away."""
+    assert ours.keys() == dense.keys()
+    return sorted(k for k in dense if dense[k] != EMPTY and ours[k] != dense[k])
+
+
+def _refit_with_a_completion_in_flight(s, version):
+    s.run.step(0.03)
+    flight = InFlight(s.srv.url, PROMPTS[0], LONG)
+    assert flight.started.wait(60)
+    publish = s.run.publish()
+    results = s.ctl.refit(version)
+    publish.join(60)
+    return results, publish.stats, flight.join()
+
+
+def test_three_versions_bit_exact_and_tagged(served, tmp_path):
+    s = served
+    label = "default"  # vLLM's weight version before the first finish_weight_update
+    for v in (1, 2, 3):
+        (result,), stats, completion = _refit_with_a_completion_in_flight(s, v)
+        assert stats.committed and result.ok, (stats, result)
+        assert result.weight_version == f"{s.run.run_id}:{v}" and result.staged_s is not None
+        assert requests.get(f"{s.srv.url}/weight_info").json()["weight_version"] == result.weight_version
+        # the completion crossed the refit: its tokens are split in two spans, old then new
+        spans = completion["weight_versions"]
+        assert [x["version"] for x in spans] == [label, result.weight_version], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+        assert spans[1]["end"] == len(completion["token_ids"]) == LONG
+        label = result.weight_version
+        s.checksums[v] = s.client.checksums()
+    dense = start_server(s.run.dense_dir("dense-v3"), str(tmp_path / "dense.log"), backend=False, max_model_len=256)
+    try:
+        want = ServerClient(dense.url).checksums()
+        assert differing(s.checksums[3], want) == []
+        assert sum(d != EMPTY for d in want.values()) >= 5  # embeddings, norms, lm_head: compared
+        assert differing(s.checksums[2], want)  # control: one version earlier is not this one
+        for p in PROMPTS:
+            a, b = generate(s.srv.url, p, 16, logprobs=5), generate(dense.url, p, 16, logprobs=5)
+            assert (a["token_ids"], a["logprobs"]) == (b["token_ids"], b["logprobs"])
+    finally:
+        dense.stop()
+
+
+def test_an_aborted_version_is_rolled_back_and_the_server_keeps_serving(served):
+    """v4 is aborted by the trainer (the update comes after its ack timeout): the update then
+    writes v4, acks too late, reads the abort and rolls back in place -- one failed call, the
+    server at v3's bits, still generating; v5 then commits."""
+    s = served
+    v3 = s.client.checksums()
+    before = generate(s.srv.url, PROMPTS[1], 8)["token_ids"]
+    s.run.step(0.03)
+    publish = s.run.publish()
+    publish.join(120)
+    assert not publish.stats.committed  # nobody asked the engine for v4 within the ack timeout
+    assert s.client.wait_staged(4, 60) is not None
+    with pytest.raises(RefitFailed) as e:
+        s.ctl.refit(4)
+    line = str(e.value)
+    assert "\n" not in line and "500 Server Error" in line and "no acknowledgement" in line, line
+    assert s.client.status()["last"]["event"].startswith("rolled back"), s.client.status()
+    assert s.client.checksums() == v3
+    assert requests.get(f"{s.srv.url}/weight_info").json()["weight_version"] == f"{s.run.run_id}:3"
+    assert generate(s.srv.url, PROMPTS[1], 8)["token_ids"] == before
+    # a malformed update is one refusal too, and changes nothing
+    s.client.sync.start_weight_update()
+    with pytest.raises(requests.HTTPError):
+        s.client.sync.update_weights({"version": "v5", "pickle": True})
+    assert s.client.checksums() == v3
+    (result,), stats, _ = _refit_with_a_completion_in_flight(s, 5)
+    assert stats.committed and result.ok and stats.base_version == 3
+    assert s.client.checksums() != v3
+
+
+def test_a_malformed_or_second_init_is_refused_in_one_line(served):
+    s = served
+    for info, line in (({"store": "x", "receiver_id": "e1"}, "init_info: 'model_id' is required"),
+                       ({**s.run.init_info("e1"), "pickle": "x"}, "init_info: unknown key 'pickle'"),
+                       (s.run.init_info("e1"), "the weight-transfer engine is already initialised")):
+        r = requests.post(f"{s.srv.url}/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
+        assert r.status_code == 500
+        assert line in open(s.srv.log_path).read()
+    assert generate(s.srv.url, PROMPTS[0], 4)["token_ids"]  # still serving, still following
+    assert s.client.status()["receiver"] == "e0"
