@@ -60,7 +60,13 @@ class WriteGate:
         self._closed = False
         self.waiting = False
         """A write is waiting for a window (the version it belongs to is staged)."""
+        self.write_s = 0.0
+        """Seconds spent writing (inside windows), all writes together."""
         self._write_context = write_context or contextlib.nullcontext
+
+    @property
+    def is_open(self) -> bool:
+        return self._open > 0
 
     @contextlib.contextmanager
     def window(self):
@@ -87,8 +93,12 @@ class WriteGate:
                 self.waiting = False
             if self._closed:
                 raise GateClosed("the background follower was stopped")
-        with self._write_context():
-            yield
+        t0 = time.perf_counter()
+        try:
+            with self._write_context():
+                yield
+        finally:
+            self.write_s += time.perf_counter() - t0
 
     def close(self) -> None:
         with self._cond:
@@ -141,6 +151,9 @@ class FollowStatus:
     """The last protocol event (acknowledged, refused, decided, rolled back), as logged."""
     error: str = ""
     """The last error of the follower thread itself (a store failure it retries after)."""
+    write_s: float = 0.0
+    """Seconds the last update spent writing (applies, rollbacks, catch-up), the rest of
+    it being the protocol's round trips."""
 
 
 def _one_line(text: str) -> str:
@@ -157,6 +170,9 @@ class BackgroundFollower:
 
     RETRY_S = 1.0
     """Rest after an unexpected error of a follower step before the next one."""
+    WINDOW_POLL_S = 0.005
+    """Poll interval while a window is open: the owner's generation is paused, and each poll
+    of the decision it waits for is time the engine does not serve."""
 
     def __init__(self, receiver, store, sealer, run_id: str, *, gate: WriteGate, poll_s: float = 0.05,
                  status_path: str | None = None, log: Callable[[str], None] | None = None,
@@ -234,7 +250,7 @@ class BackgroundFollower:
             if changed:
                 self._write_status()
             if not busy:
-                time.sleep(self.poll_s)
+                time.sleep(min(self.poll_s, self.WINDOW_POLL_S) if self.gate.is_open else self.poll_s)
 
     # ------------------------------------------------------------ the owner
     def status(self) -> FollowStatus:
@@ -242,7 +258,7 @@ class BackgroundFollower:
             st = self._status
             return FollowStatus(run_id=st.run_id, receiver_id=st.receiver_id, committed=self.follower.state.committed,
                                 fetching=st.fetching, staged=self._status_staged(), last=dict(st.last),
-                                error=st.error)
+                                error=st.error, write_s=st.write_s)
 
     def _status_staged(self) -> int | None:
         return self._status.fetching if self.gate.waiting else self._status.staged
@@ -277,6 +293,16 @@ class BackgroundFollower:
         if st.committed > version:
             raise UpdateRefused(f"v{version} is older than v{st.committed}, which this engine holds")
         deadline = time.monotonic() + timeout_s
+        written = self.gate.write_s
+        try:
+            return self._update(version, deadline, timeout_s)
+        finally:
+            with self._cond:
+                self._status.write_s = round(self.gate.write_s - written, 6)
+            self._write_status()
+
+    def _update(self, version: int, deadline: float, timeout_s: float) -> dict:
+        st = self.follower.state
         with self.gate.window():
             with self._cond:
                 while True:
@@ -312,7 +338,7 @@ class BackgroundFollower:
             return
         st = self.status()
         doc = {"run_id": st.run_id, "receiver": st.receiver_id, "committed": st.committed, "fetching": st.fetching,
-               "staged": st.staged, "last": st.last, "error": st.error, "time": time.time()}
+               "staged": st.staged, "last": st.last, "error": st.error, "write_s": st.write_s, "time": time.time()}
         tmp = f"{self.status_path}.tmp{threading.get_ident()}"
         with open(tmp, "w") as f:
             json.dump(doc, f)
