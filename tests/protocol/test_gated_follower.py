@@ -72,7 +72,8 @@ def test_a_version_is_staged_without_a_write_and_applied_in_the_window(run, key)
     assert g.bg.wait_staged(1, timeout_s=20)
     time.sleep(0.2)  # staged and waiting: nothing written, however long the owner waits
     assert g.writes == [] and np.array_equal(g.w, v0) and g.bg.status().staged == 1
-    event = g.bg.update(1, timeout_s=20)
+    assert g.bg.latest() == 1  # "latest": the version the signed HEAD.json names
+    event = g.bg.update(g.bg.latest(), timeout_s=20)
     t.join(20)
     assert out["stats"].committed and event["decision"] == "commit"
     np.testing.assert_array_equal(g.w, bits_of(w))
