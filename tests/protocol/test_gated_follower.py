@@ -50,6 +50,16 @@ def _refit_async(sender, version):
     return t, out
 
 
+def _commit_and_check(sender, g, version, w):
+    """Publish ``version`` and update to it; it commits and the engine holds the trainer's bits."""
+    t, out = _refit_async(sender, version)
+    g.bg.update(version, timeout_s=20)
+    t.join(20)
+    assert out["stats"].committed
+    np.testing.assert_array_equal(g.w, bits_of(w))
+    g.bg.stop()
+
+
 @pytest.fixture
 def run(tmp_path, key):
     w = torch.randn(64, 32).to(torch.bfloat16)
@@ -99,12 +109,7 @@ def test_a_refused_version_raises_one_line_and_leaves_the_old_bits(run, key):
     np.testing.assert_array_equal(g.w, v0)
     assert g.writes == []  # refused before any write
     _step(w, rng)  # v2 on base v0: the engine still takes the next version
-    t, out = _refit_async(sender, 2)
-    g.bg.update(2, timeout_s=20)
-    t.join(20)
-    assert out["stats"].committed
-    np.testing.assert_array_equal(g.w, bits_of(w))
-    g.bg.stop()
+    _commit_and_check(sender, g, 2, w)
 
 
 def test_an_aborted_version_is_rolled_back_inside_the_window(run, key):
@@ -148,12 +153,7 @@ def test_no_write_outside_a_window_and_a_version_never_asked_for_is_late(run, ke
     assert not sender.refit(1).committed  # nobody opened a window
     assert g.writes == [] and np.array_equal(g.w, v0)
     _step(w, rng)
-    t, out = _refit_async(sender, 2)
-    g.bg.update(2, timeout_s=20)
-    t.join(20)
-    assert out["stats"].committed
-    np.testing.assert_array_equal(g.w, bits_of(w))
-    g.bg.stop()
+    _commit_and_check(sender, g, 2, w)
 
 
 def test_update_times_out_in_one_line_and_stop_ends_a_waiting_write(run, key):
