@@ -57,6 +57,7 @@ class WriteGate:
         self.on_waiting: Callable[[], None] = lambda: None
         """Called (outside the gate's lock) each time a write starts waiting."""
         self._open = 0
+        self._writing = 0
         self._closed = False
         self.waiting = False
         """A write is waiting for a window (the version it belongs to is staged)."""
@@ -70,6 +71,8 @@ class WriteGate:
 
     @contextlib.contextmanager
     def window(self):
+        """Writes may run while this is entered; leaving waits for a write in progress to
+        end (so none runs on after the owner resumes serving)."""
         with self._cond:
             self._open += 1
             self._cond.notify_all()
@@ -78,6 +81,8 @@ class WriteGate:
         finally:
             with self._cond:
                 self._open -= 1
+                while not self._open and self._writing:
+                    self._cond.wait()
 
     @contextlib.contextmanager
     def write(self):
@@ -93,12 +98,16 @@ class WriteGate:
                 self.waiting = False
             if self._closed:
                 raise GateClosed("the background follower was stopped")
+            self._writing += 1
         t0 = time.perf_counter()
         try:
             with self._write_context():
                 yield
         finally:
             self.write_s += time.perf_counter() - t0
+            with self._cond:
+                self._writing -= 1
+                self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -147,6 +156,9 @@ class FollowStatus:
     """The version whose chunks are being fetched and decoded."""
     staged: int | None = None
     """The version fetched, verified, decoded and validated, waiting for an update window."""
+    tentative: int | None = None
+    """A version applied and acknowledged whose decision is not read yet (after an update
+    that timed out: the engine holds its bits until the next update settles it)."""
     last: dict = field(default_factory=dict)
     """The last protocol event (acknowledged, refused, decided, rolled back), as logged."""
     error: str = ""
@@ -257,8 +269,9 @@ class BackgroundFollower:
         with self._cond:
             st = self._status
             return FollowStatus(run_id=st.run_id, receiver_id=st.receiver_id, committed=self.follower.state.committed,
-                                fetching=st.fetching, staged=self._status_staged(), last=dict(st.last),
-                                error=st.error, write_s=st.write_s)
+                                fetching=st.fetching, staged=self._status_staged(),
+                                tentative=self.follower.state.tentative, last=dict(st.last), error=st.error,
+                                write_s=st.write_s)
 
     def _status_staged(self) -> int | None:
         return self._status.fetching if self.gate.waiting else self._status.staged
@@ -286,7 +299,9 @@ class BackgroundFollower:
         """Open a write window until ``version`` is decided; returns its commit event.
         Raises :class:`UpdateRefused` (one line) when it was refused or aborted (the weights
         then hold the version committed before, rolled back where written), when the engine
-        already committed a newer one, or when it is not decided within ``timeout_s``."""
+        already committed a newer one, or when it is not decided within ``timeout_s``.  After
+        a timeout past the write the version is held tentatively (``status().tentative``):
+        its decision, and a rollback on abort, wait for the next update's window."""
         st = self.follower.state
         if st.committed == version:
             return {"version": version, "event": "already held", "held": version}
@@ -338,7 +353,7 @@ class BackgroundFollower:
             return
         st = self.status()
         doc = {"run_id": st.run_id, "receiver": st.receiver_id, "committed": st.committed, "fetching": st.fetching,
-               "staged": st.staged, "last": st.last, "error": st.error, "write_s": st.write_s, "time": time.time()}
+               "staged": st.staged, "tentative": st.tentative, "last": st.last, "error": st.error, "write_s": st.write_s, "time": time.time()}
         tmp = f"{self.status_path}.tmp{threading.get_ident()}"
         with open(tmp, "w") as f:
             json.dump(doc, f)

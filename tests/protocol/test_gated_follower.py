@@ -167,3 +167,30 @@ def test_update_times_out_in_one_line_and_stop_ends_a_waiting_write(run, key):
     g.bg.stop()  # the write waiting at the gate ends; nothing was written
     assert not g.bg._thread.is_alive() and g.writes == []
     t.join(20)
+
+
+def test_leaving_a_window_waits_for_the_write_in_progress_and_later_writes_wait():
+    gate = WriteGate()
+    inside, release, ended = threading.Event(), threading.Event(), []
+
+    def writer(entered):
+        with gate.write():
+            entered.set()
+            release.wait(5)
+            ended.append(time.monotonic())
+
+    threading.Thread(target=writer, args=(inside,), daemon=True).start()
+    assert gate.waiting or not inside.wait(0.2)  # no window: the write waits
+    with gate.window():
+        assert inside.wait(5)
+        threading.Timer(0.2, release.set).start()
+    closed = time.monotonic()
+    assert ended and ended[0] <= closed  # the window closed only once the write had ended
+    later = threading.Event()
+    release.clear()
+    threading.Thread(target=writer, args=(later,), daemon=True).start()
+    assert not later.wait(0.2)  # control: after the window, a write does not start
+    with gate.window():
+        assert later.wait(5)
+        release.set()
+    gate.close()
