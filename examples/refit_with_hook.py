@@ -41,12 +41,20 @@ def main() -> None:
     )
     hook.export_initial()  # version 0: the HF checkpoint both sides start from
     trainer.add_post_step_hook(hook)  # runs on every rank after each optimizer step
+    def report(s):  # the pipelined refit (the default) decides version v while step v+1 trains
+        if s is not None and dist.get_rank() == 0:
+            print(f"version {s.version}: {s.changed} changed, {s.wire_bytes} wire bytes vs {s.dense_bytes} dense, "
+                  f"committed={s.committed}", flush=True)
+
+    decided = 0
     for _ in range(args.steps):
         result = trainer.train_step()
         if dist.get_rank() == 0:
-            s = hook.last_stats
-            print(f"step {result.step}: loss {result.loss:.4f}, {s.changed} changed, "
-                  f"{s.wire_bytes} wire bytes vs {s.dense_bytes} dense, committed={s.committed}")
+            print(f"step {result.step}: loss {result.loss:.4f}", flush=True)
+        if hook.last_stats is not None and hook.last_stats.version > decided:
+            decided = hook.last_stats.version
+            report(hook.last_stats)
+    report(hook.finish())  # the last version in flight, decided before the process ends
     trainer.close()
 
 
