@@ -48,7 +48,7 @@ def differing(ours: dict, dense: dict) -> list[str]:
     return sorted(k for k in dense if dense[k] != EMPTY and ours[k] != dense[k])
 
 
-def _refit_with_a_completion_in_flight(s, version):
+def _refit_with_a_completion_in_flight(s, version):  # s: run, srv, ctl
     s.run.step(0.03)
     flight = InFlight(s.srv.url, PROMPTS[0], LONG)
     assert flight.started.wait(60)
@@ -126,3 +126,52 @@ def test_a_malformed_or_second_init_is_refused_in_one_line(served):
         assert line in open(s.srv.log_path).read()
     assert generate(s.srv.url, PROMPTS[0], 4)["token_ids"]  # still serving, still following
     assert s.client.status()["receiver"] == "e0"
+
+
+def test_a_tp2_engine_commits_rolls_back_and_matches_a_dense_tp2_server(tmp_path):
+    """TP=2: rank 0 is the run's member and reads/writes rank 1's shards through the backend's
+    own channel (``runtimes/vllm/tp.py``).  A malformed init refused, two versions committed
+    with a completion in flight, a third aborted and rolled back on both workers, a fourth
+    committed after it (the failed update left no worker with a session open or a reply
+    queued); then the engine equals a stock TP=2 server started from version 4's dense
+    checkpoint, worker by worker (control: version 2 differs)."""
+    run = TinyRun(str(tmp_path / "run"), ack_timeout_s=10.0)
+    tp2 = ["--tensor-parallel-size", "2"]
+    srv = start_server(run.init_dir, str(tmp_path / "server.log"), max_model_len=256, cpu="0|1", extra=tp2)
+    status = str(tmp_path / "status.json")
+    ctl = Controller([ServerClient(srv.url, status_path=status)], run_id=run.run_id)
+    s = SimpleNamespace(run=run, srv=srv, ctl=ctl)
+    try:
+        r = requests.post(f"{srv.url}/init_weight_transfer_engine", timeout=60,
+                          json={"init_info": {**run.init_info("e0"), "pickle": "x"}})
+        assert r.status_code == 500 and "init_info: unknown key 'pickle'" in r.text
+        ctl.init([run.init_info("e0", status)])
+        sums = {}
+        for v in (1, 2):
+            (result,), stats, completion = _refit_with_a_completion_in_flight(s, v)
+            assert stats.committed and result.ok, (stats, result)
+            assert [x["version"] for x in completion["weight_versions"]][-1] == f"{run.run_id}:{v}"
+            sums[v] = ctl.servers[0].checksums()
+        assert {k.split(":")[3] for k in sums[2]} == {"tp0", "tp1"}  # both workers report
+        run.step(0.03)
+        publish = run.publish()
+        publish.join(60)
+        assert not publish.stats.committed  # v3: nobody asked within the ack timeout
+        with pytest.raises(RefitFailed, match="no acknowledgement"):
+            ctl.refit(3)
+        assert ctl.servers[0].checksums() == sums[2]  # rolled back on both workers
+        (result,), stats, _ = _refit_with_a_completion_in_flight(s, 4)
+        assert stats.committed and result.ok and stats.base_version == 2, (stats, result)
+        dense = start_server(run.dense_dir("dense-v4"), str(tmp_path / "dense.log"), backend=False,
+                             max_model_len=256, cpu="0|1", extra=tp2)
+        try:
+            want = ServerClient(dense.url).checksums()
+            assert differing(ctl.servers[0].checksums(), want) == []
+            assert differing(sums[2], want)  # control
+            for p in PROMPTS[:2]:
+                a, b = generate(srv.url, p, 16, logprobs=5), generate(dense.url, p, 16, logprobs=5)
+                assert (a["token_ids"], a["logprobs"]) == (b["token_ids"], b["logprobs"])
+        finally:
+            dense.stop()
+    finally:
+        srv.stop()

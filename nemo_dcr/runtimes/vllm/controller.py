@@ -72,6 +72,18 @@ class ServerClient:
             raise RefitFailed(f"{self.url}/{path}: HTTP {r.status_code}: {_one_line(r.text)[:300]}")
         return r.json()
 
+    def end_session(self) -> None:
+        """After a failed update: ``/finish_weight_update`` without a weight version, its error
+        ignored.  In a TP>1 engine only the last worker raised the update's error (the
+        backend's ``_fail``: vLLM 0.32's multiprocess executor leaves the other workers' replies
+        queued otherwise), so the other workers still hold the session open and would refuse
+        the next ``/start_weight_update``; the last worker refuses this call, which vLLM
+        reports without disturbing the others."""
+        try:
+            self.sync.finish_weight_update()
+        except Exception:  # noqa: BLE001 - expected from the worker that ended its session
+            pass
+
     def pause(self, mode: str = "keep") -> None:
         self._request("POST", "pause", params={"mode": mode})
 
@@ -147,6 +159,7 @@ class Controller:
         staged_s = None
         error = ""
         paused = t_pause = t_update = None
+        session = False
         update_s = pause_s = 0.0
         try:
             staged_s = s.wait_staged(version, staged_timeout_s)
@@ -155,6 +168,7 @@ class Controller:
             paused = True
             t_update = time.perf_counter()
             s.sync.start_weight_update()
+            session = True
             info = {"version": version}
             if update_timeout_s is not None:
                 info["timeout_s"] = update_timeout_s
@@ -162,9 +176,12 @@ class Controller:
             # version is not set (outputs keep the version the engine still serves)
             s.sync.update_weights(info)
             s.sync.finish_weight_update(wv)
+            session = False
             update_s = time.perf_counter() - t_update
         except Exception as e:  # noqa: BLE001 - reported per engine; the engine keeps serving
             error = _one_line(f"{type(e).__name__}: {e}")
+            if session:
+                s.end_session()
             last = s.status().get("last", {})
             if last.get("version") == version and (last.get("reason") or last.get("error")):
                 error += f" (engine: {_one_line(last.get('reason') or last.get('error'))})"
