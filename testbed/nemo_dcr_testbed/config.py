@@ -147,6 +147,10 @@ def _demo_refit() -> RefitConfig:
     return RefitConfig(model_id="demo", receivers=("r0",))
 
 
+SERVE_RUNTIME = "vllm_serve"
+"""``receiver.runtime`` of the demo's own: ``vllm serve`` engines with the backend (not a
+``nemo-dcr receive`` runtime)."""
+
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 """Head sizes vLLM's CPU attention kernels take."""
 
@@ -156,7 +160,9 @@ class ReceiverRuntimeConfig:
     runtime: str = "hf"
     """Serving runtime each receiver keeps current: a name registered in
     ``nemo_dcr/receiver/registry.py`` (``hf``: a transformers model in the receiver
-    process; ``vllm``: a ``vllm.LLM`` engine, CPU build)."""
+    process; ``vllm``: a ``vllm.LLM`` engine, CPU build), or ``vllm_serve``: each receiver a
+    ``vllm serve`` engine with the nemo_dcr weight-transfer backend, refit by the controller
+    with completions in flight (``demo_serve.py``)."""
     tensor_parallel_size: int = 1
     """vLLM only: tensor-parallel workers of each receiver's engine."""
     sample_tokens: int = 8
@@ -167,13 +173,16 @@ class ReceiverRuntimeConfig:
         # the registry's rows, names and options only: imports no runtime
         from nemo_dcr.receiver.registry import runtime_names, supported_options
 
-        names = runtime_names()
+        names = (*runtime_names(), SERVE_RUNTIME)
         if self.runtime not in names:
             raise ValueError(f"receiver.runtime must be one of {names}, got {self.runtime!r}")
         if self.tensor_parallel_size < 1 or self.sample_tokens < 0:
             raise ValueError("receiver.tensor_parallel_size must be >= 1 and receiver.sample_tokens >= 0")
+        if self.runtime == SERVE_RUNTIME:
+            return
         if self.tensor_parallel_size != 1 and "tensor_parallel_size" not in supported_options(self.runtime):
-            takers = "|".join(n for n in names if "tensor_parallel_size" in supported_options(n))
+            takers = "|".join([*(n for n in runtime_names() if "tensor_parallel_size" in supported_options(n)),
+                               SERVE_RUNTIME])
             raise ValueError(f"receiver.tensor_parallel_size applies to receiver.runtime={takers} only")
 
 
@@ -205,12 +214,18 @@ class DemoConfig:
         if "," in self.store.uri:
             raise ValueError(f"store.uri is the one store the trainer writes, not an upstream list: "
                              f"{self.store.uri!r} has a ','")
-        if self.receiver.runtime == "vllm":
+        if self.receiver.runtime == SERVE_RUNTIME:
+            r = self.refit
+            if r.membership != "static" or r.transport != "store":
+                raise ValueError("receiver.runtime=vllm_serve: refit.membership=static and refit.transport=store only "
+                                 "(elastic joins and relay trees are demonstrated with nemo-dcr receive)")
+        if self.receiver.runtime in ("vllm", SERVE_RUNTIME):
+            rt = self.receiver.runtime
             if self.model.head_dim not in VLLM_HEAD_DIMS:
-                raise ValueError(f"receiver.runtime=vllm: vLLM's CPU attention takes head_dim in {VLLM_HEAD_DIMS}, "
+                raise ValueError(f"receiver.runtime={rt}: vLLM's CPU attention takes head_dim in {VLLM_HEAD_DIMS}, "
                                  f"the model has hidden_size/num_attention_heads = {self.model.head_dim}")
             if self.model.family != "llama":
-                raise ValueError("receiver.runtime=vllm is tested with model.family=llama only")
+                raise ValueError(f"receiver.runtime={rt} is tested with model.family=llama only")
             tp = self.receiver.tensor_parallel_size
             if self.model.num_attention_heads % tp or self.model.num_query_groups % tp:
                 raise ValueError(f"receiver.tensor_parallel_size={tp} must divide the model's query heads "

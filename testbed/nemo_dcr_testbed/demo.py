@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nemo_dcr_testbed.config import ConfigError, DemoConfig, load_demo_config
+from nemo_dcr_testbed.config import SERVE_RUNTIME, ConfigError, DemoConfig, load_demo_config
 
 STORE_MARKER = ".nemo-dcr-store"
 COLUMNS = [
@@ -497,8 +497,21 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         receivers.append((rid, children.start(cmd, log, env), log))
 
     receivers: list = []
-    for rid, store_uri in zip(cfg.refit.receivers, reads_from):
-        start_receiver(rid, store_uri)
+    fleet = None
+    if cfg.receiver.runtime == SERVE_RUNTIME:  # vllm serve engines with the backend (demo_serve.py)
+        from nemo_dcr_testbed.demo_serve import ServeFleet
+
+        fleet = ServeFleet(cfg, init_dir=init_dir, reads_from=reads_from, key_path=key_path, run_dir=cfg.run_dir,
+                           popen=children.start, store=store, say=_err)
+        try:
+            fleet.start()
+        except Exception as e:
+            raise DemoError(f"vllm_serve engines: {' '.join(str(e).split())[:400]} -- logs: "
+                            f"{cfg.run_dir}/vllm-serve-*.log") from None
+        fleet.follow(lambda: trainer.poll() is None)
+    else:
+        for rid, store_uri in zip(cfg.refit.receivers, reads_from):
+            start_receiver(rid, store_uri)
     late = cfg.refit.late_receiver_ids()
     # late receivers start once version late_after is decided and, with snapshots on, once the
     # newest snapshot at or below it is complete (or 60 s later: a skipped or failed snapshot
@@ -557,6 +570,13 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         time.sleep(0.2)
     if trainer.returncode != 0:
         raise _failed("trainer", trainer.returncode, trainer_log.name)
+    serve: dict = {}
+    if fleet is not None:
+        fleet.join(cfg.refit.ack_timeout_s + 600)
+        serve = fleet.summary()
+        fleet.stop()
+        if fleet.failure:
+            raise DemoError(f"vllm_serve: {fleet.failure}")
     for rid, p, log in receivers:
         try:
             code = p.wait(timeout=cfg.refit.ack_timeout_s)
@@ -569,7 +589,9 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     origin_read = _origin_read_bytes([log.name for _, _, log in receivers], relays)
     _stop_relays(relays)
 
-    bit_exact = sum(1 for c in cells if c["bit_exact"] == "yes")
+    # vllm_serve: a version is bit-exact when every engine's checksums and generations equal the
+    # stock engine's, refit densely from the trainer's export (the backend's acks carry no oracle)
+    bit_exact = serve["checksums_equal"] if serve else sum(1 for c in cells if c["bit_exact"] == "yes")
     wire = sum(r["wire_bytes"] for r in rows)
     dense = sum(r["dense_bytes"] for r in rows)
     changed = sum(r["changed"] for r in rows)
@@ -602,6 +624,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         "receivers": cfg.refit.receivers,
         "runtime": cfg.receiver.runtime,
         "receiver_tp": cfg.receiver.tensor_parallel_size,
+        **serve,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "store": cfg.store.uri,
     }

@@ -64,7 +64,10 @@ class Server:
 
 
 def start_server(model_dir: str, log_path: str, *, backend: bool = True, max_model_len: int = 64,
-                 cpu: str | None = None, ready_timeout_s: float = 300.0, extra: list[str] = ()) -> Server:
+                 cpu: str | None = None, ready_timeout_s: float = 300.0, extra: list[str] = (),
+                 popen=None) -> Server:
+    """``popen(cmd, log, env)``: how to start the process (default ``subprocess.Popen``; the
+    demo passes its tracked children's ``start``)."""
     port = free_port()
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", str(max_model_len),
@@ -72,7 +75,10 @@ def start_server(model_dir: str, log_path: str, *, backend: bool = True, max_mod
     if backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nemo_dcr"})]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(cpu))
+    if popen is None:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(cpu))
+    else:
+        proc = popen(cmd, log, server_env(cpu))
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + ready_timeout_s
     import requests

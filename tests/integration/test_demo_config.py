@@ -14,8 +14,12 @@ from nemo_dcr_testbed.demo import main
     ("parallel.expert_model_parallel_size=2", "must divide data_parallel_size"),
     ("model.num_moe_experts=abc", "model.num_moe_experts"),
     ("receiver.runtime=sglang", "receiver.runtime must be one of"),
-    ("receiver.tensor_parallel_size=2", "applies to receiver.runtime=vllm only"),
+    ("receiver.tensor_parallel_size=2", "applies to receiver.runtime=vllm|vllm_serve only"),
     ("receiver.runtime=vllm model.hidden_size=96", "head_dim in"),
+    ("receiver.runtime=vllm_serve model.hidden_size=96", "receiver.runtime=vllm_serve: vLLM's CPU attention takes"),
+    ("receiver.runtime=vllm_serve receiver.tensor_parallel_size=3", "must divide the model's query heads"),
+    ("receiver.runtime=vllm_serve refit.transport=relay", "refit.membership=static and refit.transport=store only"),
+    ("receiver.runtime=vllm_serve refit.membership=elastic", "refit.membership=static and refit.transport=store"),
     ("+model.famly=qwen3", "unknown config key 'model.famly' (ModelConfig has no field 'famly'"),
     ("++colour=red", "unknown config key 'colour' (DemoConfig has no field 'colour')"),
     ("+refit.colour=red", "unknown config key 'refit.colour' (RefitConfig has no field 'colour')"),
@@ -59,12 +63,14 @@ def test_good_overrides_load(tmp_path):
     assert (cfg.refit.receivers, cfg.refit.on_refusal, cfg.refit.ack_poll_s, cfg.refit.model_id,
             cfg.refit.key_file) == (("r0", "r1"), "fail", 0.5, "x", f"{tmp_path}/k")
     assert cfg.store.uri == f"{tmp_path}/run/store"  # the store follows run_dir (testbed/nemo_dcr_testbed/configs/demo.yaml)
+    serve = load_demo_config(["receiver.runtime=vllm_serve", "receiver.tensor_parallel_size=2", f"run_dir={tmp_path}/r"])
+    assert (serve.receiver.runtime, serve.receiver.tensor_parallel_size) == ("vllm_serve", 2)
 
 
 def test_receiver_runtime_is_any_registered_name(monkeypatch):
     from nemo_dcr.receiver import registry
 
-    with pytest.raises(ConfigError, match=r"receiver.runtime must be one of \('hf', 'vllm'\), got 'sglang'"):
+    with pytest.raises(ConfigError, match=r"receiver.runtime must be one of \('hf', 'vllm', 'vllm_serve'\), got 'sglang'"):
         load_demo_config(["receiver.runtime=sglang"])
     monkeypatch.setattr(registry, "runtime_names", lambda: ("hf", "vllm", "sglang"))
     assert load_demo_config(["receiver.runtime=sglang"]).receiver.runtime == "sglang"  # control
