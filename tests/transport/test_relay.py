@@ -701,7 +701,10 @@ def test_client_waits_longer_for_a_bigger_object():
     """A relay answers once it holds the whole object: a get with max_bytes waits
     timeout_s + max_bytes / min_bytes_per_s for the first byte (here 0.3 + 3.0 s for a
     0.8 s wait); without a bound it waits timeout_s (the control: it times out)."""
-    srv = CannedServer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789", delay_s=0.8)
+    # Connection: close -- the server closes after answering; a client that pooled the socket
+    # could otherwise reuse it before it saw the close (seen under load: a reset, not a timeout)
+    srv = CannedServer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789",
+                       delay_s=0.8)
     try:
         c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=0.3, retries=0, min_bytes_per_s=1000))
         assert c.get(CHUNK.format(0), max_bytes=3000) == b"0123456789"
