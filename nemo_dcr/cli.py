@@ -4,6 +4,8 @@
                                                from the test bed, `pip install ./testbed`)
   nemo-dcr receive --store URI --receiver-id R --model-id M [--runtime NAME] ...
                                                a receiver (runtimes: receiver/registry.py)
+  nemo-dcr checkpoint --store URI --out DIR    a directory to start a serving engine from
+                                               mid-run: the newest snapshot, or version 0
   nemo-dcr relay --upstream URI[,URI...] --listen HOST:PORT [--spool DIR] ...
                                                a relay of the relay tree (docs/relay.md)
   nemo-dcr keygen PATH                         a new signing key for a run (mode 0600)
@@ -23,7 +25,7 @@ from importlib.metadata import entry_points
 
 PLUGIN_GROUP = "nemo_dcr.cli"
 """Entry-point group of sub-commands that other distributions add (name -> ``main(argv)``)."""
-BUILT_IN = ("receive", "relay", "keygen", "delta")
+BUILT_IN = ("receive", "checkpoint", "relay", "keygen", "delta")
 FROM_TESTBED = {"demo": "the end-to-end demo is part of nemo_dcr's test bed, which is not installed "
                         "(from a nemo_dcr checkout: pip install ./testbed, or make setup)"}
 
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_dcr.receiver.cli import main as receive_main
 
         return receive_main(rest)
+    if cmd == "checkpoint":
+        from nemo_dcr.receiver.checkpoint_cli import main as checkpoint_main
+
+        return checkpoint_main(rest)
     if cmd == "relay":
         from nemo_dcr.transport.relay import main as relay_main
 

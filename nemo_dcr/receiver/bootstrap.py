@@ -33,9 +33,11 @@ from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower
 from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
-from nemo_dcr.protocol.version0 import InitNotPublished, fetch_init_file, read_init_record, verify_init_dir
+from nemo_dcr.protocol.version0 import (
+    InitNotPublished, fetch_init_file, read_init_record, sha256_file, verify_init_dir,
+)
 from nemo_dcr.protocol.signing import Sealer
-from nemo_dcr.protocol.snapshot import Snapshot, find_snapshot
+from nemo_dcr.protocol.snapshot import Snapshot, SnapshotError, find_snapshot, read_record
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.journal import read_committed
 from nemo_dcr.receiver.registry import RuntimeOptions, RuntimeRequest, ServedRuntime, check_options, start_runtime
@@ -56,6 +58,29 @@ def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state
     if init_dir is None:
         return download_checkpoint(store, os.path.join(state_dir, "init"), record), root
     return init_dir, verify_init_dir(store, sealer, run_id, init_dir)
+
+
+def verify_start_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: str, version: int) -> str:
+    """The files in ``directory`` are the run's committed ``version``: its version 0 (0), or
+    its snapshot of ``version`` completed with version 0's other files (as
+    :func:`fetch_snapshot_dir` writes them), each file's digest checked against the run's
+    signed records.  Returns the digest the chain continues from: version 0's record, or the
+    signed commit decision the snapshot names.  ``ProtocolError`` (one line) otherwise."""
+    if version == 0:
+        return verify_init_dir(store, sealer, run_id, directory)
+    try:
+        record, digest = read_record(store, sealer, run_id, version)
+    except SnapshotError as e:
+        raise ProtocolError(f"checkpoint {directory}: no usable snapshot of v{version} in this run ({e})") from None
+    init, _ = read_init_record(store, sealer, run_id)
+    want = {**{n: d for n, d in init.files.items() if n not in record.files}, **record.files}
+    for name, d in sorted(want.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ProtocolError(f"checkpoint {directory}: missing {name} (snapshot of v{version})")
+        if sha256_file(path) != d:
+            raise ProtocolError(f"checkpoint {path} is not this run's snapshot of v{version} (digest differs)")
+    return digest
 
 
 INIT_PROBE_S = 2.0

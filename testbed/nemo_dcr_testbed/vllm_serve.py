@@ -165,6 +165,7 @@ class TinyRun:
     hidden: int = 256
     vocab: int = 512
     ack_timeout_s: float = 120.0
+    snapshot_every: int = 0
     seed: int = 0
     params: dict = field(init=False)
 
@@ -190,7 +191,7 @@ class TinyRun:
         self.store = LocalDirStore(self.store_dir)
         self.sender = flat_sender(self.params, self.store, RefitOptions(
             model_id=MODEL_ID, receivers=self.receivers, key_file=self.key, ack_timeout_s=self.ack_timeout_s,
-            ack_poll_s=0.01, pipeline=False))
+            ack_poll_s=0.01, pipeline=False, snapshot_every=self.snapshot_every))
         self.run_id = self.sender.claim()
         self.sender.set_root(write_checkpoint(self.store, model.config.to_dict(), state,
                                               sealer=Sealer(load_key(self.key)), run_id=self.run_id))

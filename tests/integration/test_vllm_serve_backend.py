@@ -31,7 +31,7 @@ LONG = 150  # tokens of the completion kept in flight across a refit
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-serve")
-    run = TinyRun(str(work / "run"), ack_timeout_s=20.0)
+    run = TinyRun(str(work / "run"), ack_timeout_s=20.0, snapshot_every=2)
     srv = start_server(run.init_dir, str(work / "server.log"), max_model_len=256)
     status = str(work / "status.json")
     ctl = Controller([ServerClient(srv.url, status_path=status)], run_id=run.run_id)
@@ -126,6 +126,48 @@ def test_a_malformed_or_second_init_is_refused_in_one_line(served):
         assert line in open(s.srv.log_path).read()
     assert generate(s.srv.url, PROMPTS[0], 4)["token_ids"]  # still serving, still following
     assert s.client.status()["receiver"] == "e0"
+
+
+def test_an_engine_started_from_a_snapshot_catches_up_and_follows(served, tmp_path, capsys):
+    """A replacement engine mid-run: ``nemo-dcr checkpoint`` writes the newest snapshot (v2;
+    v4 was aborted), a new server starts from it with ``start_version`` 2 (a wrong one is
+    refused in one line), its first update catches up through v3 and v5, after which its
+    checksums and generations equal the engine it replaces (v5); then v6 commits."""
+    import json
+
+    from nemo_dcr.cli import main as cli
+
+    s = served
+    assert s.run.version == 5
+    v5 = s.client.checksums()
+    v5_gen = generate(s.srv.url, PROMPTS[2], 12, logprobs=5)
+    v5_gen = (v5_gen["token_ids"], v5_gen["logprobs"])
+    s.srv.stop()  # the engine it replaces
+    capsys.readouterr()
+    assert cli(["checkpoint", "--store", s.run.store_dir, "--out", str(tmp_path / "ckpt"),
+                "--key-file", s.run.key]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["version"] == 2 and out["run_id"] == s.run.run_id
+    srv = start_server(out["directory"], str(tmp_path / "server.log"), max_model_len=256)
+    status = str(tmp_path / "status.json")
+    client = ServerClient(srv.url, status_path=status)
+    ctl = Controller([client], run_id=s.run.run_id)
+    try:
+        for start, line in ((3, "no usable snapshot of v3 in this run"), (0, "is not this run's version 0")):
+            with pytest.raises(requests.HTTPError):
+                client.sync.init_weight_transfer_engine(s.run.init_info("e0", status, start_version=start))
+            assert line in open(srv.log_path).read(), line
+        ctl.init([s.run.init_info("e0", status, start_version=2)])
+        assert client.status()["committed"] == 2
+        (result,) = ctl.refit(5)  # nothing new is published: the update catches up to the committed v5
+        assert result.ok and client.status()["committed"] == 5, result
+        assert client.checksums() == v5
+        gen = generate(srv.url, PROMPTS[2], 12, logprobs=5)
+        assert (gen["token_ids"], gen["logprobs"]) == v5_gen
+        (result,), stats, _ = _refit_with_a_completion_in_flight(SimpleNamespace(run=s.run, srv=srv, ctl=ctl), 6)
+        assert stats.committed and result.ok and client.checksums() != v5
+    finally:
+        srv.stop()
 
 
 def test_a_tp2_engine_commits_rolls_back_and_matches_a_dense_tp2_server(tmp_path):

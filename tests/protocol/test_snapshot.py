@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from protocol_helpers import ArrayRuntime, Rx, _sender, _step, bits_of, key  # noqa: F401 - key: fixture
+from protocol_helpers import ArrayRuntime, Rx, _sender, _step, bits_of, key, root_of  # noqa: F401 - key: fixture
 from safetensors.torch import load_file
 
 from nemo_dcr.integrations.dense import gather_canonical_state
@@ -229,6 +229,48 @@ def test_without_snapshots_or_with_the_flag_off_the_joiner_starts_from_version_0
     base = ["--store", "s", "--receiver-id", "r", "--model-id", "m"]
     assert parser().parse_args(base).snapshot is True
     assert parser().parse_args([*base, "--no-snapshot"]).snapshot is False
+
+
+def test_the_checkpoint_command_writes_the_newest_snapshot_and_the_start_check_holds_it_to_its_version(
+        tmp_path, key, capsys):
+    """``nemo-dcr checkpoint`` (an engine's start directory mid-run) and
+    ``bootstrap.verify_start_dir`` (the weight-transfer backend's check of ``start_version``):
+    the newest snapshot (v6) with version 0's ``config.json``; it checks out as v6 only, and
+    not once a byte of it changes; ``--version-0`` and a bad store."""
+    from nemo_dcr.cli import main as cli
+    from nemo_dcr.errors import ProtocolError
+
+    sender, store, w, states = _run_to_7(tmp_path, key)
+    sealer = Sealer(load_key(key))
+
+    def checkpoint(*extra):
+        capsys.readouterr()
+        assert cli(["checkpoint", "--store", store.root, "--out", str(tmp_path / "ckpt"), "--key-file", key,
+                    *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    out = checkpoint()
+    assert (out["version"], out["run_id"]) == (6, sender.run_id)
+    d = out["directory"]
+    _assert_same(bits_of(load_file(os.path.join(d, MODEL))["canon.w"]), states[6])
+    assert bootstrap.verify_start_dir(store, sealer, sender.run_id, d, 6) == doc_digest(store.get(decision_key(6)))
+    for wrong, needle in ((3, "is not this run's snapshot of v3"), (0, "is not this run's version 0"),
+                          (5, "no usable snapshot of v5")):
+        with pytest.raises(ProtocolError, match=needle):
+            bootstrap.verify_start_dir(store, sealer, sender.run_id, d, wrong)
+    with open(os.path.join(d, MODEL), "r+b") as f:  # one byte of the weights
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(ProtocolError, match="is not this run's snapshot of v6"):
+        bootstrap.verify_start_dir(store, sealer, sender.run_id, d, 6)
+    zero = checkpoint("--version-0")
+    assert zero["version"] == 0
+    assert bootstrap.verify_start_dir(store, sealer, sender.run_id, zero["directory"], 0) == root_of(
+        store, key, sender.run_id)
+    assert cli(["checkpoint", "--store", "ftp://nowhere", "--out", str(tmp_path / "x")]) == 2
+    assert "nemo-dcr checkpoint:" in capsys.readouterr().err
 
 
 def _resealed(store, key_path, v, **change) -> bytes:

@@ -40,7 +40,7 @@ from nemo_dcr.errors import ProtocolError, ValidationError
 from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.signing import Sealer, load_key
 from nemo_dcr.receiver.apply import DeltaApplier
-from nemo_dcr.receiver.bootstrap import fetch_version_zero
+from nemo_dcr.receiver.bootstrap import fetch_version_zero, verify_start_dir
 from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.gated import BackgroundFollower, GatedModel, UpdateRefused, WriteGate
 from nemo_dcr.receiver.served import InProcessModel
@@ -159,14 +159,17 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
             self._info = info
 
     def _check_run(self, info: BackendInitInfo, init_dir: str):
-        """The store, the run, and the engine's own checkpoint as the run's signed version 0
-        (else refused: nothing is set up)."""
+        """The store, the run, and the engine's own checkpoint as the run's signed version 0, or
+        its snapshot of ``start_version`` (else refused: nothing is set up)."""
         store = open_store(info.store)
         sealer = Sealer(load_key(info.key_file, log=log.warning))
         run_id = wait_for_run(store, sealer, run_id=info.run_id, timeout_s=info.start_timeout_s,
                               allow_unverified=info.insecure_no_key)
-        _, root = fetch_version_zero(store, sealer, run_id, state_dir=tempfile.gettempdir(), init_dir=init_dir,
-                                     timeout_s=info.start_timeout_s)
+        if info.start_version == 0:
+            _, root = fetch_version_zero(store, sealer, run_id, state_dir=tempfile.gettempdir(), init_dir=init_dir,
+                                         timeout_s=info.start_timeout_s)
+        else:  # a committed-version snapshot: the chain continues from its commit decision
+            root = verify_start_dir(store, sealer, run_id, init_dir, info.start_version)
         return store, sealer, run_id, root
 
     def _placement(self, init_dir: str):
@@ -183,14 +186,16 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         applier, gate = placed
         cfg = ReceiverConfig(receiver_id=info.receiver_id, model_id=info.model_id, poll_s=info.poll_s,
                              fetch_threads=info.fetch_threads, stream=info.stream)
-        rx = Receiver(GatedModel(served or InProcessModel(applier), gate), store, cfg)
+        rx = Receiver(GatedModel(served or InProcessModel(applier), gate), store, cfg, held_version=info.start_version)
         self._follow = BackgroundFollower(
             rx, store, sealer, run_id, gate=gate, poll_s=info.poll_s, status_path=info.status_path, log=log.info,
-            receiver_id=info.receiver_id, committed=0, committed_digest=root, join=info.join).start()
+            receiver_id=info.receiver_id, committed=info.start_version, committed_digest=root,
+            join=info.join).start()
         self._sharded = served
         self._info = info
-        log.info("nemo_dcr: following run %s from %s as %s (version 0 checked: %s; %d worker(s))", run_id,
-                 info.store, info.receiver_id, str(self.model_config.model), 1 if channel is None else channel.world)
+        log.info("nemo_dcr: following run %s from %s as %s (version %d checked: %s; %d worker(s))", run_id,
+                 info.store, info.receiver_id, info.start_version, str(self.model_config.model),
+                 1 if channel is None else channel.world)
 
     # ------------------------------------------------------------ updates
     def start_weight_update(self) -> None:

@@ -101,6 +101,10 @@ class BackendInitInfo:
     """Chunks downloaded, verified and decoded at once; 0: one per CPU core, at most 8."""
     stream: bool = True
     """Fetch and decode a version's chunks as they land, before its manifest (streaming receive)."""
+    start_version: int = 0
+    """The committed version the engine's checkpoint holds: 0 (the run's version 0), or N for
+    a committed-version snapshot (``nemo-dcr checkpoint`` writes one: N's snapshot files with
+    version 0's others), checked file by file against the run's signed snapshot record."""
     start_timeout_s: float = 600.0
     """How long ``init`` waits for the run record and version 0 to be published."""
     update_timeout_s: float = 600.0
@@ -119,6 +123,7 @@ class BackendInitInfo:
             raise ConfigError("init_info: 'store' and 'model_id' must not be empty")
         check_number("init_info.poll_s", self.poll_s, kind=float, positive=True)
         check_number("init_info.fetch_threads", self.fetch_threads, min=0)
+        check_number("init_info.start_version", self.start_version, min=0)
         check_number("init_info.start_timeout_s", self.start_timeout_s, kind=float, positive=True)
         check_number("init_info.update_timeout_s", self.update_timeout_s, kind=float, positive=True)
 

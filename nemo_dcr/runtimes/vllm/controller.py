@@ -106,13 +106,17 @@ class ServerClient:
             return {}
 
     def wait_staged(self, version: int, timeout_s: float) -> float | None:
-        """Seconds until ``version`` is staged or held (None without a status file)."""
+        """Seconds until the engine's next write toward ``version`` is staged, or ``version`` is
+        held (None without a status file).  Staged is usually ``version`` itself; an engine
+        behind (started from a snapshot, or holding a version nobody asked it for) stages the
+        first version of its way there, and the update's window writes the rest."""
         if not self.status_path:
             return None
         t0 = time.monotonic()
         while True:
             st = self.status()
-            if st.get("committed", -1) >= version or st.get("staged") == version:
+            staged = st.get("staged")
+            if st.get("committed", -1) >= version or (isinstance(staged, int) and staged <= version):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise RefitFailed(f"{self.url}: v{version} not staged within {timeout_s:g}s (status: {st})")
