@@ -16,7 +16,8 @@ Checked per version:
   version with vLLM's own ``reload_weights``; every engine's ``/weight_checker`` checksums must
   equal its checksums for every parameter the stock engine keeps plain (integer-view equality,
   worker by worker), and greedy generations with top-5 logprobs on two prompts must be equal
-  (they run the packed kernels, which checksums cannot see).
+  (they run the packed kernels, which checksums cannot see); control: the stock engine's
+  checksums from before its reload (the previous version) must differ from each engine's.
 """
 from __future__ import annotations
 
@@ -176,6 +177,9 @@ class ServeFleet:
         from nemo_dcr_testbed.vllm_serve import generate
 
         ref = self.reference
+        # the comparison's own control: the reference still at the version before must differ
+        # from every engine at this one (a comparison that sees no difference proves nothing)
+        before = ServerClient(ref.url).checksums()
         d = tempfile.mkdtemp(prefix=f"dcr-dense-v{version}-", dir=self.run_dir)
         try:
             shutil.copy(os.path.join(self.init_dir, "config.json"), os.path.join(d, "config.json"))
@@ -194,6 +198,8 @@ class ServeFleet:
         for s, rid in zip(self.servers, self.cfg.refit.receivers):
             got = ServerClient(s.url).checksums()
             bad += [f"{rid}/{k}" for k in want if want[k] != EMPTY and got.get(k) != want[k]]
+            if all(got.get(k) == before[k] for k in before if before[k] != EMPTY):
+                bad.append(f"{rid}: control failed (the reference one version earlier has the same checksums)")
             for p in PROMPTS:
                 a, b = generate(s.url, list(p), 12, logprobs=5), generate(ref.url, list(p), 12, logprobs=5)
                 if (a["token_ids"], a["logprobs"]) != (b["token_ids"], b["logprobs"]):
