@@ -254,6 +254,26 @@ def _receiver_cmd(cfg: DemoConfig, rid: str, store_uri: str, init_dir: str | Non
     return cmd
 
 
+def _print_rows(rows: list[dict], cells: list[dict[str, str]], printed: int, fleet) -> int:
+    """Print the rows from ``printed`` on; returns how many are printed now.  Under
+    ``receiver.runtime=vllm_serve`` (``fleet``) a row waits for its version's check by the
+    fleet, which fills its ``bit_exact`` cell (the engines' acks carry no oracle)."""
+    while printed < len(rows):
+        row, cell = rows[printed], cells[printed]
+        if fleet is not None:
+            check = next((c for c in fleet.checks if c.version == row["step"]), None)
+            if check is None:
+                break
+            if check.checksums_equal is not None:
+                cell["bit_exact"] = "yes" if check.checksums_equal else "NO"
+        _print_row(cell)
+        for a in row.get("acks", []):
+            if a["stats"].get("sample") is not None:
+                print(f"     {a['receiver']} greedy after v{row['step']}: {a['stats']['sample']}", flush=True)
+        printed += 1
+    return printed
+
+
 def _print_row(cells: dict[str, str]) -> None:
     print(" ".join(cells[name].rjust(w) for name, w in COLUMNS), flush=True)
 
@@ -523,7 +543,7 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
     cells: list[dict[str, str]] = []
-    seen = 0
+    seen = printed = 0
     from nemo_dcr.protocol.manifest import SNAPSHOT_RECORD, decision_key, snapshot_key
 
     while True:
@@ -545,12 +565,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
             for line in lines[seen:]:
                 rows.append(json.loads(line))
                 cells.append(_row(rows[-1]))
-                _print_row(cells[-1])
-                for a in rows[-1].get("acks", []):
-                    if a["stats"].get("sample") is not None:
-                        print(f"     {a['receiver']} greedy after v{rows[-1]['step']}: {a['stats']['sample']}",
-                              flush=True)
             seen = len(lines)
+        printed = _print_rows(rows, cells, printed, fleet)
         if done:
             break
         _check_relays(relays)
@@ -575,6 +591,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         fleet.join(cfg.refit.ack_timeout_s + 600)
         serve = fleet.summary()
         fleet.stop()
+        printed = _print_rows(rows, cells, printed, fleet)
+        _print_rows(rows, cells, printed, None)  # what is left: versions the engines never took
         if fleet.failure:
             raise DemoError(f"vllm_serve: {fleet.failure}")
     for rid, p, log in receivers:
