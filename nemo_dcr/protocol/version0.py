@@ -103,11 +103,18 @@ def verify_init_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory: 
     """Receiver: the version-0 files in ``directory`` are the ones this run published;
     returns the digest of the record they were checked against (the chain's root)."""
     record, root = read_init_record(store, sealer, run_id)
-    for name, digest in sorted(record.files.items()):
+    check_files(directory, record.files, label="initial checkpoint",
+                what=f"this run's version 0 (digest differs from {INIT_RECORD_KEY})")
+    return root
+
+
+def check_files(directory: str, files: dict[str, str], *, label: str, what: str) -> None:
+    """Every file ``files`` names (name -> ``sha256:<hex>``) is in ``directory`` with that
+    digest; else ``ProtocolError``: "<label> <dir>: missing <name>" or "<label> <path> is not
+    <what>"."""
+    for name, digest in sorted(files.items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise ProtocolError(f"initial checkpoint {directory}: missing {name}")
+            raise ProtocolError(f"{label} {directory}: missing {name}")
         if sha256_file(path) != digest:
-            raise ProtocolError(f"initial checkpoint {path} is not this run's version 0 (digest differs from "
-                                f"{INIT_RECORD_KEY})")
-    return root
+            raise ProtocolError(f"{label} {path} is not {what}")

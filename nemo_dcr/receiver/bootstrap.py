@@ -34,7 +34,7 @@ from nemo_dcr.protocol.follower import Follower
 from nemo_dcr.protocol.run import wait_for_run
 from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
 from nemo_dcr.protocol.version0 import (
-    InitNotPublished, fetch_init_file, read_init_record, sha256_file, verify_init_dir,
+    InitNotPublished, check_files, fetch_init_file, read_init_record, verify_init_dir,
 )
 from nemo_dcr.protocol.signing import Sealer
 from nemo_dcr.protocol.snapshot import Snapshot, SnapshotError, find_snapshot, read_record
@@ -73,13 +73,8 @@ def verify_start_dir(store: ObjectStore, sealer: Sealer, run_id: str, directory:
     except SnapshotError as e:
         raise ProtocolError(f"checkpoint {directory}: no usable snapshot of v{version} in this run ({e})") from None
     init, _ = read_init_record(store, sealer, run_id)
-    want = {**{n: d for n, d in init.files.items() if n not in record.files}, **record.files}
-    for name, d in sorted(want.items()):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise ProtocolError(f"checkpoint {directory}: missing {name} (snapshot of v{version})")
-        if sha256_file(path) != d:
-            raise ProtocolError(f"checkpoint {path} is not this run's snapshot of v{version} (digest differs)")
+    check_files(directory, {**init.files, **record.files}, label="snapshot checkpoint",
+                what=f"this run's snapshot of v{version} (digest differs)")
     return digest
 
 

@@ -10,7 +10,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 N = 64  # elements of the one tensor; rank r holds [32 r, 32 r + 32)
 
@@ -41,7 +40,8 @@ class ShardApplier:
         for _, positions, xor in deltas:
             mine = (positions >= self.lo) & (positions < self.hi)
             self.view[positions[mine]] ^= xor[mine]
-        return type("Result", (), {"applied": [d[0] for d in deltas]})()
+        return type("Result", (), {"applied": [d[0] for d in deltas], "xor_elements": sum(len(d[1]) for d in deltas),
+                                   "overwrite_elements": 0, "through_loader": []})()
 
 
 def _worker(rank: int, init: str, out) -> None:

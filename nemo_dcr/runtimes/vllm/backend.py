@@ -123,9 +123,9 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
                 f"{pc.pipeline_parallel_size}, data_parallel_size={pc.data_parallel_size})")
         init_dir = str(self.model_config.model)
         if pc.world_size == 1:
-            self._start_leader(info, self._check_run(info, init_dir), self._placement(init_dir), channel=None)
+            self._start_leader(info, self._check_run(info, init_dir), self._placement(init_dir))
             return
-        from nemo_dcr.runtimes.vllm.tp import Serving, WorkerChannel
+        from nemo_dcr.runtimes.vllm.tp import Serving, ShardedModel, WorkerChannel
 
         if self._channel is None:  # every worker is in this call: the group is created once per engine
             self._channel = WorkerChannel.create()
@@ -151,9 +151,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         if final:
             raise ValidationError(final)
         if ch.rank == 0:
-            from nemo_dcr.runtimes.vllm.tp import ShardedModel
-
-            self._start_leader(info, found, placed, channel=ch, served=ShardedModel(placed[0], ch))
+            self._start_leader(info, found, placed, served=ShardedModel(placed[0], ch))
         else:
             self._serving = Serving(placed[0], ch, placed[1]).start()
             self._info = info
@@ -180,7 +178,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         vllm_config = self.vllm_config
         return applier, WriteGate(write_context=lambda: set_current_vllm_config(vllm_config))
 
-    def _start_leader(self, info: BackendInitInfo, found, placed, *, channel, served=None) -> None:
+    def _start_leader(self, info: BackendInitInfo, found, placed, *, served=None) -> None:
         """Rank 0 (or the only worker): the run's member, following it in the background."""
         store, sealer, run_id, root = found
         applier, gate = placed
@@ -195,7 +193,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         self._info = info
         log.info("nemo_dcr: following run %s from %s as %s (version %d checked: %s; %d worker(s))", run_id,
                  info.store, info.receiver_id, info.start_version, str(self.model_config.model),
-                 1 if channel is None else channel.world)
+                 self.parallel_config.world_size)
 
     # ------------------------------------------------------------ updates
     def start_weight_update(self) -> None:

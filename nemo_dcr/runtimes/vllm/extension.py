@@ -33,6 +33,39 @@ def _refusal(e: Exception) -> dict:
     raise e
 
 
+def worker_bits(applier: DeltaApplier, name: str) -> np.ndarray | dict:
+    """One worker's view of ``name`` (a copy; 0 outside its shard), or its refusal."""
+    try:
+        return np.array(applier.canonical_bits(name), copy=True)
+    except (DeltaValidationError, LoaderError) as e:
+        return _refusal(e)
+
+
+def worker_validate(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> dict | None:
+    """None when this worker accepts ``deltas``, else its refusal."""
+    try:
+        applier.validate(deltas)
+    except (DeltaValidationError, LoaderError) as e:
+        return _refusal(e)
+    return None
+
+
+def worker_apply(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> dict:
+    """Apply ``deltas`` in this worker: what it wrote, or its refusal."""
+    t0 = time.perf_counter()
+    try:
+        result = applier.apply(deltas)
+    except (DeltaValidationError, LoaderError) as e:
+        return _refusal(e)
+    return {
+        "applied": len(result.applied),
+        "xor_elements": result.xor_elements,
+        "overwrite_elements": result.overwrite_elements,
+        "through_loader": len(result.through_loader),
+        "apply_s": time.perf_counter() - t0,
+    }
+
+
 class DCRWorkerExtension:
     """Methods vLLM adds to each worker (names prefixed ``dcr_``)."""
 
@@ -67,32 +100,14 @@ class DCRWorkerExtension:
         }
 
     def dcr_validate(self, deltas: Sequence[TensorDelta]) -> dict:
-        try:
-            self._dcr_applier.validate(deltas)
-        except (DeltaValidationError, LoaderError) as e:
-            return _refusal(e)
-        return {"rank": self.rank}
+        return worker_validate(self._dcr_applier, deltas) or {"rank": self.rank}
 
     def dcr_apply(self, deltas: Sequence[TensorDelta]) -> dict:
-        t0 = time.perf_counter()
-        try:
-            result = self._dcr_applier.apply(deltas)
-        except (DeltaValidationError, LoaderError) as e:
-            return _refusal(e)
-        return {
-            "rank": self.rank,
-            "applied": len(result.applied),
-            "xor_elements": result.xor_elements,
-            "overwrite_elements": result.overwrite_elements,
-            "through_loader": len(result.through_loader),
-            "apply_s": time.perf_counter() - t0,
-        }
+        result = worker_apply(self._dcr_applier, deltas)
+        return result if "error" in result else {"rank": self.rank, **result}
 
     def dcr_canonical_bits(self, name: str) -> np.ndarray | dict:
-        try:
-            return np.array(self._dcr_applier.canonical_bits(name), copy=True)
-        except (DeltaValidationError, LoaderError) as e:
-            return _refusal(e)
+        return worker_bits(self._dcr_applier, name)
 
     def dcr_state(self) -> dict[str, torch.Tensor]:
         """Every non-empty parameter and buffer of this worker's model (copies)."""

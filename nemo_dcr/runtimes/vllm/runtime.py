@@ -24,12 +24,12 @@ import torch
 
 from nemo_dcr.codec.types import BITS_DTYPE, TensorDelta
 from nemo_dcr.errors import ValidationError
-from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
+from nemo_dcr.receiver.errors import IncompleteApplyError
 from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs
+from nemo_dcr.runtimes.vllm.extension import _ERRORS  # the refusals workers return (extension._refusal)
 
 _EXTENSION = "nemo_dcr.runtimes.vllm.extension.DCRWorkerExtension"
-_ERRORS = {"validation": DeltaValidationError, "incomplete": IncompleteApplyError, "placement": LoaderError}
 
 
 def _engine_env(tensor_parallel_size: int) -> dict[str, str]:

@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.errors import ProtocolError
-from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
+from nemo_dcr.receiver.errors import IncompleteApplyError
 from nemo_dcr.receiver.gated import UpdateRefused, WriteGate
 from nemo_dcr.receiver.runtime import TensorSpec
-from nemo_dcr.runtimes.vllm.extension import _refusal
+from nemo_dcr.runtimes.vllm.extension import worker_apply, worker_bits, worker_validate
 from nemo_dcr.runtimes.vllm.runtime import _checked
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -93,7 +93,7 @@ class ShardedModel:
         return self.applier.adapter.tensor_specs()
 
     def canonical_bits(self, name: str) -> np.ndarray:
-        parts = _checked(self.channel.call("bits", name, lambda: _bits(self.applier, name)))
+        parts = _checked(self.channel.call("bits", name, lambda: worker_bits(self.applier, name)))
         out = np.array(parts[0], copy=True)
         for p in parts[1:]:
             np.bitwise_or(out, p, out=out)
@@ -101,12 +101,12 @@ class ShardedModel:
 
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         deltas = list(deltas)
-        _checked(self.channel.call("validate", deltas, lambda: _validate(self.applier, deltas)))
+        _checked(self.channel.call("validate", deltas, lambda: worker_validate(self.applier, deltas)))
 
     def apply(self, deltas: Sequence[TensorDelta]) -> object:
         deltas = list(deltas)
         self.validate(deltas)  # every worker accepts before any writes
-        results = _checked(self.channel.call("apply", deltas, lambda: _apply(self.applier, deltas)))
+        results = _checked(self.channel.call("apply", deltas, lambda: worker_apply(self.applier, deltas)))
         counts = {r["applied"] for r in results}
         if len(counts) != 1:
             raise IncompleteApplyError(f"workers applied different tensor counts: {results}")
@@ -124,29 +124,6 @@ class ShardedModel:
 
     def stop(self) -> None:
         self.channel.call("stop", None)
-
-
-def _bits(applier, name: str):
-    try:
-        return np.array(applier.canonical_bits(name), copy=True)
-    except (DeltaValidationError, LoaderError) as e:
-        return _refusal(e)
-
-
-def _validate(applier, deltas) -> dict | None:
-    try:
-        applier.validate(deltas)
-    except (DeltaValidationError, LoaderError) as e:
-        return _refusal(e)
-    return None
-
-
-def _apply(applier, deltas) -> dict:
-    try:
-        result = applier.apply(deltas)
-    except (DeltaValidationError, LoaderError) as e:
-        return _refusal(e)
-    return {"applied": len(result.applied)}
 
 
 class Serving:
@@ -171,12 +148,12 @@ class Serving:
             while True:
                 op, arg = self.channel.broadcast()
                 if op == "bits":
-                    answer = _bits(self.applier, arg)
+                    answer = worker_bits(self.applier, arg)
                 elif op == "validate":
-                    answer = _validate(self.applier, arg)
+                    answer = worker_validate(self.applier, arg)
                 elif op == "apply":
                     with self.gate.write():  # only while this worker is inside update_weights
-                        answer = _apply(self.applier, arg)
+                        answer = worker_apply(self.applier, arg)
                 elif op == "end":
                     seq, error = arg
                     with self._cond:
