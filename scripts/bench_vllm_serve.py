@@ -37,7 +37,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 PROMPTS = [[1, 2, 3, 4], [17, 99, 5]]
 
 
@@ -55,23 +54,18 @@ def parse_args(argv=None):
 
 def _bit_exact(a_url: str, b_url: str) -> tuple[bool, list[str]]:
     from nemo_dcr.runtimes.vllm.controller import ServerClient
-    from nemo_dcr_testbed.vllm_serve import generate
+    from nemo_dcr_testbed.vllm_serve import differing, differing_generations
 
-    ours, dense = ServerClient(a_url).checksums(), ServerClient(b_url).checksums()
-    bad = sorted(k for k in dense if dense[k] != EMPTY and ours.get(k) != dense[k])
-    for i, p in enumerate(PROMPTS):
-        x, y = generate(a_url, p, 16, logprobs=5), generate(b_url, p, 16, logprobs=5)
-        if (x["token_ids"], x["logprobs"]) != (y["token_ids"], y["logprobs"]):
-            bad.append(f"generation {i}")
+    bad = differing(ServerClient(a_url).checksums(), ServerClient(b_url).checksums())
+    bad += differing_generations(a_url, b_url, PROMPTS, 16)
     return not bad, bad
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    import requests
 
     from nemo_dcr.runtimes.vllm.controller import Controller, ServerClient
-    from nemo_dcr_testbed.vllm_serve import TinyRun, start_server
+    from nemo_dcr_testbed.vllm_serve import TinyRun, dense_reload, start_server
 
     work = a.workdir or tempfile.mkdtemp(prefix="bench-vllm-serve-")
     load = os.getloadavg()
@@ -114,10 +108,7 @@ def main(argv=None) -> int:
                     while f.read(1 << 24):
                         pass
             t_pause = time.perf_counter()
-            requests.post(f"{dense.url}/pause", params={"mode": "keep"}, timeout=600).raise_for_status()
-            requests.post(f"{dense.url}/collective_rpc", timeout=600, json={
-                "method": "reload_weights", "kwargs": {"weights_path": path}}).raise_for_status()
-            requests.post(f"{dense.url}/resume", timeout=600).raise_for_status()
+            dense_reload(dense.url, path)
             dense_pause = time.perf_counter() - t_pause
             exact, bad = _bit_exact(ours.url, dense.url)
             row = {"version": v, "committed": stats.committed, "changed": stats.changed, "numel": stats.numel,

@@ -28,7 +28,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
 PROMPTS = ([1, 2, 3, 4, 5], [7, 42, 11])
 
 
@@ -125,14 +124,14 @@ class ServeFleet:
             self.failure = f"{type(e).__name__}: {' '.join(str(e).split())}"
 
     def _wait_staged(self, version: int, trainer_running) -> bool:
+        """Every engine staged its way to ``version`` (the controller's rule, ``staged_for``)."""
         while not self._stop.is_set():
             sts = [c.status() for c in self.ctl.servers]
-            if all(st.get("staged") == version or st.get("committed", -1) >= version for st in sts):
+            if all(c.staged_for(version, st) for c, st in zip(self.ctl.servers, sts)):
                 return True
             if not trainer_running() and not any(st.get("fetching") == version for st in sts):
                 time.sleep(2.0)  # the last version's documents may still be in flight
-                sts = [c.status() for c in self.ctl.servers]
-                return all(st.get("staged") == version or st.get("committed", -1) >= version for st in sts)
+                return all(c.staged_for(version) for c in self.ctl.servers)
             time.sleep(0.01)
         return False
 
@@ -170,11 +169,9 @@ class ServeFleet:
         return check
 
     def _compare(self, version: int) -> tuple[bool, list[str]]:
-        import requests
-
         from nemo_dcr.protocol.keys import dense_key
         from nemo_dcr.runtimes.vllm.controller import ServerClient
-        from nemo_dcr_testbed.vllm_serve import generate
+        from nemo_dcr_testbed.vllm_serve import EMPTY, dense_reload, differing, differing_generations
 
         ref = self.reference
         # the comparison's own control: the reference still at the version before must differ
@@ -185,25 +182,17 @@ class ServeFleet:
             shutil.copy(os.path.join(self.init_dir, "config.json"), os.path.join(d, "config.json"))
             with open(os.path.join(d, "model.safetensors"), "wb") as f:
                 f.write(self.store.get(dense_key(version)))
-            requests.post(f"{ref.url}/pause", params={"mode": "keep"}, timeout=600).raise_for_status()
-            try:
-                requests.post(f"{ref.url}/collective_rpc", timeout=600, json={
-                    "method": "reload_weights", "kwargs": {"weights_path": d}}).raise_for_status()
-            finally:
-                requests.post(f"{ref.url}/resume", timeout=600).raise_for_status()
+            dense_reload(ref.url, d)
         finally:
             shutil.rmtree(d, ignore_errors=True)
         want = ServerClient(ref.url).checksums()
         bad: list[str] = []
         for s, rid in zip(self.servers, self.cfg.refit.receivers):
             got = ServerClient(s.url).checksums()
-            bad += [f"{rid}/{k}" for k in want if want[k] != EMPTY and got.get(k) != want[k]]
+            bad += [f"{rid}/{k}" for k in differing(got, want)]
             if all(got.get(k) == before[k] for k in before if before[k] != EMPTY):
                 bad.append(f"{rid}: control failed (the reference one version earlier has the same checksums)")
-            for p in PROMPTS:
-                a, b = generate(s.url, list(p), 12, logprobs=5), generate(ref.url, list(p), 12, logprobs=5)
-                if (a["token_ids"], a["logprobs"]) != (b["token_ids"], b["logprobs"]):
-                    bad.append(f"{rid}/generation {list(p)}")
+            bad += [f"{rid}/{g}" for g in differing_generations(s.url, ref.url, PROMPTS, 12)]
         return not bad, bad
 
     def _report(self, c: VersionCheck) -> None:

@@ -112,6 +112,40 @@ def generate(url: str, prompt: list[int], max_tokens: int, *, logprobs: int | No
     return r.json()["choices"][0]
 
 
+EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+"""sha256 of no bytes: the ``/weight_checker`` checksum of a parameter a stock engine packed into
+a oneDNN kernel and emptied (the backend keeps its staging weight there)."""
+
+
+def differing(ours: dict[str, str], dense: dict[str, str]) -> list[str]:
+    """``/weight_checker`` keys whose checksums differ, but for the parameters the stock engine
+    packed away (their kernels are compared through generations: ``differing_generations``)."""
+    return sorted(k for k in dense if dense[k] != EMPTY and ours.get(k) != dense[k])
+
+
+def differing_generations(a_url: str, b_url: str, prompts, max_tokens: int) -> list[str]:
+    """The prompts whose greedy generations with top-5 logprobs differ between two servers."""
+    out = []
+    for p in prompts:
+        a, b = generate(a_url, list(p), max_tokens, logprobs=5), generate(b_url, list(p), max_tokens, logprobs=5)
+        if (a["token_ids"], a["logprobs"]) != (b["token_ids"], b["logprobs"]):
+            out.append(f"generation {list(p)}")
+    return out
+
+
+def dense_reload(url: str, weights_dir: str) -> None:
+    """vLLM's own dense refit of a running stock engine: ``/pause?mode=keep``,
+    ``/collective_rpc reload_weights`` of ``weights_dir``, ``/resume``."""
+    import requests
+
+    requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=600).raise_for_status()
+    try:
+        requests.post(f"{url}/collective_rpc", timeout=600, json={
+            "method": "reload_weights", "kwargs": {"weights_path": weights_dir}}).raise_for_status()
+    finally:
+        requests.post(f"{url}/resume", timeout=600).raise_for_status()
+
+
 class InFlight:
     """A streamed completion on a thread, to cross a refit: ``started`` is set once its
     first tokens arrived; ``result`` holds every token id and the final ``weight_versions``

@@ -20,10 +20,10 @@ import pytest
 import requests
 
 from nemo_dcr.runtimes.vllm.controller import Controller, RefitFailed, ServerClient
-from nemo_dcr_testbed.vllm_serve import InFlight, TinyRun, generate, start_server
+from nemo_dcr_testbed import vllm_serve
+from nemo_dcr_testbed.vllm_serve import EMPTY, InFlight, TinyRun, generate, start_server
 
 pytestmark = pytest.mark.vllm
-EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8], [100, 200, 300, 400, 500]]
 LONG = 150  # tokens of the completion kept in flight across a refit
 
@@ -45,7 +45,7 @@ def served(tmp_path_factory):
 def differing(ours: dict, dense: dict) -> list[str]:
     """Keys whose checksums differ, but for parameters the stock engine packed away."""
     assert ours.keys() == dense.keys()
-    return sorted(k for k in dense if dense[k] != EMPTY and ours[k] != dense[k])
+    return vllm_serve.differing(ours, dense)
 
 
 def _refit_with_a_completion_in_flight(s, version):  # s: run, srv, ctl

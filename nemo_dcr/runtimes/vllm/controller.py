@@ -105,6 +105,13 @@ class ServerClient:
         except (OSError, ValueError):  # not written yet, or mid-replace on a filesystem without atomic rename
             return {}
 
+    def staged_for(self, version: int, status: dict | None = None) -> bool:
+        """The engine holds ``version``, or staged its next write toward it (see ``wait_staged``);
+        ``status``: a status already read (default: read it now)."""
+        st = self.status() if status is None else status
+        staged = st.get("staged")
+        return st.get("committed", -1) >= version or (isinstance(staged, int) and staged <= version)
+
     def wait_staged(self, version: int, timeout_s: float) -> float | None:
         """Seconds until the engine's next write toward ``version`` is staged, or ``version`` is
         held (None without a status file).  Staged is usually ``version`` itself; an engine
@@ -115,8 +122,7 @@ class ServerClient:
         t0 = time.monotonic()
         while True:
             st = self.status()
-            staged = st.get("staged")
-            if st.get("committed", -1) >= version or (isinstance(staged, int) and staged <= version):
+            if self.staged_for(version, st):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise RefitFailed(f"{self.url}: v{version} not staged within {timeout_s:g}s (status: {st})")
