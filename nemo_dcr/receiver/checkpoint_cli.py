@@ -32,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--key-file", default=None, help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")
     ap.add_argument("--run-id", default=None, help="this run only (default: the store's)")
     ap.add_argument("--version-0", action="store_true", help="version 0 even when a snapshot exists")
-    ap.add_argument("--timeout-s", type=float, default=600.0, help="wait this long for the run and version 0")
+    ap.add_argument("--timeout-s", type=float, default=0.0,
+                    help="wait this long for the run record and version 0 (default: they must exist already: "
+                         "the command is for a running job, and a mistyped --store should not wait)")
     return ap
 
 

@@ -271,6 +271,9 @@ def test_the_checkpoint_command_writes_the_newest_snapshot_and_the_start_check_h
         store, key, sender.run_id)
     assert cli(["checkpoint", "--store", "ftp://nowhere", "--out", str(tmp_path / "x")]) == 2
     assert "nemo-dcr checkpoint:" in capsys.readouterr().err
+    # a store that holds no run: one line at once (no wait by default)
+    assert cli(["checkpoint", "--store", str(tmp_path / "empty"), "--out", str(tmp_path / "x"), "--key-file", key]) == 1
+    assert "no run record (RUN.json)" in capsys.readouterr().err
 
 
 def _resealed(store, key_path, v, **change) -> bytes:
