@@ -26,6 +26,14 @@ Atomicity: ``apply`` validates the whole batch (names, dtypes, shapes, ranges, p
 placement unchanged since prewarm) and prepares every write before the first one; only a
 runtime loader that raises while executing a ``TRANSFORM`` overwrite can leave a batch
 half-applied (those run first, so a failure on the first leaves everything unchanged).
+
+Two phases, for a runtime that serves while a version waits (vLLM's weight-transfer
+backend): ``stage`` writes ahead the XOR records that land only in parameters the runtime
+does not serve from (the adapter's ``unserved()``: on vLLM's CPU build, the plain weights
+kept beside the packed GEMM kernels) and has the adapter build, not install, what serves
+from them (``prepare``); ``apply(deltas, staged)`` later writes the rest and swaps in what
+was built (``install``), so the pause holds only the served writes.  ``unstage`` undoes a
+stage whose version is never applied.
 """
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ __all__ = [
     "DeltaApplier",
     "PlacementKind",
     "PlacementPlan",
+    "Staging",
     "TensorPlacement",
     "int_view",
 ]
@@ -95,6 +104,22 @@ class _Prepared:
     ow_idx: np.ndarray | None = None
     ow_val: np.ndarray | None = None
     fed: torch.Tensor | None = None  # VIEW: zero tensor with XOR bits; TRANSFORM: new mirror
+    view_writes: list[CapturedWrite] | None = None  # VIEW: the copies executed as XOR
+
+
+_STAGEABLE = (PlacementKind.DIRECT, PlacementKind.VIEW, PlacementKind.TRACED)
+
+
+@dataclass
+class Staging:
+    """What ``DeltaApplier.stage`` wrote ahead of ``apply``."""
+
+    names: frozenset[str]
+    """Canonical names whose records are all written (in unserved parameters only)."""
+    prepared: object
+    """The adapter's ``prepare`` result, for its ``install``."""
+    written: dict[str, _Prepared] | None = None
+    """The records written (``None`` once unstaged)."""
 
 
 class DeltaApplier:
@@ -155,55 +180,129 @@ class DeltaApplier:
         self._current_plan()
         validate_version(self._specs, deltas)
 
-    def apply(self, deltas: Sequence[TensorDelta]) -> ApplyResult:
-        """Apply ``deltas`` in place; validate and prepare everything before the first write."""
+    def stage(self, deltas: Sequence[TensorDelta]) -> Staging:
+        """Phase one of a two-phase apply, for a runtime that keeps serving meanwhile.
+
+        Writes the records of ``deltas`` that land only in parameters the runtime does not
+        serve from (the adapter's optional ``unserved()``), then has the adapter build what
+        serves from them without installing it (its ``prepare(names)``, e.g. vLLM's packed
+        GEMM kernels): nothing a forward pass reads changes.  ``apply(deltas, staged)``
+        then writes the rest and installs what was prepared; ``unstage`` undoes this one.
+        Only XOR records through DIRECT, VIEW and TRACED placements are staged (an XOR
+        applied twice is undone); everything else waits for ``apply``.  An adapter without
+        ``unserved`` stages nothing."""
         plan = self._current_plan()
         grouped = validate_version(self._specs, deltas)
+        unserved = getattr(self._adapter, "unserved", None)
+        unserved = unserved() if unserved is not None else frozenset()
+        early = {
+            n: recs for n, recs in grouped.items()
+            if plan.placements[n].kind in _STAGEABLE
+            and plan.placements[n].copies
+            and all(c.dest in unserved for c in plan.placements[n].copies)
+            and all(r.op is DeltaOp.XOR for r in recs)
+        }
+        if not early:
+            return Staging(frozenset(), None)
         with torch.no_grad():
-            prepared = {name: self._prepare(name, records) for name, records in grouped.items()}
-            view_writes = self._capture_view_xors([p for p in prepared.values() if p.kind is PlacementKind.VIEW])
+            touched, written = self._write(plan, early)
+            try:
+                prepared = self._adapter.prepare(frozenset(touched))
+            except BaseException:
+                self._rewrite(plan, written)
+                raise
+        return Staging(frozenset(early), prepared, written)
 
-            # ---- first write from here on ----
-            touched: set[str] = set()
-            by_unit: dict[tuple[str, ...], list[_Prepared]] = defaultdict(list)
-            for p in prepared.values():
-                if p.kind is PlacementKind.TRANSFORM:
-                    by_unit[plan.unit_of.get(p.name, (p.name,))].append(p)
-            for unit, ps in by_unit.items():
-                self._overwrite_through_loader(unit, ps)
-                touched.update(p.name for p in ps)
-            for p in prepared.values():
-                if p.kind is PlacementKind.DIRECT:
-                    _write_direct(plan.direct[p.name], p)
-                    touched.add(p.name)
-                elif p.kind is PlacementKind.TRACED:
-                    _write_traced(plan.traced[p.name], p)
-                    touched.add(p.name)
-                elif p.kind is PlacementKind.EMPTY:
-                    touched.add(p.name)
-            for name, ws in view_writes.items():
-                for w in ws:
-                    dest, src = int_view(w.dest), int_view(w.source)
-                    assert dest.dtype == src.dtype
-                    dest.bitwise_xor_(src)
-                touched.add(name)
+    def unstage(self, staged: Staging) -> None:
+        """Undo ``stage``: its XORs again; what the adapter prepared is dropped unused."""
+        if staged.names:
+            with torch.no_grad():
+                self._rewrite(self._current_plan(), staged.written)
+            staged.written = None
 
+    def apply(self, deltas: Sequence[TensorDelta], staged: Staging | None = None) -> ApplyResult:
+        """Apply ``deltas`` in place; validate and prepare everything before the first write.
+        With ``staged`` (``stage(deltas)``'s result): only the records it did not write, and
+        install what it prepared first."""
+        plan = self._current_plan()
+        grouped = validate_version(self._specs, deltas)
+        early = staged.names if staged is not None else frozenset()
+        if early and staged.written is None:
+            raise DeltaValidationError("apply: the staged records were unstaged")
+        if not early <= grouped.keys():
+            self.unstage(staged)
+            raise DeltaValidationError("apply: the staged records are not this batch's (staged writes undone)")
+        with torch.no_grad():
+            late = {n: recs for n, recs in grouped.items() if n not in early}
+            try:
+                touched, written = self._write(plan, late)
+            except BaseException:
+                if staged is not None:  # the batch is refused whole: the staged part too
+                    self.unstage(staged)
+                raise
         dropped = {n for n in grouped if plan.placements[n].kind is PlacementKind.DROPPED}
-        missing = set(grouped) - touched - dropped
+        missing = set(grouped) - touched - early - dropped
         if missing:
             raise IncompleteApplyError(f"requested but not written: {sorted(missing)[:5]}")
+        if early:
+            self._adapter.install(staged.prepared)
         self._adapter.post_load(frozenset(touched))
         n_xor = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.XOR)
         n_ow = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.OVERWRITE)
         return ApplyResult(
-            applied=frozenset(touched),
+            applied=frozenset(touched | early),
             dropped=frozenset(dropped),
             through_loader=frozenset(
-                n for n, p in prepared.items() if p.kind in (PlacementKind.VIEW, PlacementKind.TRANSFORM)
+                {n for n in early if plan.placements[n].kind is PlacementKind.VIEW}
+                | {n for n, p in written.items() if p.kind in (PlacementKind.VIEW, PlacementKind.TRANSFORM)}
             ),
             xor_elements=n_xor,
             overwrite_elements=n_ow,
         )
+
+    def _write(self, plan: PlacementPlan, grouped: Mapping[str, list[TensorDelta]]
+               ) -> tuple[set[str], dict[str, _Prepared]]:
+        """Prepare every write of ``grouped`` (nothing written if that fails), then write:
+        TRANSFORM units first, then DIRECT, TRACED and VIEW records.  Returns the names
+        written and their prepared records (``_rewrite`` XORs them again)."""
+        prepared = {name: self._prepare(name, records) for name, records in grouped.items()}
+        view_writes = self._capture_view_xors([p for p in prepared.values() if p.kind is PlacementKind.VIEW])
+
+        # ---- first write from here on ----
+        touched: set[str] = set()
+        by_unit: dict[tuple[str, ...], list[_Prepared]] = defaultdict(list)
+        for p in prepared.values():
+            if p.kind is PlacementKind.TRANSFORM:
+                by_unit[plan.unit_of.get(p.name, (p.name,))].append(p)
+        for unit, ps in by_unit.items():
+            self._overwrite_through_loader(unit, ps)
+            touched.update(p.name for p in ps)
+        for p in prepared.values():
+            if p.kind is PlacementKind.DIRECT:
+                _write_direct(plan.direct[p.name], p)
+                touched.add(p.name)
+            elif p.kind is PlacementKind.TRACED:
+                _write_traced(plan.traced[p.name], p)
+                touched.add(p.name)
+            elif p.kind is PlacementKind.EMPTY:
+                touched.add(p.name)
+        for name, ws in view_writes.items():
+            _xor_views(ws)
+            touched.add(name)
+            prepared[name].view_writes = ws
+        return touched, prepared
+
+    def _rewrite(self, plan: PlacementPlan, written: Mapping[str, _Prepared]) -> None:
+        """XOR the XOR-only records ``_write`` wrote once more (undoing them)."""
+        for p in written.values():
+            if p.ow_idx is not None or p.kind is PlacementKind.TRANSFORM:
+                raise LoaderError(f"{p.name}: only XOR records can be undone by writing them again")
+            if p.kind is PlacementKind.DIRECT:
+                _write_direct(plan.direct[p.name], p)
+            elif p.kind is PlacementKind.TRACED:
+                _write_traced(plan.traced[p.name], p)
+            elif p.kind is PlacementKind.VIEW:
+                _xor_views(p.view_writes)
 
     def _prepare(self, name: str, records: list[TensorDelta]) -> _Prepared:
         kind = self._plan.placements[name].kind
@@ -333,6 +432,13 @@ class DeltaApplier:
             )
         for p in ps:
             self._mirror[p.name] = p.fed
+
+
+def _xor_views(writes: Sequence[CapturedWrite]) -> None:
+    for w in writes:
+        dest, src = int_view(w.dest), int_view(w.source)
+        assert dest.dtype == src.dtype
+        dest.bitwise_xor_(src)
 
 
 def _write_direct(flat: torch.Tensor, p: _Prepared) -> None:

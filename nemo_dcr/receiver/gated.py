@@ -63,6 +63,8 @@ class WriteGate:
         """A write is waiting for a window (the version it belongs to is staged)."""
         self.write_s = 0.0
         """Seconds spent writing (inside windows), all writes together."""
+        self.stage_s = 0.0
+        """Seconds the last phase one of a two-phase apply took (before its window)."""
         self._write_context = write_context or contextlib.nullcontext
 
     @property
@@ -133,8 +135,24 @@ class GatedModel:
         self.inner.validate(deltas)
 
     def apply(self, deltas: Sequence[TensorDelta]) -> object:
-        with self.gate.write():
-            return self.inner.apply(deltas)
+        """Where the model has two phases (``stage`` / ``apply(deltas, staged)`` /
+        ``unstage``, e.g. ``InProcessModel``), phase one runs before the window: it writes
+        only what no forward pass reads, so the window holds just the served writes."""
+        stage = getattr(self.inner, "stage", None)
+        if stage is None:
+            with self.gate.write():
+                return self.inner.apply(deltas)
+        t0 = time.perf_counter()
+        staged = stage(deltas)
+        self.gate.stage_s = time.perf_counter() - t0
+        entered = False
+        try:
+            with self.gate.write():
+                entered = True
+                return self.inner.apply(deltas, staged)  # (a refusal there undoes phase one itself)
+        finally:
+            if not entered:  # never applied (the gate closed): phase one's writes are undone
+                self.inner.unstage(staged)
 
     def verify_dense(self, dense):
         return self.inner.verify_dense(dense)
@@ -166,6 +184,9 @@ class FollowStatus:
     write_s: float = 0.0
     """Seconds the last update spent writing (applies, rollbacks, catch-up), the rest of
     it being the protocol's round trips."""
+    stage_s: float = 0.0
+    """Seconds the staged version's phase one took: its writes to unserved weights and the
+    kernels built from them, done while the engine served (``GatedModel.apply``)."""
 
 
 def _one_line(text: str) -> str:
@@ -220,6 +241,7 @@ class BackgroundFollower:
 
     def _staged(self) -> None:
         with self._cond:
+            self._status.stage_s = round(self.gate.stage_s, 6)
             self._cond.notify_all()
         self._write_status()
 
@@ -271,7 +293,7 @@ class BackgroundFollower:
             return FollowStatus(run_id=st.run_id, receiver_id=st.receiver_id, committed=self.follower.state.committed,
                                 fetching=st.fetching, staged=self._status_staged(),
                                 tentative=self.follower.state.tentative, last=dict(st.last), error=st.error,
-                                write_s=st.write_s)
+                                write_s=st.write_s, stage_s=st.stage_s)
 
     def _status_staged(self) -> int | None:
         return self._status.fetching if self.gate.waiting else self._status.staged
@@ -353,7 +375,8 @@ class BackgroundFollower:
             return
         st = self.status()
         doc = {"run_id": st.run_id, "receiver": st.receiver_id, "committed": st.committed, "fetching": st.fetching,
-               "staged": st.staged, "tentative": st.tentative, "last": st.last, "error": st.error, "write_s": st.write_s, "time": time.time()}
+               "staged": st.staged, "tentative": st.tentative, "last": st.last, "error": st.error, "write_s": st.write_s, "stage_s": st.stage_s,
+               "time": time.time()}
         tmp = f"{self.status_path}.tmp{threading.get_ident()}"
         with open(tmp, "w") as f:
             json.dump(doc, f)

@@ -116,8 +116,15 @@ class InProcessModel:
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         self.applier.validate(deltas)
 
-    def apply(self, deltas: Sequence[TensorDelta]) -> object:
-        return self.applier.apply(deltas)
+    def apply(self, deltas: Sequence[TensorDelta], staged=None) -> object:
+        return self.applier.apply(deltas, staged)
+
+    def stage(self, deltas: Sequence[TensorDelta]) -> object:
+        """Phase one of a two-phase apply (``DeltaApplier.stage``): nothing served changes."""
+        return self.applier.stage(deltas)
+
+    def unstage(self, staged) -> None:
+        self.applier.unstage(staged)
 
     def verify_dense(self, dense: Mapping[str, torch.Tensor]) -> dict:
         from nemo_dcr.receiver.verify import compare_with_dense

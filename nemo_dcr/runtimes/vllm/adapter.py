@@ -68,6 +68,38 @@ class _Staged:
     staging: torch.nn.Parameter
 
 
+class _Standin:
+    """What vLLM's CPU ``process_weights_after_loading`` reads from and writes to a layer
+    (``weight``, ``bias``, ``cpu_linear``), without being the engine's layer."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+
+def _build_kernel(layer: torch.nn.Module, weight: torch.Tensor):
+    """The GEMM kernel vLLM's own method builds for ``layer`` from ``weight``, built on a
+    stand-in: the engine's layer keeps serving with its kernel meanwhile."""
+    standin = _Standin(weight, layer._parameters.get("bias"))
+    layer.quant_method.process_weights_after_loading(standin)
+    kernel = getattr(standin, "cpu_linear", None)
+    if kernel is None:
+        raise LoaderError(f"{type(layer.quant_method).__name__} built no cpu_linear kernel")
+    return kernel
+
+
+def _is_lm_head(layer: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return isinstance(layer, ParallelLMHead)
+
+
+def _shared(model: torch.nn.Module, weight: torch.Tensor) -> bool:
+    """Another parameter or buffer of ``model`` shares ``weight``'s storage (tied weights)."""
+    owner = module_storages(model).get(weight.untyped_storage().data_ptr())
+    return owner is None or bool(owner.aliases)
+
+
 def _checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     from safetensors import safe_open
 
@@ -94,6 +126,8 @@ class VLLMWorkerAdapter:
         self._files = _checkpoint_files(checkpoint_dir)
         self._staged: dict[str, _Staged] = {}
         self._rebuild: dict[str, tuple[str, ...]] = {}
+        self._by_proxy: set[str] = set()  # layers whose kernel is built on a stand-in (_build_kernel)
+        self._unserved: dict[str, str] = {}  # layer -> its weight's name, read by no forward pass
         self._install_staging()
         self._fill_staging()
 
@@ -154,35 +188,87 @@ class VLLMWorkerAdapter:
         unfilled = [n for n, s in self._staged.items() if not any(n in ls for ls in self._rebuild.values())]
         if unfilled:
             raise LoaderError(f"no checkpoint tensor fills the packed weight of {unfilled[:3]}")
-        for lname in self._staged:
+        for lname in sorted(set(self._staged) | {l for ls in self._rebuild.values() for l in ls}):
             self._check_rebuilt_kernel(lname)
 
     def _check_rebuilt_kernel(self, lname: str) -> None:
-        """A kernel rebuilt from the staging weight must give the engine's kernel's bits on a
-        fixed input.  The engine keeps serving with the kernel vLLM built at load."""
-        staged = self._staged[lname]
-        layer = staged.layer
-        k = staged.staging.shape[1]
-        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(staged.staging.dtype)
+        """A kernel rebuilt from the layer's plain weight must give the engine's kernel's bits on
+        a fixed input.  Built on a stand-in (:func:`_build_kernel`) where vLLM's method allows,
+        the engine's layer untouched; the layer then also joins ``unserved()`` when the kernel
+        owns a copy of the weight (writing the weight leaves it unchanged) and ignores the
+        weight argument the engine passes (so no forward pass reads the plain weight)."""
+        layer = self._model.get_submodule(lname)
+        weight = layer._parameters["weight"]
+        k = weight.shape[1]
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         bias = layer._parameters.get("bias")
         engine_kernel = layer.cpu_linear
         with torch.no_grad():
-            before = engine_kernel(x, staged.staging, bias)
-            self._rebuild_layer(lname)
-            after = layer.cpu_linear(x, staged.staging, bias)
-        layer.cpu_linear = engine_kernel
+            before = engine_kernel(x, weight, bias)
+            source = weight.detach().clone()
+            try:
+                kernel = _build_kernel(layer, source)
+            except Exception:  # noqa: BLE001 - a method that needs the real layer: rebuilt in place
+                kernel = None
+            if kernel is None:
+                self._rebuild_layer(lname)
+                after = layer.cpu_linear(x, weight, bias)
+                layer.cpu_linear = engine_kernel
+            else:
+                after = kernel(x, weight, bias)
         if not torch.equal(before.view(torch.int16), after.view(torch.int16)):
             raise LoaderError(
                 f"{lname}: the checkpoint does not reproduce the engine's packed weight "
                 "(engine not at the checkpoint's version?)"
             )
+        if kernel is None:
+            return
+        self._by_proxy.add(lname)
+        with torch.no_grad():
+            int_bits = source.view(torch.int16)
+            int_bits.bitwise_xor_(1)  # the kernel's own copy must not see this
+            owns_copy = torch.equal(kernel(x, weight, bias).view(torch.int16), after.view(torch.int16))
+            ignores_arg = torch.equal(engine_kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
+                                      before.view(torch.int16))
+        if owns_copy and ignores_arg and not _shared(self._model, weight) and (lname in self._staged or _is_lm_head(layer)):
+            self._unserved[lname] = f"{lname}.weight"
 
     def _rebuild_layer(self, lname: str) -> None:
+        if lname in self._by_proxy:  # built beside the serving one, then swapped in
+            self.install({lname: _build_kernel(self._model.get_submodule(lname), self._weight(lname))})
+            return
         layer = self._model.get_submodule(lname)
         layer.quant_method.process_weights_after_loading(layer)
         staged = self._staged.get(lname)
         if staged is not None:  # vLLM registered an empty weight in its place
             layer.register_parameter("weight", staged.staging)
+
+    def _weight(self, lname: str) -> torch.Tensor:
+        staged = self._staged.get(lname)
+        return staged.staging if staged is not None else self._model.get_submodule(lname)._parameters["weight"]
+
+    # ------------------------------------------------------ two-phase apply
+    def unserved(self) -> frozenset[str]:
+        """Parameters no forward pass reads: the plain weights of layers whose GEMM reads a
+        packed copy (checked per layer at set-up, ``_check_rebuilt_kernel``)."""
+        return frozenset(self._unserved.values())
+
+    def prepare(self, names: frozenset[str]) -> dict:
+        """Kernels for the layers ``names`` wrote, built from their (unserved) plain weights
+        beside the ones serving; ``install`` swaps them in.  A layer that cannot be built so
+        is rebuilt in place by ``install``."""
+        out: dict[str, object] = {}
+        for lname in sorted({lname for n in names for lname in self._rebuild.get(n, ())}):
+            out[lname] = _build_kernel(self._model.get_submodule(lname), self._weight(lname)) \
+                if lname in self._unserved else None
+        return out
+
+    def install(self, prepared: dict) -> None:
+        for lname, kernel in prepared.items():
+            if kernel is None:
+                self._rebuild_layer(lname)
+            else:
+                self._model.get_submodule(lname).cpu_linear = kernel
 
     # ---------------------------------------------------------- RuntimeAdapter
     @property

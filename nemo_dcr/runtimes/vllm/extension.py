@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec.types import TensorDelta
-from nemo_dcr.receiver.apply import DeltaApplier, PlacementKind
+from nemo_dcr.receiver.apply import DeltaApplier, PlacementKind, Staging
 from nemo_dcr.receiver.errors import DeltaValidationError, IncompleteApplyError, LoaderError
 from nemo_dcr.receiver.verify import module_state, tensor_digest
 
@@ -50,11 +50,25 @@ def worker_validate(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> dic
     return None
 
 
-def worker_apply(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> dict:
-    """Apply ``deltas`` in this worker: what it wrote, or its refusal."""
+def worker_stage(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> tuple[Staging | None, dict]:
+    """Phase one in this worker (``DeltaApplier.stage``): what it staged, or its refusal."""
+    t0 = time.perf_counter()
+    stage = getattr(applier, "stage", None)
+    if stage is None:  # an applier of one phase: everything waits for the window
+        return None, {"staged": 0, "stage_s": 0.0}
+    try:
+        staged = stage(deltas)
+    except (DeltaValidationError, LoaderError) as e:
+        return None, _refusal(e)
+    return staged, {"staged": len(staged.names), "stage_s": time.perf_counter() - t0}
+
+
+def worker_apply(applier: DeltaApplier, deltas: Sequence[TensorDelta], staged: Staging | None = None) -> dict:
+    """Apply ``deltas`` in this worker (the rest of them after ``worker_stage``): what it
+    wrote, or its refusal."""
     t0 = time.perf_counter()
     try:
-        result = applier.apply(deltas)
+        result = applier.apply(deltas) if staged is None else applier.apply(deltas, staged)
     except (DeltaValidationError, LoaderError) as e:
         return _refusal(e)
     return {

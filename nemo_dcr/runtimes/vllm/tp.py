@@ -37,7 +37,7 @@ from nemo_dcr.errors import ProtocolError
 from nemo_dcr.receiver.errors import IncompleteApplyError
 from nemo_dcr.receiver.gated import UpdateRefused, WriteGate
 from nemo_dcr.receiver.runtime import TensorSpec
-from nemo_dcr.runtimes.vllm.extension import worker_apply, worker_bits, worker_validate
+from nemo_dcr.runtimes.vllm.extension import worker_apply, worker_bits, worker_stage, worker_validate
 from nemo_dcr.runtimes.vllm.runtime import _checked
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -88,6 +88,7 @@ class ShardedModel:
     def __init__(self, applier, channel: WorkerChannel) -> None:
         self.applier = applier
         self.channel = channel
+        self._staged = None  # this worker's phase one, until its apply or unstage
 
     def tensor_specs(self) -> Mapping[str, TensorSpec]:
         return self.applier.adapter.tensor_specs()
@@ -103,10 +104,40 @@ class ShardedModel:
         deltas = list(deltas)
         _checked(self.channel.call("validate", deltas, lambda: worker_validate(self.applier, deltas)))
 
-    def apply(self, deltas: Sequence[TensorDelta]) -> object:
+    def stage(self, deltas: Sequence[TensorDelta]) -> bool:
+        """Phase one in every worker (``DeltaApplier.stage``: unserved writes only), after
+        every worker accepted the batch; a worker's refusal unstages all of them."""
+        deltas = list(deltas)
+        self.validate(deltas)
+
+        def local():
+            self._staged, answer = worker_stage(self.applier, deltas)
+            return answer
+
+        try:
+            _checked(self.channel.call("stage", deltas, local))
+        except BaseException:
+            self.unstage(True)
+            raise
+        return True
+
+    def unstage(self, staged: bool) -> None:
+        def local():
+            if self._staged is not None:
+                self.applier.unstage(self._staged)
+                self._staged = None
+
+        self.channel.call("unstage", None, local)
+
+    def apply(self, deltas: Sequence[TensorDelta], staged: bool = False) -> object:
         deltas = list(deltas)
         self.validate(deltas)  # every worker accepts before any writes
-        results = _checked(self.channel.call("apply", deltas, lambda: worker_apply(self.applier, deltas)))
+
+        def local():
+            mine, self._staged = (self._staged if staged else None), None
+            return worker_apply(self.applier, deltas, mine)
+
+        results = _checked(self.channel.call("apply", (deltas, staged), local))
         counts = {r["applied"] for r in results}
         if len(counts) != 1:
             raise IncompleteApplyError(f"workers applied different tensor counts: {results}")
@@ -136,6 +167,7 @@ class Serving:
         self._cond = threading.Condition()
         self._ended: dict[int, str | None] = {}
         self._stopped = False
+        self._staged = None  # this worker's phase one, until its apply or unstage
         self.failure = ""
         self._thread = threading.Thread(target=self._loop, name=f"dcr-serve-rank{channel.rank}", daemon=True)
 
@@ -151,9 +183,17 @@ class Serving:
                     answer = worker_bits(self.applier, arg)
                 elif op == "validate":
                     answer = worker_validate(self.applier, arg)
+                elif op == "stage":  # unserved writes only: no window needed
+                    self._staged, answer = worker_stage(self.applier, arg)
+                elif op == "unstage":
+                    if self._staged is not None:
+                        self.applier.unstage(self._staged)
+                    self._staged, answer = None, None
                 elif op == "apply":
+                    deltas, staged = arg
+                    mine, self._staged = (self._staged if staged else None), None
                     with self.gate.write():  # only while this worker is inside update_weights
-                        answer = worker_apply(self.applier, arg)
+                        answer = worker_apply(self.applier, deltas, mine)
                 elif op == "end":
                     seq, error = arg
                     with self._cond:
