@@ -185,29 +185,41 @@ class DeltaApplier:
 
         Writes the records of ``deltas`` that land only in parameters the runtime does not
         serve from (the adapter's optional ``unserved()``), then has the adapter build what
-        serves from them without installing it (its ``prepare(names)``, e.g. vLLM's packed
-        GEMM kernels): nothing a forward pass reads changes.  ``apply(deltas, staged)``
-        then writes the rest and installs what was prepared; ``unstage`` undoes this one.
-        Only XOR records through DIRECT, VIEW and TRACED placements are staged (an XOR
-        applied twice is undone); everything else waits for ``apply``.  An adapter without
+        serves from them without installing it (its ``prepare(names, copies)``, e.g. vLLM's
+        packed GEMM kernels): nothing a forward pass reads changes.  Parameters that are
+        served but also feed such a build (the adapter's ``kernel_weights()``, e.g. vLLM's
+        embedding table) are copied and patched here, the copies given to ``prepare``; the
+        parameters themselves wait for ``apply``.  ``apply(deltas, staged)`` then writes the
+        rest and installs what was prepared (the adapter's ``install(prepared, names)`` in
+        place of ``post_load(names)``); ``unstage`` undoes this one.  Only XOR records through
+        DIRECT, VIEW and TRACED placements are staged (an XOR applied twice is undone), and
+        only DIRECT ones are copied; everything else waits for ``apply``.  An adapter without
         ``unserved`` stages nothing."""
         plan = self._current_plan()
         grouped = validate_version(self._specs, deltas)
-        unserved = getattr(self._adapter, "unserved", None)
-        unserved = unserved() if unserved is not None else frozenset()
-        early = {
-            n: recs for n, recs in grouped.items()
-            if plan.placements[n].kind in _STAGEABLE
-            and plan.placements[n].copies
-            and all(c.dest in unserved for c in plan.placements[n].copies)
-            and all(r.op is DeltaOp.XOR for r in recs)
-        }
-        if not early:
-            return Staging(frozenset(), None)
+        if getattr(self._adapter, "unserved", None) is None:
+            return Staging(frozenset(), None, {})
+        unserved, kernel_weights = self._adapter.unserved(), self._adapter.kernel_weights()
+
+        def lands_in(n: str, recs: list[TensorDelta], owners: frozenset[str], kinds) -> bool:
+            p = plan.placements[n]
+            return (p.kind in kinds and bool(p.copies) and all(c.dest in owners for c in p.copies)
+                    and all(r.op is DeltaOp.XOR for r in recs))
+
+        early = {n: recs for n, recs in grouped.items() if lands_in(n, recs, unserved, _STAGEABLE)}
+        copied = {n: recs for n, recs in grouped.items()
+                  if n not in early and lands_in(n, recs, kernel_weights, (PlacementKind.DIRECT,))}
+        if not early and not copied:
+            return Staging(frozenset(), None, {})
         with torch.no_grad():
+            copies: dict[str, torch.Tensor] = {}
+            for n, recs in copied.items():  # patched copies of served weights, for prepare only
+                dest = plan.placements[n].copies[0].dest
+                flat = copies.setdefault(dest, plan.direct[n].clone())
+                _write_direct(flat, self._prepare(n, recs))
             touched, written = self._write(plan, early)
             try:
-                prepared = self._adapter.prepare(frozenset(touched))
+                prepared = self._adapter.prepare(frozenset(touched | copied.keys()), copies)
             except BaseException:
                 self._rewrite(plan, written)
                 raise
@@ -244,9 +256,10 @@ class DeltaApplier:
         missing = set(grouped) - touched - early - dropped
         if missing:
             raise IncompleteApplyError(f"requested but not written: {sorted(missing)[:5]}")
-        if early:
-            self._adapter.install(staged.prepared)
-        self._adapter.post_load(frozenset(touched))
+        if staged is not None and staged.prepared is not None:
+            self._adapter.install(staged.prepared, frozenset(touched | early))
+        else:
+            self._adapter.post_load(frozenset(touched))
         n_xor = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.XOR)
         n_ow = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.OVERWRITE)
         return ApplyResult(

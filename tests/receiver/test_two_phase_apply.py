@@ -20,6 +20,7 @@ from nemo_dcr.runtimes.hf import HFTransformersAdapter
 from receiver_helpers import bits, canonical_state, deltas, flip_one_bit, llama, perturb
 
 UNSERVED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight")
+COPIED = "model.embed_tokens.weight"  # served, but a kernel is built from it: prepare gets a patched copy
 
 
 class TwoPhaseAdapter(HFTransformersAdapter):
@@ -30,16 +31,22 @@ class TwoPhaseAdapter(HFTransformersAdapter):
         super().__init__(module)
         self.prepared: list[frozenset[str]] = []
         self.installed: list[object] = []
+        self.copies: list[dict] = []
 
     def unserved(self):
         return frozenset(UNSERVED)
 
-    def prepare(self, names):
+    def kernel_weights(self):
+        return frozenset({COPIED})
+
+    def prepare(self, names, copies):
         self.prepared.append(names)
+        self.copies.append({n: c.clone() for n, c in copies.items()})
         return ("built", tuple(sorted(names)))
 
-    def install(self, prepared):
+    def install(self, prepared, names):
         self.installed.append(prepared)
+        self.post_load(names)
 
 
 @pytest.fixture
@@ -72,12 +79,16 @@ def test_stage_writes_only_unserved_weights_and_apply_finishes_bit_exact(case):
     for n in UNSERVED:  # control: the staged weights did move, to the target
         assert not np.array_equal(held[n], bits(base[n]))
         np.testing.assert_array_equal(held[n], bits(target[n]))
-    assert adapter.prepared == [frozenset(UNSERVED)] and adapter.installed == []
+    assert adapter.prepared == [frozenset(UNSERVED) | {COPIED}] and adapter.installed == []
+    (copies,) = adapter.copies  # the served weight's patched copy is the target; the weight is not
+    assert set(copies) == {COPIED}
+    np.testing.assert_array_equal(copies[COPIED].numpy().view(np.uint16), bits(target[COPIED]))
+    assert not np.array_equal(bits(base[COPIED]), bits(target[COPIED]))  # control
 
     result = applier.apply(batch, staged)
 
     assert result.applied == set(base)
-    assert adapter.installed == [("built", tuple(sorted(UNSERVED)))]
+    assert adapter.installed == [("built", tuple(sorted(set(UNSERVED) | {COPIED})))]
     report = compare_with_dense(adapter.module, TwoPhaseAdapter(llama()), target)
     assert report.equal, report.summary()
     flip_one_bit(dict(adapter.module.named_parameters())[UNSERVED[0]], 5)  # negative control

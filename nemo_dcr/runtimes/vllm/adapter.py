@@ -94,12 +94,6 @@ def _is_lm_head(layer: torch.nn.Module) -> bool:
     return isinstance(layer, ParallelLMHead)
 
 
-def _shared(model: torch.nn.Module, weight: torch.Tensor) -> bool:
-    """Another parameter or buffer of ``model`` shares ``weight``'s storage (tied weights)."""
-    owner = module_storages(model).get(weight.untyped_storage().data_ptr())
-    return owner is None or bool(owner.aliases)
-
-
 def _checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     from safetensors import safe_open
 
@@ -128,6 +122,7 @@ class VLLMWorkerAdapter:
         self._rebuild: dict[str, tuple[str, ...]] = {}
         self._by_proxy: set[str] = set()  # layers whose kernel is built on a stand-in (_build_kernel)
         self._unserved: dict[str, str] = {}  # layer -> its weight's name, read by no forward pass
+        self._copied: dict[str, str] = {}  # layer -> its served weight's name, its kernel built from a copy
         self._install_staging()
         self._fill_staging()
 
@@ -230,12 +225,18 @@ class VLLMWorkerAdapter:
             owns_copy = torch.equal(kernel(x, weight, bias).view(torch.int16), after.view(torch.int16))
             ignores_arg = torch.equal(engine_kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
                                       before.view(torch.int16))
-        if owns_copy and ignores_arg and not _shared(self._model, weight) and (lname in self._staged or _is_lm_head(layer)):
-            self._unserved[lname] = f"{lname}.weight"
+        if not owns_copy:
+            return
+        owner = module_storages(self._model).get(weight.untyped_storage().data_ptr())
+        if ignores_arg and not owner.aliases and (lname in self._staged or _is_lm_head(layer)):
+            self._unserved[lname] = owner.name
+        else:
+            self._copied[lname] = owner.name
 
     def _rebuild_layer(self, lname: str) -> None:
         if lname in self._by_proxy:  # built beside the serving one, then swapped in
-            self.install({lname: _build_kernel(self._model.get_submodule(lname), self._weight(lname))})
+            layer = self._model.get_submodule(lname)
+            layer.cpu_linear = _build_kernel(layer, self._weight(lname))
             return
         layer = self._model.get_submodule(lname)
         layer.quant_method.process_weights_after_loading(layer)
@@ -253,22 +254,33 @@ class VLLMWorkerAdapter:
         packed copy (checked per layer at set-up, ``_check_rebuilt_kernel``)."""
         return frozenset(self._unserved.values())
 
-    def prepare(self, names: frozenset[str]) -> dict:
-        """Kernels for the layers ``names`` wrote, built from their (unserved) plain weights
-        beside the ones serving; ``install`` swaps them in.  A layer that cannot be built so
-        is rebuilt in place by ``install``."""
+    def kernel_weights(self) -> frozenset[str]:
+        """Served parameters a packed kernel is also built from (the embedding table, a
+        tied lm_head): ``prepare`` builds those kernels from patched copies."""
+        return frozenset(self._copied.values())
+
+    def prepare(self, names: frozenset[str], copies: Mapping[str, torch.Tensor]) -> dict:
+        """Kernels for the layers ``names`` write, built beside the ones serving: from the
+        (unserved) plain weight, or from the patched copy of a served one in ``copies``
+        (parameter name -> flat integer copy).  ``install`` swaps them in."""
         out: dict[str, object] = {}
         for lname in sorted({lname for n in names for lname in self._rebuild.get(n, ())}):
-            out[lname] = _build_kernel(self._model.get_submodule(lname), self._weight(lname)) \
-                if lname in self._unserved else None
+            if lname in self._unserved:
+                out[lname] = _build_kernel(self._model.get_submodule(lname), self._weight(lname))
+            elif self._copied.get(lname) in copies:
+                weight = self._weight(lname)
+                flat = copies[self._copied[lname]]
+                if flat.numel() == weight.numel():
+                    out[lname] = _build_kernel(self._model.get_submodule(lname),
+                                               flat.view(weight.dtype).view(weight.shape))
         return out
 
-    def install(self, prepared: dict) -> None:
+    def install(self, prepared: dict, names: frozenset[str]) -> None:
+        """``post_load(names)``, the layers ``prepare`` built swapped in instead of rebuilt."""
         for lname, kernel in prepared.items():
-            if kernel is None:
-                self._rebuild_layer(lname)
-            else:
-                self._model.get_submodule(lname).cpu_linear = kernel
+            self._model.get_submodule(lname).cpu_linear = kernel
+        for lname in sorted({lname for n in names for lname in self._rebuild.get(n, ())} - prepared.keys()):
+            self._rebuild_layer(lname)
 
     # ---------------------------------------------------------- RuntimeAdapter
     @property
