@@ -4,15 +4,18 @@ A serving engine cannot take writes to its weights at any moment: a forward pass
 while an XOR lands reads torn bits.  ``nemo-dcr receive`` owns its runtime and applies as
 soon as a version is fetched; an engine serving requests (vLLM's weight-transfer backend,
 ``runtimes/vllm/backend.py``) has an owner that decides when generation pauses.  So the
-follower runs on a thread of its own and does everything that does not write -- read and
-verify documents, download, verify and decode chunks (streaming receive included), validate
-the records against the runtime -- while the engine serves.  Every write (an apply, a
-rollback, a catch-up) waits at a :class:`WriteGate` until the owner opens a window with
+follower runs on a thread of its own and does everything that does not write served weights
+-- read and verify documents, download, verify and decode chunks (streaming receive
+included), validate the records against the runtime, and, for a model of two phases
+(``DeltaApplier.stage``), write what no forward pass reads and build kernels from it --
+while the engine serves.  Every served write (an apply, a rollback, a catch-up) waits at a
+:class:`WriteGate` until the owner opens a window with
 :meth:`BackgroundFollower.update`, which returns once the version asked for is decided (its
 acknowledgement written, the joint commit's decision read, an aborted version rolled back in
 place) or raises with the reason in one line, the weights at the version held before.
 
-What the owner may rely on: between two calls of ``update`` nothing writes to the weights;
+What the owner may rely on: between two calls of ``update`` nothing writes to the weights
+the engine serves from;
 within one, the writes are the follower's own (a version, its rollback, catch-up through
 versions others committed).  The protocol is ``Follower``'s unchanged (acks, decisions,
 catch-up, elastic join): a version the owner never asks for is acknowledged late or not at

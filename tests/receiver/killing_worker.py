@@ -20,9 +20,9 @@ def main() -> int:
     calls = {"n": 0}
     real_apply, real_write = apply_mod.DeltaApplier.apply, apply_mod._write_direct
 
-    def counting_apply(self, deltas):
+    def counting_apply(self, deltas, *args, **kwargs):
         calls["n"] += 1
-        return real_apply(self, deltas)
+        return real_apply(self, deltas, *args, **kwargs)
 
     def half_then_die(flat, p):
         if calls["n"] != kill_at or p.xor_idx is None:

@@ -35,9 +35,21 @@ fills it by running the model's own ``load_weights`` on the checkpoint.  From th
   dense load would; for a packed layer the staging parameter is then registered again
   (vLLM replaces it by an empty one), so parameters are never rebound across an apply.
 
+Two phases (``DeltaApplier.stage``), for an engine that serves while a version waits:
+set-up checks, per layer, that a kernel built by vLLM's own method on a stand-in object
+(:func:`_build_kernel`; the engine's layer untouched) gives the engine kernel's bits, owns
+a copy of its weight, and (for ``unserved``) that the engine's kernel ignores the weight
+argument.  Then the plain weights of packed layers and an untied lm_head are ``unserved()``
+(no forward pass reads them): a version's XORs into them and the kernels built from them
+are done before the window (``prepare``), and the window only swaps ``layer.cpu_linear``
+(``install``).  The embedding table is served but also packed (``kernel_weights()``): its
+kernel is built before the window from a patched copy, the table itself XORed inside.
+
 Costs: one shard-sized copy of every packed weight per worker (what vLLM holds between
 loading and packing), and per apply a repack of each touched layer, O(layer size), the
-same work a dense load does for that layer.  Not chosen: (a) a plain-weight linear method
+same work a dense load does for that layer -- done while the engine serves when the
+version is staged first (the backend), inside the apply otherwise (``nemo-dcr receive``);
+one packed copy more of each touched layer between staging and the window.  Not chosen: (a) a plain-weight linear method
 (a quantization plugin in every worker) changes the serving kernels, so the engine would
 no longer match a stock one; (b) a canonical mirror fed through vLLM's layerwise reload
 holds full canonical tensors in every worker (TP times the bytes), must feed whole fused
