@@ -48,11 +48,17 @@ def differing(ours: dict, dense: dict) -> list[str]:
     return vllm_serve.differing(ours, dense)
 
 
-def _refit_with_a_completion_in_flight(s, version):  # s: run, srv, ctl
+PACKED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def _refit_with_a_completion_in_flight(s, version, staged_check=None):  # s: run, srv, ctl
     s.run.step(0.03)
     flight = InFlight(s.srv.url, PROMPTS[0], LONG)
     assert flight.started.wait(60)
     publish = s.run.publish()
+    if staged_check is not None:
+        s.client.wait_staged(version, 60)
+        staged_check(s.client.checksums())
     results = s.ctl.refit(version)
     publish.join(60)
     return results, publish.stats, flight.join()
@@ -61,8 +67,20 @@ def _refit_with_a_completion_in_flight(s, version):  # s: run, srv, ctl
 def test_three_versions_bit_exact_and_tagged(served, tmp_path):
     s = served
     label = "default"  # vLLM's weight version before the first finish_weight_update
+    before = s.client.checksums()
+    kept = [k for k in before if not k.endswith(PACKED)]  # what a stock engine keeps: embeddings, norms, lm_head
+    seen = {}
+
+    def staged_check(staged):  # staged, not applied: phase one wrote only the packed layers' staging
+        seen["staged"] = staged
+        assert [k for k in kept if staged[k] != before[k]] == []
+
     for v in (1, 2, 3):
-        (result,), stats, completion = _refit_with_a_completion_in_flight(s, v)
+        (result,), stats, completion = _refit_with_a_completion_in_flight(s, v, staged_check if v == 1 else None)
+        if v == 1:  # controls: phase one did write the staging weights; the window wrote the rest
+            assert any(seen["staged"][k] != before[k] for k in before if k.endswith(PACKED))
+            after = s.client.checksums()
+            assert {k.rsplit(".", 2)[-2].split(":")[-1] for k in kept if after[k] != before[k]} >= {"embed_tokens", "lm_head"}
         assert stats.committed and result.ok, (stats, result)
         assert result.weight_version == f"{s.run.run_id}:{v}" and result.staged_s is not None
         assert requests.get(f"{s.srv.url}/weight_info").json()["weight_version"] == result.weight_version

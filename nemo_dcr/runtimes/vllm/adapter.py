@@ -39,11 +39,12 @@ Two phases (``DeltaApplier.stage``), for an engine that serves while a version w
 set-up checks, per layer, that a kernel built by vLLM's own method on a stand-in object
 (:func:`_build_kernel`; the engine's layer untouched) gives the engine kernel's bits, owns
 a copy of its weight, and (for ``unserved``) that the engine's kernel ignores the weight
-argument.  Then the plain weights of packed layers and an untied lm_head are ``unserved()``
-(no forward pass reads them): a version's XORs into them and the kernels built from them
+argument.  Then the plain weights of packed layers are ``unserved()`` (no forward pass reads
+them; a stock engine has none): a version's XORs into them and the kernels built from them
 are done before the window (``prepare``), and the window only swaps ``layer.cpu_linear``
-(``install``).  The embedding table is served but also packed (``kernel_weights()``): its
-kernel is built before the window from a patched copy, the table itself XORed inside.
+(``install``).  The embedding table and lm_head are kept by vLLM (served, or at least
+reported by ``/weight_checker``) and also packed (``kernel_weights()``): their kernels are
+built before the window from patched copies, the weights themselves XORed inside.
 
 Costs: one shard-sized copy of every packed weight per worker (what vLLM holds between
 loading and packing), and per apply a repack of each touched layer, O(layer size), the
@@ -98,12 +99,6 @@ def _build_kernel(layer: torch.nn.Module, weight: torch.Tensor):
     if kernel is None:
         raise LoaderError(f"{type(layer.quant_method).__name__} built no cpu_linear kernel")
     return kernel
-
-
-def _is_lm_head(layer: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    return isinstance(layer, ParallelLMHead)
 
 
 def _checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
@@ -202,9 +197,10 @@ class VLLMWorkerAdapter:
     def _check_rebuilt_kernel(self, lname: str) -> None:
         """A kernel rebuilt from the layer's plain weight must give the engine's kernel's bits on
         a fixed input.  Built on a stand-in (:func:`_build_kernel`) where vLLM's method allows,
-        the engine's layer untouched; the layer then also joins ``unserved()`` when the kernel
-        owns a copy of the weight (writing the weight leaves it unchanged) and ignores the
-        weight argument the engine passes (so no forward pass reads the plain weight)."""
+        the engine's layer untouched.  When the kernel owns a copy of the weight (writing the
+        weight leaves it unchanged), a staging weight joins ``unserved()`` if the engine's
+        kernel also ignores the weight argument it is passed, and a weight vLLM keeps joins
+        ``kernel_weights()``."""
         layer = self._model.get_submodule(lname)
         weight = layer._parameters["weight"]
         k = weight.shape[1]
@@ -241,10 +237,10 @@ class VLLMWorkerAdapter:
         if not owns_copy:
             return
         owner = module_storages(self._model).get(weight.untyped_storage().data_ptr())
-        if ignores_arg and not owner.aliases and (lname in self._staged or _is_lm_head(layer)):
+        if ignores_arg and not owner.aliases and lname in self._staged:
             self._unserved[lname] = owner.name
-        else:
-            self._copied[lname] = owner.name
+        else:  # a weight vLLM keeps (embedding, lm_head) is served, or at least reported
+            self._copied[lname] = owner.name  # (/weight_checker): written inside the window
 
     def _rebuild_layer(self, lname: str) -> None:
         if lname in self._by_proxy:  # built beside the serving one, then swapped in
@@ -268,8 +264,8 @@ class VLLMWorkerAdapter:
         return frozenset(self._unserved.values())
 
     def kernel_weights(self) -> frozenset[str]:
-        """Served parameters a packed kernel is also built from (the embedding table, a
-        tied lm_head): ``prepare`` builds those kernels from patched copies."""
+        """Parameters vLLM keeps that a packed kernel is also built from (the embedding table,
+        lm_head): ``prepare`` builds those kernels from patched copies."""
         return frozenset(self._copied.values())
 
     def prepare(self, names: frozenset[str], copies: Mapping[str, torch.Tensor]) -> dict:
