@@ -166,6 +166,8 @@ def test_prewarm_places_every_tensor_without_mirror(refit, versions):
         assert worker["mirror_bytes"] == 0
         # packed linear weights are staged; where vLLM keeps them plain, nothing is
         assert (worker["staging_bytes"] > 0) == packs, (worker["staging_bytes"], packs)
+        # one code path: every worker applies through the weight-transfer backend's engine
+        assert worker["engine"] == "DCRWeightTransferEngine"
     assert len(refit.prewarm["workers"]) == refit.tp
 
 

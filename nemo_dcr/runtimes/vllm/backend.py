@@ -74,6 +74,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         self._serving = None  # ranks 1..N-1: their Serving thread (tp.py)
         self._channel = None
         self._windows = 0  # update windows opened (equal on every worker: vLLM calls them all)
+        self.local_applier: DeltaApplier | None = None  # local mode (local_setup) only
 
     # ------------------------------------------------------------ one error per call
     @property
@@ -116,6 +117,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
             raise info.error
         if self._follow is not None or self._serving is not None:
             raise ProtocolError("nemo_dcr: the weight-transfer engine is already initialised (shut it down first)")
+        if self.local_applier is not None:
+            raise ProtocolError("nemo_dcr: this engine is driven by a receiver in its own process (local_setup)")
         pc = self.parallel_config
         if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
             raise ValidationError(
@@ -194,6 +197,18 @@ class DCRWeightTransferEngine(WeightTransferEngine[BackendInitInfo, UpdateInfo])
         log.info("nemo_dcr: following run %s from %s as %s (version %d checked: %s; %d worker(s))", run_id,
                  info.store, info.receiver_id, info.start_version, str(self.model_config.model),
                  self.parallel_config.world_size)
+
+    # ------------------------------------------------------------ local mode
+    def local_setup(self, checkpoint_dir: str) -> DeltaApplier:
+        """For a receiver that runs the protocol in the process owning the engine (``nemo-dcr
+        receive --runtime vllm``, ``VLLMRuntime``): install this worker's placement plan and
+        follow no run; the receiver applies through ``extension.rpc_*`` (validate in every
+        worker, then apply in every worker).  Exclusive with ``init_transfer_engine``."""
+        if self._follow is not None or self._serving is not None:
+            raise ProtocolError("nemo_dcr: this engine already follows a run (init_weight_transfer_engine)")
+        if self.local_applier is None:
+            self.local_applier, _ = self._placement(str(checkpoint_dir))
+        return self.local_applier
 
     # ------------------------------------------------------------ updates
     def start_weight_update(self) -> None:

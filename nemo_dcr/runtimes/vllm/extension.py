@@ -1,10 +1,12 @@
-"""Worker extension: one ``DeltaApplier`` per vLLM worker, reached by ``collective_rpc``.
+"""The worker side of a vLLM receiver: the steps every worker runs on its ``DeltaApplier``.
 
-vLLM mixes this class into every worker (``LLM(..., worker_extension_cls=...)``); the
-facade (``nemo_dcr.runtimes.vllm.runtime``) calls its methods by name on all workers.
-Errors the receiver must tell apart (a refused batch, a placement problem) are returned
-as ``{"error": kind, "message": ...}`` rather than raised, because the multiprocess
-executor flattens a worker's exception into a generic one.
+The weight-transfer backend (``backend.py``, ``tp.py``) runs them for the run it follows;
+``VLLMRuntime`` (``runtime.py``, ``nemo-dcr receive --runtime vllm``) runs them through
+``collective_rpc`` with the ``rpc_*`` functions, on the applier of the same backend engine
+(``weight_transfer_config={"backend": "nemo_dcr"}``, ``local_setup``).  Errors the receiver
+must tell apart (a refused batch, a placement problem) are returned as ``{"error": kind,
+"message": ...}`` rather than raised, because the multiprocess executor flattens a worker's
+exception into a generic one.
 """
 from __future__ import annotations
 
@@ -80,72 +82,81 @@ def worker_apply(applier: DeltaApplier, deltas: Sequence[TensorDelta], staged: S
     }
 
 
-class DCRWorkerExtension:
-    """Methods vLLM adds to each worker (names prefixed ``dcr_``)."""
+def _local(worker) -> DeltaApplier:
+    """The worker's backend engine's own applier (``DCRWeightTransferEngine.local_setup``)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    applier = getattr(engine, "local_applier", None)
+    if applier is None:
+        raise LoaderError("nemo_dcr: this engine was not built with weight_transfer_config "
+                          "{'backend': 'nemo_dcr'} and set up by rpc_setup")
+    return applier
 
-    def dcr_setup(self, checkpoint_dir: str) -> dict:
-        from nemo_dcr.runtimes.vllm.adapter import VLLMWorkerAdapter
 
-        adapter = VLLMWorkerAdapter(self.model_runner.get_model(), checkpoint_dir)
-        self._dcr_adapter = adapter
-        self._dcr_applier = DeltaApplier(adapter)
-        return {"rank": self.rank, "staged_layers": len(adapter.staged_layers()), "staging_bytes": adapter.staging_bytes()}
+# --- what ``VLLMRuntime`` runs in every worker (``collective_rpc`` with these functions) ---
+def rpc_setup(worker, checkpoint_dir: str) -> dict:
+    """Install the backend engine's placement plan for a receiver that runs the protocol in
+    the calling process (``nemo-dcr receive``): the engine follows no run itself."""
+    try:
+        applier = worker.weight_transfer_engine.local_setup(checkpoint_dir)
+    except LoaderError as e:
+        return _refusal(e)
+    adapter = applier.adapter
+    return {"rank": worker.rank, "staged_layers": len(adapter.staged_layers()), "staging_bytes": adapter.staging_bytes()}
 
-    def dcr_prewarm(self) -> dict:
-        t0 = time.perf_counter()
-        try:
-            placements = self._dcr_applier.prewarm()
-        except LoaderError as e:
-            return _refusal(e)
-        kinds: dict[str, int] = {}
-        for p in placements.values():
-            kinds[p.kind.value] = kinds.get(p.kind.value, 0) + 1
-        mirror = sum(
-            p.spec.numel * p.spec.torch_dtype.itemsize
-            for p in placements.values()
-            if p.kind is PlacementKind.TRANSFORM
-        )
-        return {
-            "rank": self.rank,
-            "kinds": kinds,
-            "mirror_bytes": mirror,
-            "staging_bytes": self._dcr_adapter.staging_bytes(),
-            "prewarm_s": time.perf_counter() - t0,
-        }
 
-    def dcr_validate(self, deltas: Sequence[TensorDelta]) -> dict:
-        return worker_validate(self._dcr_applier, deltas) or {"rank": self.rank}
+def rpc_prewarm(worker) -> dict:
+    """Per worker: placement kinds (counts), canonical mirror bytes, staging bytes, and the
+    weight-transfer engine class applying them."""
+    applier = _local(worker)
+    kinds: dict[str, int] = {}
+    for p in applier.placements.values():
+        kinds[p.kind.value] = kinds.get(p.kind.value, 0) + 1
+    mirror = sum(p.spec.numel * p.spec.torch_dtype.itemsize for p in applier.placements.values()
+                 if p.kind is PlacementKind.TRANSFORM)
+    return {"rank": worker.rank, "kinds": kinds, "mirror_bytes": mirror,
+            "staging_bytes": applier.adapter.staging_bytes(),
+            "engine": type(worker.weight_transfer_engine).__name__}
 
-    def dcr_apply(self, deltas: Sequence[TensorDelta]) -> dict:
-        result = worker_apply(self._dcr_applier, deltas)
-        return result if "error" in result else {"rank": self.rank, **result}
 
-    def dcr_canonical_bits(self, name: str) -> np.ndarray | dict:
-        return worker_bits(self._dcr_applier, name)
+def rpc_validate(worker, deltas: Sequence[TensorDelta]) -> dict:
+    return worker_validate(_local(worker), deltas) or {"rank": worker.rank}
 
-    def dcr_state(self) -> dict[str, torch.Tensor]:
-        """Every non-empty parameter and buffer of this worker's model (copies)."""
-        model = self.model_runner.get_model()
-        return {n: t.detach().clone() for n, t in module_state(model).items() if t.numel()}
 
-    def dcr_digest(self) -> dict[str, str]:
-        model = self.model_runner.get_model()
-        return {n: tensor_digest(t) for n, t in sorted(module_state(model).items()) if t.numel()}
+def rpc_apply(worker, deltas: Sequence[TensorDelta]) -> dict:
+    result = worker_apply(_local(worker), deltas)
+    return result if "error" in result else {"rank": worker.rank, **result}
 
-    def dcr_dense_reload(self, checkpoint_dir: str) -> dict:
-        """Time a dense refit of this worker from ``checkpoint_dir`` through the same
-        path ``apply`` uses (every tensor through ``load_weights``, every layer rebuilt)."""
-        adapter = self._dcr_adapter
-        t0 = time.perf_counter()
-        from safetensors.torch import load_file
-        from pathlib import Path
 
-        state: dict[str, torch.Tensor] = {}
-        for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-            state.update(load_file(str(path)))
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            adapter.load_weights(state.items())
-        adapter.post_load(frozenset(state))
-        t2 = time.perf_counter()
-        return {"rank": self.rank, "read_s": t1 - t0, "load_s": t2 - t1}
+def rpc_canonical_bits(worker, name: str) -> np.ndarray | dict:
+    return worker_bits(_local(worker), name)
+
+
+def rpc_state(worker) -> dict[str, torch.Tensor]:
+    """Every non-empty parameter and buffer of this worker's model (copies)."""
+    model = worker.model_runner.get_model()
+    return {n: t.detach().clone() for n, t in module_state(model).items() if t.numel()}
+
+
+def rpc_digest(worker) -> dict[str, str]:
+    model = worker.model_runner.get_model()
+    return {n: tensor_digest(t) for n, t in sorted(module_state(model).items()) if t.numel()}
+
+
+def rpc_dense_reload(worker, checkpoint_dir: str) -> dict:
+    """Time a dense refit of this worker from ``checkpoint_dir`` through the same path
+    ``apply`` uses (every tensor through ``load_weights``, every layer rebuilt)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    adapter = _local(worker).adapter
+    t0 = time.perf_counter()
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        adapter.load_weights(state.items())
+    adapter.post_load(frozenset(state))
+    t2 = time.perf_counter()
+    return {"rank": worker.rank, "read_s": t1 - t0, "load_s": t2 - t1}

@@ -1,8 +1,11 @@
 """Main-process facade over a running ``vllm.LLM`` whose workers are receivers.
 
-``VLLMRuntime.start`` builds the engine with ``DCRWorkerExtension`` in every worker, then
-has each worker install its adapter (``adapter.py``: staging of packed weights, checked
-against the engine's own kernels).  ``apply`` runs in two rounds over all workers: every
+``VLLMRuntime.start`` builds the engine with the ``nemo_dcr`` weight-transfer backend
+(``weight_transfer_config``: the same engine object a ``vllm serve`` with the backend runs in
+every worker), then has each worker's backend engine install its placement plan in local
+mode (``DCRWeightTransferEngine.local_setup``; ``adapter.py``: staging of packed weights,
+checked against the engine's own kernels); the protocol runs in this process (``nemo-dcr
+receive``), the workers run the backend's worker steps (``extension.rpc_*``).  ``apply`` runs in two rounds over all workers: every
 worker validates the batch (names, dtypes, shapes, ranges, positions, placement
 unchanged), and only when all accepted does any worker write.  Each worker feeds the full
 canonical tensors to its own loader, which selects its TP shard.
@@ -27,9 +30,11 @@ from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.errors import IncompleteApplyError
 from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs
+from nemo_dcr.runtimes.vllm import extension as rpc
 from nemo_dcr.runtimes.vllm.extension import _ERRORS  # the refusals workers return (extension._refusal)
 
-_EXTENSION = "nemo_dcr.runtimes.vllm.extension.DCRWorkerExtension"
+BACKEND = {"backend": "nemo_dcr"}
+"""Every worker runs the weight-transfer backend's engine; this facade drives it in local mode."""
 
 
 def _engine_env(tensor_parallel_size: int) -> dict[str, str]:
@@ -73,10 +78,10 @@ class VLLMRuntime:
             dtype="bfloat16",
             enforce_eager=True,
             skip_tokenizer_init=True,
-            worker_extension_cls=_EXTENSION,
+            weight_transfer_config=BACKEND,
         )
         try:
-            setup = _checked(llm.collective_rpc("dcr_setup", args=(str(checkpoint_dir),)))
+            setup = _checked(llm.collective_rpc(rpc.rpc_setup, args=(str(checkpoint_dir),)))
         except BaseException:
             _shutdown(llm)
             raise
@@ -91,7 +96,7 @@ class VLLMRuntime:
 
     def prewarm(self) -> dict:
         """Per worker: placement kinds (counts), canonical mirror bytes, staging bytes."""
-        workers = _checked(self._llm.collective_rpc("dcr_prewarm"))
+        workers = _checked(self._llm.collective_rpc(rpc.rpc_prewarm))
         return {"workers": workers}
 
     def tensor_specs(self) -> Mapping[str, TensorSpec]:
@@ -103,7 +108,7 @@ class VLLMRuntime:
         Each worker returns its view, zero where its loader does not write (the other TP
         ranks' shards); shards are disjoint and replicas equal, so the OR over workers is
         the whole tensor.  Valid until the next ``apply``."""
-        parts = _checked(self._llm.collective_rpc("dcr_canonical_bits", args=(name,)))
+        parts = _checked(self._llm.collective_rpc(rpc.rpc_canonical_bits, args=(name,)))
         out = np.array(parts[0], copy=True)
         for p in parts[1:]:
             np.bitwise_or(out, p, out=out)
@@ -112,14 +117,14 @@ class VLLMRuntime:
 
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         """Every worker's pre-write checks, without writing."""
-        _checked(self._llm.collective_rpc("dcr_validate", args=(list(deltas),)))
+        _checked(self._llm.collective_rpc(rpc.rpc_validate, args=(list(deltas),)))
 
     def apply(self, deltas: Sequence[TensorDelta]) -> dict:
         """Validate ``deltas`` in every worker, then apply them in every worker."""
         deltas = list(deltas)
         t0 = time.perf_counter()
-        _checked(self._llm.collective_rpc("dcr_validate", args=(deltas,)))
-        workers = _checked(self._llm.collective_rpc("dcr_apply", args=(deltas,)))
+        _checked(self._llm.collective_rpc(rpc.rpc_validate, args=(deltas,)))
+        workers = _checked(self._llm.collective_rpc(rpc.rpc_apply, args=(deltas,)))
         apply_s = time.perf_counter() - t0
         first = workers[0]
         for w in workers[1:]:
@@ -155,18 +160,18 @@ class VLLMRuntime:
         """``"<rank>/<name>"`` -> sha256 of every non-empty parameter and buffer of every
         worker (packed kernels are opaque; their staging weights are included)."""
         out = {}
-        for rank, digests in enumerate(self._llm.collective_rpc("dcr_digest")):
+        for rank, digests in enumerate(self._llm.collective_rpc(rpc.rpc_digest)):
             out.update({f"{rank}/{n}": d for n, d in digests.items()})
         return out
 
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """Per worker: every non-empty parameter and buffer (copies, for tests)."""
-        return list(self._llm.collective_rpc("dcr_state"))
+        return list(self._llm.collective_rpc(rpc.rpc_state))
 
     def dense_reload(self, checkpoint_dir: str) -> list[dict]:
         """Refit every worker densely from ``checkpoint_dir`` through the same loader and
         kernel rebuild ``apply`` uses (benchmark baseline); timings per worker."""
-        return _checked(self._llm.collective_rpc("dcr_dense_reload", args=(str(checkpoint_dir),)))
+        return _checked(self._llm.collective_rpc(rpc.rpc_dense_reload, args=(str(checkpoint_dir),)))
 
     def close(self) -> None:
         """Shut the engine down.  A TP=1 engine runs its worker in this process, and
