@@ -120,6 +120,9 @@ class Staging:
     """The adapter's ``prepare`` result, for its ``install``."""
     written: dict[str, _Prepared] | None = None
     """The records written (``None`` once unstaged)."""
+    covered: frozenset[str] = frozenset()
+    """Names every record of which ``prepare`` saw (written, or patched into a copy); a
+    kernel built from a weight that other records also write is rebuilt by ``install``."""
 
 
 class DeltaApplier:
@@ -190,8 +193,8 @@ class DeltaApplier:
         served but also feed such a build (the adapter's ``kernel_weights()``, e.g. vLLM's
         embedding table) are copied and patched here, the copies given to ``prepare``; the
         parameters themselves wait for ``apply``.  ``apply(deltas, staged)`` then writes the
-        rest and installs what was prepared (the adapter's ``install(prepared, names)`` in
-        place of ``post_load(names)``); ``unstage`` undoes this one.  Only XOR records through
+        rest and installs what was prepared (the adapter's ``install(prepared, names,
+        covered)`` in place of ``post_load(names)``); ``unstage`` undoes this one.  Only XOR records through
         DIRECT, VIEW and TRACED placements are staged (an XOR applied twice is undone), and
         only DIRECT ones are copied; everything else waits for ``apply``.  An adapter without
         ``unserved`` stages nothing."""
@@ -223,7 +226,7 @@ class DeltaApplier:
             except BaseException:
                 self._rewrite(plan, written)
                 raise
-        return Staging(frozenset(early), prepared, written)
+        return Staging(frozenset(early), prepared, written, frozenset(early) | frozenset(copied))
 
     def unstage(self, staged: Staging) -> None:
         """Undo ``stage``: its XORs again; what the adapter prepared is dropped unused."""
@@ -257,7 +260,7 @@ class DeltaApplier:
         if missing:
             raise IncompleteApplyError(f"requested but not written: {sorted(missing)[:5]}")
         if staged is not None and staged.prepared is not None:
-            self._adapter.install(staged.prepared, frozenset(touched | early))
+            self._adapter.install(staged.prepared, frozenset(touched | early), staged.covered)
         else:
             self._adapter.post_load(frozenset(touched))
         n_xor = sum(d.nnz for ds in grouped.values() for d in ds if d.op is DeltaOp.XOR)

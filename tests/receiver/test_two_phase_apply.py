@@ -32,6 +32,7 @@ class TwoPhaseAdapter(HFTransformersAdapter):
         self.prepared: list[frozenset[str]] = []
         self.installed: list[object] = []
         self.copies: list[dict] = []
+        self.covered: list[frozenset[str]] = []
 
     def unserved(self):
         return frozenset(UNSERVED)
@@ -44,8 +45,9 @@ class TwoPhaseAdapter(HFTransformersAdapter):
         self.copies.append({n: c.clone() for n, c in copies.items()})
         return ("built", tuple(sorted(names)))
 
-    def install(self, prepared, names):
+    def install(self, prepared, names, covered):
         self.installed.append(prepared)
+        self.covered.append(covered)
         self.post_load(names)
 
 
@@ -89,6 +91,7 @@ def test_stage_writes_only_unserved_weights_and_apply_finishes_bit_exact(case):
 
     assert result.applied == set(base)
     assert adapter.installed == [("built", tuple(sorted(set(UNSERVED) | {COPIED})))]
+    assert adapter.covered == [frozenset(UNSERVED) | {COPIED}]
     report = compare_with_dense(adapter.module, TwoPhaseAdapter(llama()), target)
     assert report.equal, report.summary()
     flip_one_bit(dict(adapter.module.named_parameters())[UNSERVED[0]], 5)  # negative control

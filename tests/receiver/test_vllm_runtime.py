@@ -270,3 +270,47 @@ def test_generation_is_deterministic(refit):
         PROMPTS, max_tokens=MAX_TOKENS, logprobs=5
     )
 
+
+
+def _two_phase(worker, deltas):
+    """In the worker: the backend's two-phase apply (stage, then apply) on its applier."""
+    from nemo_dcr.runtimes.vllm.extension import _local
+
+    applier = _local(worker)
+    staged = applier.stage(deltas)
+    result = applier.apply(deltas, staged)
+    return {"staged": sorted(staged.names), "covered": sorted(staged.covered), "applied": len(result.applied)}
+
+
+def _one_version(start: Path, deltas, monkeypatch=None) -> tuple[list[dict], dict[str, str]]:
+    rx = VLLMRuntime.start(str(start), tensor_parallel_size=1, max_model_len=MAX_LEN)
+    try:
+        rx.prewarm()
+        (out,) = rx._llm.collective_rpc(_two_phase, args=(deltas,))
+        names = {d.name for d in deltas}
+        assert out["staged"] and set(out["covered"]) < names, out  # some ahead of the window, overwrites not
+        return rx.generate(PROMPTS, max_tokens=MAX_TOKENS, logprobs=5), rx.weight_digest()
+    finally:
+        rx.close()
+
+
+def test_two_phase_apply_with_overwrites_in_fused_weights_matches_a_dense_engine(versions, monkeypatch):
+    """Version 2 mixes XOR and OVERWRITE records of tensors vLLM fuses into one weight
+    (q/k/v, gate/up): the XORs are staged ahead and the layer's kernel built from them, the
+    overwrites land in the window, and the layer must then be rebuilt (``install``'s
+    ``covered``).  Control: with every name taken as covered, the prebuilt kernel misses the
+    overwrites and the generations differ from the dense engine's."""
+    from nemo_dcr.runtimes.vllm.adapter import VLLMWorkerAdapter
+
+    got, digest = _one_version(versions.dirs[1], versions.deltas[2])
+    oracle = VLLMRuntime.start(str(versions.dirs[2]), tensor_parallel_size=1, max_model_len=MAX_LEN)
+    try:
+        want, want_digest = oracle.generate(PROMPTS, max_tokens=MAX_TOKENS, logprobs=5), oracle.weight_digest()
+    finally:
+        oracle.close()
+    assert got == want
+    assert digest == want_digest
+    real = VLLMWorkerAdapter.install
+    monkeypatch.setattr(VLLMWorkerAdapter, "install", lambda self, p, names, covered: real(self, p, names, names))
+    stale, _ = _one_version(versions.dirs[1], versions.deltas[2])
+    assert stale != want

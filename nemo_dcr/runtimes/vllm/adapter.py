@@ -284,11 +284,16 @@ class VLLMWorkerAdapter:
                                                flat.view(weight.dtype).view(weight.shape))
         return out
 
-    def install(self, prepared: dict, names: frozenset[str]) -> None:
-        """``post_load(names)``, the layers ``prepare`` built swapped in instead of rebuilt."""
+    def install(self, prepared: dict, names: frozenset[str], covered: frozenset[str]) -> None:
+        """``post_load(names)``, the layers ``prepare`` built swapped in instead of rebuilt,
+        except a layer that names outside ``covered`` (records ``prepare`` did not see, e.g.
+        an overwrite of another tensor fused into the same weight) also wrote: rebuilt."""
+        def layers(ns):
+            return {lname for n in ns for lname in self._rebuild.get(n, ())}
+
         for lname, kernel in prepared.items():
             self._model.get_submodule(lname).cpu_linear = kernel
-        for lname in sorted({lname for n in names for lname in self._rebuild.get(n, ())} - prepared.keys()):
+        for lname in sorted((layers(names) - prepared.keys()) | layers(names - covered)):
             self._rebuild_layer(lname)
 
     # ---------------------------------------------------------- RuntimeAdapter
