@@ -82,13 +82,35 @@ class WorkerChannel:
             return self.gather(mine)
 
 
+class _Phases:
+    """One worker's two-phase apply: its phase one (``worker_stage``) held until the apply
+    that finishes it, or its unstage."""
+
+    def __init__(self, applier) -> None:
+        self.applier = applier
+        self.staged = None
+
+    def stage(self, deltas) -> dict:
+        self.staged, answer = worker_stage(self.applier, deltas)
+        return answer
+
+    def unstage(self) -> None:
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            self.applier.unstage(staged)
+
+    def apply(self, deltas, staged: bool) -> dict:
+        mine, self.staged = (self.staged if staged else None), None
+        return worker_apply(self.applier, deltas, mine)
+
+
 class ShardedModel:
     """Rank 0's ``ServedModel`` (``receiver/served.py``) over every worker of the engine."""
 
     def __init__(self, applier, channel: WorkerChannel) -> None:
         self.applier = applier
         self.channel = channel
-        self._staged = None  # this worker's phase one, until its apply or unstage
+        self._phases = _Phases(applier)
 
     def tensor_specs(self) -> Mapping[str, TensorSpec]:
         return self.applier.adapter.tensor_specs()
@@ -109,35 +131,20 @@ class ShardedModel:
         every worker accepted the batch; a worker's refusal unstages all of them."""
         deltas = list(deltas)
         self.validate(deltas)
-
-        def local():
-            self._staged, answer = worker_stage(self.applier, deltas)
-            return answer
-
         try:
-            _checked(self.channel.call("stage", deltas, local))
+            _checked(self.channel.call("stage", deltas, lambda: self._phases.stage(deltas)))
         except BaseException:
             self.unstage(True)
             raise
         return True
 
     def unstage(self, staged: bool) -> None:
-        def local():
-            if self._staged is not None:
-                self.applier.unstage(self._staged)
-                self._staged = None
-
-        self.channel.call("unstage", None, local)
+        self.channel.call("unstage", None, self._phases.unstage)
 
     def apply(self, deltas: Sequence[TensorDelta], staged: bool = False) -> object:
         deltas = list(deltas)
         self.validate(deltas)  # every worker accepts before any writes
-
-        def local():
-            mine, self._staged = (self._staged if staged else None), None
-            return worker_apply(self.applier, deltas, mine)
-
-        results = _checked(self.channel.call("apply", (deltas, staged), local))
+        results = _checked(self.channel.call("apply", (deltas, staged), lambda: self._phases.apply(deltas, staged)))
         counts = {r["applied"] for r in results}
         if len(counts) != 1:
             raise IncompleteApplyError(f"workers applied different tensor counts: {results}")
@@ -167,7 +174,7 @@ class Serving:
         self._cond = threading.Condition()
         self._ended: dict[int, str | None] = {}
         self._stopped = False
-        self._staged = None  # this worker's phase one, until its apply or unstage
+        self._phases = _Phases(applier)
         self.failure = ""
         self._thread = threading.Thread(target=self._loop, name=f"dcr-serve-rank{channel.rank}", daemon=True)
 
@@ -184,16 +191,13 @@ class Serving:
                 elif op == "validate":
                     answer = worker_validate(self.applier, arg)
                 elif op == "stage":  # unserved writes only: no window needed
-                    self._staged, answer = worker_stage(self.applier, arg)
+                    answer = self._phases.stage(arg)
                 elif op == "unstage":
-                    if self._staged is not None:
-                        self.applier.unstage(self._staged)
-                    self._staged, answer = None, None
+                    answer = self._phases.unstage()
                 elif op == "apply":
                     deltas, staged = arg
-                    mine, self._staged = (self._staged if staged else None), None
                     with self.gate.write():  # only while this worker is inside update_weights
-                        answer = worker_apply(self.applier, deltas, mine)
+                        answer = self._phases.apply(deltas, staged)
                 elif op == "end":
                     seq, error = arg
                     with self._cond:
