@@ -25,8 +25,10 @@ FAIL_R1 = ("import sys, time; time.sleep(1); "
 
 class _Watcher(threading.Thread):
     """Samples this process's descendants (that were not there before) every 50 ms, each
-    with its command line as of its exec (a child caught between fork and exec still shows
-    this process's command line; under load that window is wide enough to be sampled)."""
+    with its latest command line.  Every live descendant is read again on each sample: one
+    caught between fork and exec still shows its parent's command line (this process's, or
+    torchrun's for a trainer rank), and under load that window is wide enough to be
+    sampled."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -36,13 +38,14 @@ class _Watcher(threading.Thread):
         self.halt = threading.Event()
 
     def run(self):
-        forked = " ".join(self.me.cmdline())  # what a child shows between fork and exec
         while not self.halt.is_set():
             for p in self.me.children(recursive=True):
-                if p.pid in self.before or (p.pid in self.seen and self.seen[p.pid][1] != forked):
+                if p.pid in self.before:
                     continue
-                try:  # a child first seen before its exec is read again until it shows its own command
-                    self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline()))
+                try:
+                    cmd = " ".join(p.cmdline())
+                    if cmd:  # a zombie's reads empty: keep what it showed while running
+                        self.seen[p.pid] = (p.create_time(), cmd)
                 except psutil.Error:
                     pass
             time.sleep(0.05)
