@@ -224,7 +224,7 @@ class CommitCoordinator:
                     info = self.store.stat(key)
                     if info is None or seen.get(rid) == info.tag:
                         continue
-                    data, info = self.store.get_with_info(key, max_bytes=DOC_LIMITS["ack"])
+                    data = self.store.get(key, max_bytes=DOC_LIMITS["ack"])  # under the stat's tag (reader.py)
                 except ObjectNotFound:
                     continue
                 except FormatError as e:  # over the cap: judged by its size, never read

@@ -136,3 +136,30 @@ def check_receiver_id(rid: str) -> str:
     if not is_receiver_id(rid):
         raise ValidationError(f"invalid receiver id {str(rid)[:80]!r} (letters, digits, _ and -, at most 64)")
     return rid
+
+
+_KINDS = (
+    (re.compile(r"^v/[0-9]+/chunks(?:/|$)"), "chunk"),
+    (re.compile(r"^v/[0-9]+/MANIFEST\.json$"), "manifest"),
+    (re.compile(r"^v/[0-9]+/DECISION\.json$"), "decision"),
+    (re.compile(r"^v/[0-9]+/dense\.safetensors$"), "dense"),
+    (re.compile(r"^HEAD\.json$"), "head"),
+    (re.compile(r"^COMMITTED\.json$"), "committed"),
+    (re.compile(r"^acks/join\.d(?:/|$)"), "join"),
+    (re.compile(r"^acks(?:/|$)"), "ack"),
+    (re.compile(r"^RUN\.json$"), "run"),
+    (re.compile(r"^init(?:/|$)"), "init"),
+    (re.compile(r"^snapshots(?:/|$)"), "snapshot"),
+)
+
+
+def key_kind(key: str) -> str:
+    """What a key (or a listed prefix) names in this layout, as one word: ``chunk``,
+    ``manifest``, ``decision``, ``dense``, ``head``, ``committed``, ``ack``, ``join``,
+    ``run``, ``init``, ``snapshot``; anything else is ``other`` (request accounting,
+    ``transport/store/meter.py``)."""
+    key = key.strip("/")
+    for pattern, kind in _KINDS:
+        if pattern.match(key):
+            return kind
+    return "other"

@@ -43,6 +43,7 @@ from nemo_dcr.receiver.fetch import RefitRefused, admission_cap, fetch_chunks
 from nemo_dcr.receiver.held import HeldBits
 from nemo_dcr.receiver.journal import ApplyJournal, write_committed
 from nemo_dcr.transport.store import ObjectStore
+from nemo_dcr.transport.store.meter import diff, snapshot_of
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -136,6 +137,8 @@ class Receiver:
         prefetch decoded against older bits is never used."""
         self._stream = None
         """``stream.StreamState`` of the held version, while idle (see :meth:`prefetch`)."""
+        self._store_mark = snapshot_of(store)
+        """The store's request counters at the previous answer (``meter.snapshot_of``)."""
 
     # --------------------------------------------------------------- streaming receive
     def prefetch(self, run_id: str, *, handled: int, stride: int = 1) -> int:
@@ -195,6 +198,7 @@ class Receiver:
             prefetched, stream_stats = stream.take(manifest, want)
             held = stream.held  # the same bits (nothing was written since), already read
         t0 = time.perf_counter()
+        manifest_at = time.monotonic()
         got = fetch_chunks(self.store, manifest.chunks, held=held, specs=specs, budget=budget, want=want,
                            threads=self.cfg.threads, prefetched=prefetched)
         deltas = [d for chunk in got.chunks for d in chunk.deltas]
@@ -206,7 +210,8 @@ class Receiver:
                  "decode_cpu_s": got.decode_cpu_s, "decode_gbps": got.decode_gbps, "fetch_threads": self.cfg.threads,
                  "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas),
                  "stream": self.cfg.stream, "prefetch_used_chunks": got.prefetched_chunks,
-                 "prefetch_used_bytes": got.prefetched_bytes, **stream_stats}
+                 "prefetch_used_bytes": got.prefetched_bytes, "manifest_read_at": manifest_at,
+                 "last_chunk_arrived_at": manifest_at + (got.downloaded_at - t0), **stream_stats}
         return FetchedVersion(deltas, held, stats)
 
     def apply_version(self, manifest: Manifest) -> dict:
@@ -275,6 +280,8 @@ class Receiver:
         sample = self.served.sample()
         if sample is not None:
             stats["sample"] = sample
+        mark, self._store_mark = self._store_mark, snapshot_of(self.store)
+        stats["requests"] = diff(self._store_mark, mark)  # since the previous answer: polls, listings, fetches
         return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
                    held_version=self.held_version, manifest_digest=manifest_digest, stats=stats)
 

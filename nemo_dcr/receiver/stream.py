@@ -11,8 +11,10 @@ and decodes it against the held bits.  Nothing here is trusted or applied:
 
 * the raw bytes prefetched for one held version are capped at ``fetch.admission_cap``
   (the bound a manifest's chunk bytes must meet: 2 x the dense size of the receiver's
-  tensors + 1 MiB), each object's size is read (``stat``) and reserved against the cap
-  before it is downloaded, and the records decoded are charged to a
+  tensors + 1 MiB), each object's size is read from the listing (``list_sizes``: S3's
+  listing carries sizes, so a chunk costs one ``GET``; a relay's does not, and a ``stat``
+  of each new key asks it) and reserved against the cap before it is downloaded, at most that many
+  bytes are read, and the records decoded are charged to a
   ``DecodeBudget.for_tensors`` of their own; over either bound prefetching stops for this
   held version (the normal path fetches what is missing once the manifest is there);
 * when the manifest arrives, ``take`` hands over only the prefetched chunks whose key is
@@ -51,6 +53,7 @@ from nemo_dcr.errors import DcrError, ValidationError
 from nemo_dcr.protocol.manifest import Manifest, version_prefix
 from nemo_dcr.receiver.fetch import ChunkTimes, admission_cap
 from nemo_dcr.receiver.held import HeldBits
+from nemo_dcr.transport.store.base import list_sizes
 
 MAX_STRIDE = 8
 """Candidate versions listed past the last handled one, at most (see ``candidates``)."""
@@ -111,6 +114,9 @@ class StreamState:
         self.seen: set[str] = set()
         self.ready: dict[str, Prefetched] = {}
         self.top = base_version
+        self.listed_at: dict[int, list[float]] = {}
+        """version -> [``time.monotonic()`` when a listing first showed one of its chunk keys,
+        when one last showed a key not seen before]."""
         self.stopped: str | None = None
         """Why prefetching stopped for this held version (None: it goes on)."""
         self.rejected = 0
@@ -130,18 +136,20 @@ class StreamState:
         if self.stopped:
             return 0
         batch = BATCH_PER_THREAD * self.threads
-        new: list[tuple[int, str]] = []
+        new: list[tuple[int, str, int | None]] = []
         for v in versions:
             prefix = f"{version_prefix(v)}/chunks/"
-            for key in store.list(prefix, limit=MAX_KEYS):
+            for key, size in list_sizes(store, prefix, limit=MAX_KEYS):
                 if key in self.seen or not key.startswith(prefix) or not _CHUNK_NAME.match(key[len(prefix):]):
                     continue
                 if len(self.seen) >= MAX_KEYS:
                     self.stopped = f"more than {MAX_KEYS} chunk keys on top of v{self.base_version}"
                     break
                 self.seen.add(key)
+                now = time.monotonic()
+                self.listed_at.setdefault(v, [now, now])[1] = now
                 self.top = max(self.top, v)
-                new.append((v, key))
+                new.append((v, key, size))
                 if len(new) >= batch:
                     break
             if len(new) >= batch or self.stopped:
@@ -149,30 +157,32 @@ class StreamState:
         if not new:
             return 0
         if len(new) == 1 or self.threads == 1:
-            results = [self._one(store, v, k) for v, k in new]
+            results = [self._one(store, *item) for item in new]
         else:
             with ThreadPoolExecutor(max_workers=min(self.threads, len(new)), thread_name_prefix="dcr-prefetch") as pool:
-                results = list(pool.map(lambda vk: self._one(store, *vk), new))
+                results = list(pool.map(lambda item: self._one(store, *item), new))
         return sum(results)
 
-    def _one(self, store, version: int, key: str) -> bool:
+    def _one(self, store, version: int, key: str, size: int | None) -> bool:
         started = time.perf_counter()
         try:
-            info = store.stat(key)
-            if info is None:  # vanished since it was listed
-                with self._lock:
-                    self.failed += 1
-                return False
+            if size is None:  # a listing without sizes (a relay's)
+                info = store.stat(key)
+                if info is None:  # vanished since it was listed
+                    with self._lock:
+                        self.failed += 1
+                    return False
+                size = info.size
             with self._lock:  # reserve before downloading: the cap holds whatever is in flight
                 if self.stopped:
                     return False
-                if self.reserved + info.size > self.cap:
+                if self.reserved + size > self.cap:
                     self.stopped = (f"prefetched chunk bytes would exceed {self.cap} (twice the dense size "
                                     f"of the tensors held, + 1 MiB)")
                     return False
-                self.reserved += info.size
-            blob = store.get(key, max_bytes=info.size)
-        except DcrError:  # vanished (ObjectNotFound), grew since stat, store failed, refused by a failover list
+                self.reserved += size
+            blob = store.get(key, max_bytes=size)
+        except DcrError:  # vanished (ObjectNotFound), over its listed size, store failed, refused by a failover list
             with self._lock:
                 self.failed += 1
             return False
@@ -230,5 +240,7 @@ class StreamState:
                  "prefetch_rejected": self.rejected, "prefetch_failed": self.failed}
         if self.stopped:
             stats["prefetch_stopped"] = self.stopped
+        if manifest.version in self.listed_at:
+            stats["first_chunk_listed_at"], stats["last_chunk_listed_at"] = self.listed_at[manifest.version]
         self.ready.clear()
         return use, stats

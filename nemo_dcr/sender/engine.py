@@ -37,6 +37,7 @@ from nemo_dcr.sender.options import RefitOptions
 from nemo_dcr.sender.snapshots import CommittedBits, Snapshots
 from nemo_dcr.sender.stats import Claim, PublishStats, RankReport, Verdict
 from nemo_dcr.transport.store import ObjectStore
+from nemo_dcr.transport.store.meter import combined, diff, snapshot_of
 
 
 class ReceiverRefused(ProtocolError):
@@ -244,6 +245,7 @@ class RefitSender:
         t_enter = time.perf_counter()
         settled = self.settle()
         t_start = time.perf_counter()
+        mark = snapshot_of(self.store)
         pool = ThreadPoolExecutor(self.cfg.upload_workers, thread_name_prefix="dcr-upload")
         try:
             futures, stats = self._start(version, pool)
@@ -252,7 +254,7 @@ class RefitSender:
             futures, error = [], f"rank {rank()}: {type(e).__name__}: {e}"
             stats = PublishStats(version=version, base_version=self.baseline.version)
         stats.pause_s = time.perf_counter() - t_enter
-        flight = InFlight(version=version, stats=stats, t_start=t_start)
+        flight = InFlight(version=version, stats=stats, t_start=t_start, store_mark=mark)
         flight.thread = threading.Thread(target=self._background, args=(flight, pool, futures, error, before_manifest),
                                          name=f"dcr-refit-v{version}", daemon=True)
         self._inflight = flight
@@ -359,12 +361,15 @@ class RefitSender:
             finally:
                 pool.shutdown(wait=True)
             stats.publish_s = time.perf_counter() - flight.t_start
+            stats.requests = diff(snapshot_of(self.store), flight.store_mark)  # this rank's uploads
             reports = gather_to0(RankReport(refs=tuple(refs), stats=stats, error=error), self._group)
             decision: Verdict | str | None = None
             if rank() == 0 and not flight.may_publish():
                 decision = f"rank 0: the trainer process exited before version {flight.version} was published"
             elif rank() == 0:
                 decision = self._decide_on_rank0(flight, stats, reports, before_manifest)
+                stats.requests = combined([diff(snapshot_of(self.store), flight.store_mark),
+                                           *(rep.stats.requests for rep in reports[1:])])
             flight.mark_recorded(decision)
             decision = from_rank0(decision, self._group)
             if isinstance(decision, str):

@@ -81,6 +81,8 @@ class InFlight:
     """:func:`settle_on_exit` ran for this version (it reports once)."""
     outcome: Verdict | str | None = None
     """Rank 0: the decision as recorded (a verdict, or why there is none), for the exit report."""
+    store_mark: dict = field(default_factory=dict)
+    """The store's request counters when the version started (``meter.snapshot_of``)."""
 
     @property
     def commit(self) -> bool:

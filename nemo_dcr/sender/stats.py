@@ -63,6 +63,10 @@ class PublishStats:
     coding_walls: dict[str, float] = field(default_factory=dict)
     """``auto``, rank 0: every candidate's projected wall (s) behind ``next_coding`` ({}
     before anything was measured)."""
+    requests: dict = field(default_factory=dict)
+    """Store calls of this version (``transport/store/meter.py``: by ``op:kind``, with
+    attempts, seconds and bytes): this rank's chunk puts; on rank 0 once decided, every
+    rank's plus rank 0's manifest, ``HEAD.json``, ack polls and decision record."""
 
 
 @dataclass(frozen=True)

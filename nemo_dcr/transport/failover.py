@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nemo_dcr.errors import FormatError, TransportError, ValidationError
-from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, put_if_absent
+from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, list_sizes, put_if_absent
 
 _log = logging.getLogger(__name__)
 
@@ -247,6 +247,9 @@ class FailoverStore:
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         return self._each("list", prefix, lambda s: s.list(prefix, limit=limit), lambda r: 0)
+
+    def list_sizes(self, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
+        return self._each("list", prefix, lambda s: list_sizes(s, prefix, limit=limit), lambda r: 0)
 
     def put(self, key: str, data: bytes) -> None:
         self._each("put", key, lambda s: s.put(key, data), lambda r: 0)

@@ -12,6 +12,7 @@ import pytest
 
 from nemo_dcr.errors import FormatError, TransportError
 from nemo_dcr.transport.store import (
+    FsspecStore,
     LocalDirStore,
     ObjectInfo,
     ObjectNotFound,
@@ -69,8 +70,14 @@ def test_an_object_at_the_cap_is_read_and_one_over_it_is_refused(store):
             read()
         err = e.value
         assert (err.key, err.size, err.limit) == (KEY, 1024, 1023)
-        assert str(err) == f"{store.uri}: {KEY!r} is 1024 bytes, over the limit of 1023"
+        # a remote get is one ranged read (no HEAD first): it knows the size is at least what came back
+        what = "is at least" if isinstance(store, FsspecStore) and str(err) != _exact(store, err) else "is"
+        assert str(err) == f"{store.uri}: {KEY!r} {what} 1024 bytes, over the limit of 1023"
         assert isinstance(err, FormatError) and not isinstance(err, TransportError)
+
+
+def _exact(store, err) -> str:
+    return f"{store.uri}: {err.key!r} is {err.size} bytes, over the limit of {err.limit}"
 
 
 def test_empty_objects_and_a_zero_cap(store):
@@ -78,8 +85,10 @@ def test_empty_objects_and_a_zero_cap(store):
     assert store.get(KEY, max_bytes=0) == b""
     assert store.get_with_info(KEY, max_bytes=0) == (b"", store.stat(KEY))
     store.put(KEY, b"x")
-    with pytest.raises(ObjectTooLarge, match=r"is 1 bytes, over the limit of 0$"):
+    with pytest.raises(ObjectTooLarge, match=r"is (at least )?1 bytes, over the limit of 0$"):
         store.get(KEY, max_bytes=0)
+    with pytest.raises(ObjectTooLarge, match=r"is 1 bytes, over the limit of 0$"):
+        store.get_with_info(KEY, max_bytes=0)
 
 
 def test_a_capped_read_of_a_missing_object_is_object_not_found(store):
@@ -90,14 +99,23 @@ def test_a_capped_read_of_a_missing_object_is_object_not_found(store):
     assert store.get(KEY, max_bytes=10) == b"x"
 
 
-def test_an_object_over_the_cap_is_never_read(remote, monkeypatch):
+def test_a_capped_remote_get_is_one_ranged_read_and_reads_no_more_than_the_cap(remote, monkeypatch):
+    """``get(max_bytes=N)`` on an fsspec store: one ranged read of N + 1 bytes (S3: one GET, no
+    HEAD first), refused when more than N came back; ``get_with_info`` asks the size first
+    and never reads the body of an object over its cap."""
     reads = _body_reads(remote, monkeypatch)
     remote.put(KEY, b"x" * 1000)
-    with pytest.raises(ObjectTooLarge):
+    before = remote.meter.snapshot()["requests"]
+    with pytest.raises(ObjectTooLarge, match=r"is at least 1000 bytes, over the limit of 999$"):
         remote.get(KEY, max_bytes=999)
-    assert reads == []
+    assert reads == [{"start": 0, "end": 1000}]
     assert remote.get(KEY, max_bytes=1000) == b"x" * 1000  # control: within the cap the body is read, ranged
-    assert reads == [{"start": 0, "end": 1001}]
+    assert reads[1:] == [{"start": 0, "end": 1001}]
+    after = remote.meter.snapshot()["requests"]
+    assert "info" not in after or after["info"] == before.get("info")  # no HEAD for either
+    with pytest.raises(ObjectTooLarge, match=r"is 1000 bytes, over the limit of 999$"):
+        remote.get_with_info(KEY, max_bytes=999)
+    assert len(reads) == 2  # its body was never read
 
 
 def test_an_object_that_grows_between_info_and_read_is_refused(remote, monkeypatch):
@@ -114,17 +132,17 @@ def test_an_object_that_grows_between_info_and_read_is_refused(remote, monkeypat
     monkeypatch.setattr(remote.fs, name, stale_async if remote._async else stale)
     with pytest.raises(ObjectTooLarge, match=r"'acks/r0/00000001.json' grew to at least 51 bytes while read, "
                                              r"over the limit of 50$") as e:
-        remote.get(KEY, max_bytes=50)
+        remote.get_with_info(KEY, max_bytes=50)
     assert (e.value.size, e.value.limit) == (51, 50)
-    assert remote.get(KEY, max_bytes=2000) == b"x" * 1000  # control: a cap above the real size
+    assert remote.get_with_info(KEY, max_bytes=2000)[0] == b"x" * 1000  # control: a cap above the real size
 
 
 def test_object_too_large_is_neither_retried_nor_wrapped(monkeypatch):
     store = open_store(f"memory://dcr-limits-{next(_counter)}", retries=4, backoff_s=0)
     store.put(KEY, b"x" * 10)
     calls = []
-    real = store.fs.info
-    monkeypatch.setattr(store.fs, "info", lambda path, **kw: calls.append(path) or real(path, **kw))
+    real = store.fs.cat_file
+    monkeypatch.setattr(store.fs, "cat_file", lambda path, **kw: calls.append(path) or real(path, **kw))
     with pytest.raises(ObjectTooLarge) as e:
         store.get(KEY, max_bytes=9)
     assert type(e.value) is ObjectTooLarge and not isinstance(e.value, StoreError) and len(calls) == 1

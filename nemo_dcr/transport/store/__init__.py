@@ -68,6 +68,7 @@ from nemo_dcr.transport.store.base import (
     SymlinkRefused,
     check_key,
     check_limit,
+    list_sizes,
     put_if_absent,
 )
 from nemo_dcr.transport.store.fsspec_store import FsspecStore
@@ -78,5 +79,5 @@ from nemo_dcr.transport.store.policy import HOP_POLICY, POLICY_FIELDS, StorePoli
 __all__ = [
     "CHUNK_MARK", "HOP_POLICY", "MAX_LIST_LIMIT", "POLICY_FIELDS", "SCHEMES", "FsspecStore", "LocalDirStore",
     "ObjectInfo", "ObjectNotFound", "ObjectStore", "ObjectTooLarge", "StoreError", "StorePolicy", "SymlinkRefused",
-    "check_key", "check_limit", "is_transient", "open_store", "put_if_absent",
+    "check_key", "check_limit", "is_transient", "list_sizes", "open_store", "put_if_absent",
 ]

@@ -37,9 +37,10 @@ class ObjectTooLarge(FormatError):
     ``limit + 1`` bytes when it grew during the read).  A format error, not a store
     failure: never retried, never wrapped into :class:`StoreError`."""
 
-    def __init__(self, uri: str, key: str, size: int, limit: int, *, grew: bool = False):
+    def __init__(self, uri: str, key: str, size: int, limit: int, *, grew: bool = False, at_least: bool = False):
         self.uri, self.key, self.size, self.limit = uri, key, size, limit
-        what = f"grew to at least {size} bytes while read" if grew else f"is {size} bytes"
+        what = (f"grew to at least {size} bytes while read" if grew
+                else f"is at least {size} bytes" if at_least else f"is {size} bytes")
         super().__init__(f"{uri}: {key!r} {what}, over the limit of {limit}")
 
 
@@ -143,3 +144,14 @@ def stat_then_put(store: ObjectStore, key: str, data: bytes) -> bool:
         return False
     store.put(key, data)
     return True
+
+
+
+def list_sizes(store: ObjectStore, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
+    """The keys under ``prefix`` in key order, each with its size where the store's listing
+    carries it (local directories, fsspec back ends such as S3, failover lists of those:
+    ``store.list_sizes``), else None (a relay's listing, any store without the method): the
+    caller asks ``stat`` for the keys it wants.  A listed size is the bound of a later
+    bounded ``get`` of that key, never trusted beyond it."""
+    fn = getattr(store, "list_sizes", None)
+    return fn(prefix, limit=limit) if fn is not None else [(k, None) for k in store.list(prefix, limit=limit)]

@@ -1,8 +1,10 @@
 """Any fsspec file system as a store (``s3://``, ``gs://``, ``memory://``, ...)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.transport.store.base import ObjectInfo, ObjectTooLarge, StoreError, check_key, check_limit, stat_then_put
 from nemo_dcr.transport.store.policy import Attempt, BoundedStore, StorePolicy, http_status, in_watched_thread, one_line
 
@@ -45,16 +47,20 @@ class FsspecStore(BoundedStore):
         """``fs.<name>(*args, **kwargs)`` for one attempt.  On an async file system the
         coroutine runs on fsspec's loop under ``sync(timeout=...)``, which cancels it at the
         deadline; ``watchdog=False`` leaves the bound to the client's socket timeouts."""
-        if not self._async:
-            return getattr(self.fs, name)(*args, **kwargs)
-        from fsspec.asyn import sync
-        from fsspec.exceptions import FSTimeoutError
-
+        t0 = time.monotonic()
         try:
-            return sync(self.fs.loop, getattr(self.fs, "_" + name), *args,
-                        timeout=att.budget_s if watchdog else None, **kwargs)
-        except FSTimeoutError:
-            raise att.timed_out() from None
+            if not self._async:
+                return getattr(self.fs, name)(*args, **kwargs)
+            from fsspec.asyn import sync
+            from fsspec.exceptions import FSTimeoutError
+
+            try:
+                return sync(self.fs.loop, getattr(self.fs, "_" + name), *args,
+                            timeout=att.budget_s if watchdog else None, **kwargs)
+            except FSTimeoutError:
+                raise att.timed_out() from None
+        finally:
+            self.meter.request(name, time.monotonic() - t0)
 
     def _run_attempt(self, op: str, fn: Callable[[Attempt], Any], att: Attempt) -> Any:
         return fn(att) if self._async else in_watched_thread(fn, att)
@@ -85,11 +91,32 @@ class FsspecStore(BoundedStore):
         return self._call("put", key, attempt, nbytes=len(data))
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        if max_bytes is not None:
-            return self.get_with_info(key, max_bytes=max_bytes)[0]
+        """With ``max_bytes``: one ranged read of at most ``max_bytes + 1`` bytes (S3: one
+        ``GET`` with ``Range``, no ``HEAD`` first); more than ``max_bytes`` came back ->
+        ``ObjectTooLarge`` (the size named is what was read, not the object's)."""
         path = self._path(key)
-        return self._call("get", key, lambda att: self._fs_call(
-            "cat_file", att, path, watchdog=not self._socket_timeouts))
+        if max_bytes is None:
+            return self._call("get", key, lambda att: self._fs_call(
+                "cat_file", att, path, watchdog=not self._socket_timeouts))
+        if max_bytes < 0:
+            raise ValidationError(f"max_bytes must be >= 0, got {max_bytes}")
+
+        def attempt(att: Attempt) -> bytes:
+            att.add_bytes(max_bytes)
+            try:
+                data = self._fs_call("cat_file", att, path, start=0, end=max_bytes + 1,
+                                     watchdog=not self._socket_timeouts)
+            except FileNotFoundError:
+                raise
+            except OSError as e:  # S3 answers a range on an empty object with 416
+                if http_status(e) == 416 or "range is not satisfiable" in str(e):
+                    return b""
+                raise
+            if len(data) > max_bytes:
+                raise ObjectTooLarge(self.uri, key, len(data), max_bytes, grew=False, at_least=True)
+            return data
+
+        return self._call("get", key, attempt)
 
     def get_with_info(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectInfo]:
         """``info`` (S3: HEAD) first, then the body: with ``max_bytes`` a ranged read of at
@@ -139,24 +166,35 @@ class FsspecStore(BoundedStore):
         """With ``limit`` on S3 (s3fs): one bounded listing in the store's key order (pages of
         at most ``2 x limit`` keys, stopped after ``limit``), not every key under ``prefix``.
         Other file systems list everything and keep the first ``limit``."""
+        return [info.key for info in self.list_info(prefix, limit=limit)]
+
+    def list_sizes(self, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
+        return [(info.key, info.size) for info in self.list_info(prefix, limit=limit)]
+
+    def list_info(self, prefix: str, *, limit: int | None = None) -> list[ObjectInfo]:
+        """``list`` with each object's size and tag, from the same listing (S3: the
+        ``ListObjectsV2`` entries' ``Size``, ``ETag`` and ``LastModified``): no ``HEAD`` per key."""
         limit = check_limit(limit)
         base = self._path(prefix.strip("/")) if prefix.strip("/") else self.root
         bounded = limit is not None and self._async and hasattr(self.fs, "_iterdir")
 
-        def attempt(att: Attempt) -> list[str]:
+        def attempt(att: Attempt) -> list[dict]:
             try:
                 if bounded:  # s3fs: a recursive listing (no delimiter) of at most `limit` keys
                     found = self._fs_call("lsdir", att, base, max_items=limit, delimiter="",
                                           watchdog=not self._socket_timeouts)
-                    return [f["name"] for f in found if f.get("type") != "directory"]
-                return self._fs_call("find", att, base, watchdog=not self._socket_timeouts)
+                    return [f for f in found if f.get("type") != "directory"]
+                found = self._fs_call("find", att, base, detail=True, watchdog=not self._socket_timeouts)
+                return [dict(f, name=name) for name, f in found.items() if f.get("type") != "directory"]
             except FileNotFoundError:
                 return []
 
         found = self._call("list", prefix, attempt)
         n = len(self.root) + 1
-        keys = sorted(p[n:] if p.startswith(self.root + "/") else p for p in found)
-        return keys if limit is None else keys[:limit]
+        infos = sorted((ObjectInfo(f["name"][n:] if f["name"].startswith(self.root + "/") else f["name"],
+                                   int(f.get("size") or 0), _fsspec_tag(dict(f, size=int(f.get("size") or 0))))
+                        for f in found), key=lambda i: i.key)
+        return infos if limit is None else infos[:limit]
 
     def delete(self, key: str) -> None:
         path = self._path(key)

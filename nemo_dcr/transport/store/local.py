@@ -188,6 +188,13 @@ class LocalDirStore(BoundedStore):
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
         """A directory is read whole (its cost grows with what was planted in it); at most
         ``limit`` keys are kept and returned."""
+        return [info.key for info in self.list_info(prefix, limit=limit)]
+
+    def list_sizes(self, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
+        return [(info.key, info.size) for info in self.list_info(prefix, limit=limit)]
+
+    def list_info(self, prefix: str, *, limit: int | None = None) -> list[ObjectInfo]:
+        """``list`` with each object's size and tag (the directory entry's ``lstat``)."""
         limit = check_limit(limit)
         parts = check_key(prefix.strip("/")).split("/") if prefix.strip("/") else []
 
@@ -208,19 +215,24 @@ class LocalDirStore(BoundedStore):
                     finally:
                         os.close(sub)
                 elif entry.is_file(follow_symlinks=False):
-                    out.append("/".join(path))
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # deleted since the directory was read
+                        continue
+                    out.append(ObjectInfo("/".join(path), st.st_size, _local_tag(st)))
 
-        def attempt(att: Attempt) -> list[str]:
+        def attempt(att: Attempt) -> list[ObjectInfo]:
             try:
                 fd = self._open_dir(parts, create=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-            out: list[str] = []
+            out: list[ObjectInfo] = []
             try:
                 walk(fd, parts, out)
             finally:
                 os.close(fd)
-            return sorted(out) if limit is None else heapq.nsmallest(limit, out)
+            by_key = lambda info: info.key  # noqa: E731
+            return sorted(out, key=by_key) if limit is None else heapq.nsmallest(limit, out, key=by_key)
 
         return self._call("list", prefix, attempt)
 

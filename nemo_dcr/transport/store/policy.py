@@ -15,6 +15,7 @@ from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import WrongTypeError
 from nemo_dcr.protocol.keys import CHUNK_MARK
 from nemo_dcr.transport.store.base import ObjectNotFound, ObjectTooLarge, StoreError, SymlinkRefused
+from nemo_dcr.transport.store.meter import RequestMeter
 
 _log = logging.getLogger("nemo_dcr.transport.store")
 
@@ -191,6 +192,8 @@ class BoundedStore:
         if policy is not None and not isinstance(policy, StorePolicy):
             raise WrongTypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
         self._reads_lock = threading.Lock()
+        self.meter = RequestMeter()
+        """Every call of this store, by operation and key kind (``transport/store/meter.py``)."""
         self.policy = policy or StorePolicy()
         self._rng = random.Random()
 
@@ -205,12 +208,18 @@ class BoundedStore:
             attempt += 1
             try:
                 out = self._run_attempt(op, fn, Attempt(p, nbytes))
-                if op == "get" and CHUNK_MARK in key:
-                    with self._reads_lock:
-                        self.chunk_bytes_read += len(out[0] if isinstance(out, tuple) else out)
+                moved = nbytes
+                if op == "get":
+                    moved = len(out[0] if isinstance(out, tuple) else out)
+                    if CHUNK_MARK in key:
+                        with self._reads_lock:
+                            self.chunk_bytes_read += moved
+                self.meter.call(op, key, attempts=attempt, seconds=time.monotonic() - start, nbytes=moved)
                 return out
             except Exception as e:  # noqa: BLE001 - classified and reported below
                 elapsed = time.monotonic() - start
+                if not (transient := is_transient(e)) or attempt > p.retries:
+                    self.meter.call(op, key, attempts=attempt, seconds=elapsed)
                 where = dict(uri=self.uri, op=op, key=key, attempts=attempt, elapsed_s=elapsed)
                 if isinstance(e, FileNotFoundError) and op == "get":
                     raise ObjectNotFound(f"{self.uri}: get {key!r}: no such object", **where) from None
@@ -218,7 +227,6 @@ class BoundedStore:
                     raise e
                 if isinstance(e, SymlinkRefused):
                     raise SymlinkRefused(f"{self.uri}: {op} {key!r} refused: {e}", **where) from None
-                transient = is_transient(e)
                 if transient and attempt <= p.retries:
                     delay = p.backoff(attempt, self._rng)
                     _log.warning("%s: %s %r attempt %d/%d failed (%s); retrying in %.2f s", self.uri, op, key,
