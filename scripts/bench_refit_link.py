@@ -69,6 +69,13 @@ DCR_STAGES = ("diff_s", "project_s", "encode_s", "upload_s", "rx_download_s", "r
 DCR_CPU = ("diff_s", "project_s", "encode_s", "rx_decode_s", "rx_apply_s")
 DENSE_STAGES = ("gather_s", "serialize_s", "put_s", "rx_get_s", "rx_deserialize_s", "rx_load_s")
 DENSE_CPU = ("gather_s", "serialize_s", "rx_deserialize_s", "rx_load_s")
+COUNTER_FIELDS = ("up_mb", "down_mb", "trainer_cpu_s", "receiver_cpu_s", "store_cpu_s")
+"""Per refit, from the driver's counters between the step's end and the decision: MB sent
+on the link towards the store (up) and from it (down), headers included, and CPU seconds of
+the trainer ranks, the receiver and the store (moto)."""
+VARIANTS = {"stream": (True, "fifo"), "nostream": (False, "fifo"), "stream+small-first": (True, "small-first"),
+            "nostream+small-first": (False, "small-first")}
+"""Variant -> (streaming receive, how the link queues: ``Link.set_qdisc``)."""
 
 
 # ------------------------------------------------------------------------------ the link
@@ -118,22 +125,46 @@ class Link:
         _sh(*self._in_ns("ip", "link", "set", "lo", "up"))
         for pre, dev in (((), self.host_if), (self._in_ns(), self.ns_if)):
             _sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-            _sh(*pre, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-                *self._rate_args(mbit))
+            for parent, classid, prio in (("1:", "1:1", None), ("1:1", "1:10", "1"), ("1:1", "1:20", "0")):
+                _sh(*pre, "tc", "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
+                    *self._rate_args(mbit, prio))
         self.mbit = mbit
+        self.qdisc = "fifo"
 
     @staticmethod
-    def _rate_args(mbit: float) -> tuple[str, ...]:
-        rate = f"{int(round(mbit * 1000))}kbit"
-        return ("rate", rate, "ceil", rate, "quantum", "60000")
+    def _rate_args(mbit: float, prio: str | None = None) -> tuple[str, ...]:
+        """Class 1:1 holds the link's rate; its leaves 1:10 (bulk, where everything goes under
+        ``fifo``) and 1:20 (small packets under ``small-first``) each guarantee half and may
+        borrow all of it."""
+        ceil = f"{int(round(mbit * 1000))}kbit"
+        rate = ceil if prio is None else f"{int(round(mbit * 500))}kbit"
+        return ("rate", rate, "ceil", ceil, "quantum", "60000", *(() if prio is None else ("prio", prio)))
 
     def set_rate(self, mbit: float) -> None:
         if mbit == self.mbit:
             return
         for pre, dev in (((), self.host_if), (self._in_ns(), self.ns_if)):
-            _sh(*pre, "tc", "class", "change", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-                *self._rate_args(mbit))
+            for parent, classid, prio in (("1:", "1:1", None), ("1:1", "1:10", "1"), ("1:1", "1:20", "0")):
+                _sh(*pre, "tc", "class", "change", "dev", dev, "parent", parent, "classid", classid, "htb",
+                    *self._rate_args(mbit, prio))
         self.mbit = mbit
+
+    def set_qdisc(self, kind: str) -> None:
+        """How each end queues: ``fifo`` (every packet in class 1:10, one FIFO of the veth's
+        1000 packets at the link's rate: a flow's S3 requests and TCP acks wait behind the
+        other flow's bulk) or ``small-first`` (a u32 filter sends IP packets under 1024 bytes,
+        requests and acks, to class 1:20, served before the bulk at the same total rate).
+        The fair leaf queues (fq_codel, sfq, fq) are not in this kernel (``tc`` answers
+        "Specified qdisc kind is unknown"), so this is the test bed's fair queue."""
+        if kind == self.qdisc:
+            return
+        for pre, dev in (((), self.host_if), (self._in_ns(), self.ns_if)):
+            if kind == "small-first":
+                _sh(*pre, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                    "match", "u16", "0x0000", "0xfc00", "at", "2", "flowid", "1:20")
+            else:
+                _sh(*pre, "tc", "filter", "del", "dev", dev, "parent", "1:", "prio", "1")
+        self.qdisc = kind
 
     def exec_prefix(self) -> list[str]:
         return list(self._in_ns())
@@ -180,9 +211,42 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
+def _requests(calls: dict) -> dict:
+    """``op:kind`` -> calls, and their seconds summed (``transport/store/meter.py``)."""
+    return {k: {"n": v["n"], "s": round(v["s"], 4)} for k, v in sorted(calls.items())}
+
+
+def timeline(row: dict) -> dict:
+    """The refit's critical path: consecutive segments from the end of the optimizer step to
+    the recorded decision (each a wait or a stage of one side; together they are the wall)."""
+    st, acks = row["stats"], row["stats"].get("acks") or []
+    t0, t_end = row["dcr"]["t_start"], row["dcr"]["t_committed"]
+    a = max(acks, key=lambda x: x["stats"].get("answered_at", 0.0))["stats"] if acks else {}
+    uploaded = t0 + st["publish_s"]  # rank 0's diff start ~ the step's end; its last chunk put
+    marks = [("trainer: diff, encode, upload", uploaded),
+             ("manifest put + receiver poll", a.get("manifest_read_at", uploaded)),
+             ("receiver: chunks left after the manifest", a.get("last_chunk_arrived_at", uploaded)),
+             ("receiver: decode tail, apply, ack", a.get("answered_at", uploaded)),
+             ("trainer: ack poll, decision", t_end)]
+    out, prev = {}, t0
+    for name, t in marks:
+        t = min(max(t, prev), t_end)
+        out[name] = round(t - prev, 4)
+        prev = t
+    first = a.get("first_chunk_listed_at")
+    out["_first_chunk_listed_s"] = None if first is None else round(first - t0, 4)
+    out["_last_chunk_listed_s"] = None if a.get("last_chunk_listed_at") is None else \
+        round(a["last_chunk_listed_at"] - t0, 4)
+    return out
+
+
 def refit_record(row: dict) -> dict:
-    """One refit's numbers from the trainer's row."""
+    """One refit's numbers from the trainer's row (and the driver's counters, ``row["counters"]``)."""
     st, dense = row["stats"], row["dense"]
+    if dense is not None and dense.get("local"):  # the bit-exact check only, off the link
+        verify, dense = dense["verify"], None
+    else:
+        verify = dense["verify"] if dense is not None else []
     acks = st.get("acks") or []
     rx = lambda k: max((a["stats"].get(k, 0.0) for a in acks), default=0.0)  # noqa: E731
     # the receiver decodes chunks on its fetch pool while later ones download: download_s is the
@@ -206,7 +270,17 @@ def refit_record(row: dict) -> dict:
         "rx_fetch_s": rx("fetch_s"), "rx_stream": all(a["stats"].get("stream", False) for a in acks),
         "rx_prefetch_used_chunks": min((a["stats"].get("prefetch_used_chunks", 0) for a in acks), default=0),
         "rx_prefetch_used_bytes": min((a["stats"].get("prefetch_used_bytes", 0) for a in acks), default=0),
+        "variant": row["plan"].get("variant", "stream"), "qdisc": row["plan"].get("qdisc", "fifo"),
+        "coding": st.get("coding", ""),
+        "timeline": timeline(row),
+        "requests": {"trainer": _requests(st.get("requests", {}).get("calls", {})),
+                     "receiver": _requests(acks[0]["stats"].get("requests", {}).get("calls", {})) if acks else {}},
+        **row.get("counters", {}),
+        "bit_exact": all(v["bit_exact"] for v in verify) and bool(verify),
+        "negative_control": [v["negative_control"] for v in verify if "negative_control" in v],
+        "verify": [{k: v[k] for k in ("receiver", "bit_exact", "compared", "summary")} for v in verify],
     }
+    rec["critical"] = max((k for k in rec["timeline"] if not k.startswith("_")), key=rec["timeline"].get)
     if dense is not None:
         da = dense["acks"]
         dstages = {"gather_s": dense["gather_s"], "serialize_s": dense["serialize_s"], "put_s": dense["put_s"],
@@ -218,9 +292,6 @@ def refit_record(row: dict) -> dict:
             "dense_loaded_s": max(a["t_loaded"] for a in da) - dense["t_start"],
             "wire_ratio": dense["bytes"] / max(st["wire_bytes"], 1),
             "speedup": dense["wall_s"] / row["dcr"]["wall_s"],
-            "bit_exact": all(v["bit_exact"] for v in dense["verify"]),
-            "negative_control": [v["negative_control"] for v in dense["verify"] if "negative_control" in v],
-            "verify": [{k: v[k] for k in ("receiver", "bit_exact", "compared", "summary")} for v in dense["verify"]],
         })
         mbit = row["plan"]["link_mbit"]
         rec["dense_link_s"] = dense["bytes"] * 8 / (mbit * 1e6)
@@ -231,9 +302,10 @@ def refit_record(row: dict) -> dict:
     return rec
 
 
-def case_entry(mbit: float, lr: float, refits: list[dict]) -> dict:
-    """One case (link rate, lr): medians over its refits; per-refit details kept."""
-    dense = [r for r in refits if "dense_s" in r]
+def case_entry(mbit: float, lr: float, refits: list[dict], dense: list[dict], variant: str = "stream") -> dict:
+    """One case (link rate, lr, variant): medians over its refits, the dense side from
+    ``dense`` (the dense refits at this rate: their bytes and wall do not depend on the lr);
+    per-refit details kept."""
     changed = sum(r["changed"] for r in refits)
     numel = sum(r["canonical_numel"] for r in refits)
     stages = {k: _med([r["stages"][k] for r in refits]) for k in DCR_STAGES}
@@ -259,24 +331,46 @@ def case_entry(mbit: float, lr: float, refits: list[dict]) -> dict:
         "overlap": dcr_s / stages[slowest],
         "rx_fetch_s": _med([r["rx_fetch_s"] for r in refits]),
         "prefetched_share": _med([r["rx_prefetch_used_bytes"] / max(r["wire_bytes"], 1) for r in refits]),
-        "bit_exact": f"{sum(r['bit_exact'] for r in dense)}/{len(dense)}",
+        "variant": variant, "dense_n": len(dense),
+        "timeline": {k: _med([r["timeline"][k] for r in refits if r["timeline"].get(k) is not None])
+                     for k in refits[0]["timeline"]},
+        "critical": max((k for k in refits[0]["timeline"] if not k.startswith("_")),
+                        key=lambda k: _med([r["timeline"][k] for r in refits])),
+        "requests": {side: {k: _med([r["requests"][side].get(k, {}).get("n", 0) for r in refits])
+                            for k in sorted({k for r in refits for k in r["requests"][side]})}
+                     for side in ("trainer", "receiver")},
+        "request_s": {side: _med([sum(v["s"] for v in r["requests"][side].values()) for r in refits])
+                      for side in ("trainer", "receiver")},
+        **{k: _med([r[k] for r in refits if r.get(k) is not None])
+           for k in COUNTER_FIELDS if any(r.get(k) is not None for r in refits)},
+        "bit_exact": f"{sum(r['bit_exact'] for r in refits)}/{len(refits)}",
         "committed": f"{sum(r['committed'] for r in refits)}/{len(refits)}",
         "refits": refits,
     }
 
 
 def print_table(cases: list[dict]) -> None:
-    cols = [("link Mbit/s", 11), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
+    cols = [("link Mbit/s", 11), ("variant", 20), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
             ("nemo_dcr s", 10), ("dense s", 8), ("speedup", 8), ("spd/ratio", 9), ("link-bound", 10),
             ("overlap", 7), ("slowest stage", 13), ("prefetched", 10), ("bit-exact", 9)]
     print(" ".join(n.rjust(w) for n, w in cols), flush=True)
     for c in cases:
-        cells = [f"{c['link_mbit']:g}", f"{c['lr']:g}", f"{c['changed_pct']:.2f}", f"{c['wire_bytes']:.0f}",
+        cells = [f"{c['link_mbit']:g}", c["variant"], f"{c['lr']:g}", f"{c['changed_pct']:.2f}", f"{c['wire_bytes']:.0f}",
                  f"{c['dense_bytes']:.0f}", f"{c['wire_ratio']:.1f}x", f"{c['dcr_s']:.2f}", f"{c['dense_s']:.1f}",
                  f"{c['speedup']:.1f}x", f"{c['speedup_over_ratio']:.2f}", "yes" if c["link_bound"] else "no",
                  f"{c['overlap']:.2f}", c["slowest_stage"].removesuffix("_s"), f"{100 * c['prefetched_share']:.0f}%",
                  c["bit_exact"]]
         print(" ".join(v.rjust(w) for v, (_, w) in zip(cells, cols)), flush=True)
+    print("\ncritical path (medians, s): " + " | ".join(k for k in cases[0]["timeline"] if not k.startswith("_")))
+    for c in cases:
+        t = c["timeline"]
+        reqs = {side: sum(c["requests"][side].values()) for side in ("trainer", "receiver")}
+        print(f"{c['link_mbit']:>6g} {c['variant']:>20} {c['changed_pct']:5.2f}%  "
+              + "  ".join(f"{t[k]:.3f}" for k in t if not k.startswith("_"))
+              + f"  | requests trainer {reqs['trainer']:.0f} ({c['request_s']['trainer']:.2f}s) receiver "
+              f"{reqs['receiver']:.0f} ({c['request_s']['receiver']:.2f}s)"
+              + "".join(f" {k} {c[k]:.2f}" for k in ("up_mb", "down_mb", "trainer_cpu_s", "receiver_cpu_s",
+                                                    "store_cpu_s") if c.get(k) is not None), flush=True)
 
 
 def plot(cases: list[dict], path: str) -> None:
@@ -301,7 +395,7 @@ def plot(cases: list[dict], path: str) -> None:
            ylabel="speedup (dense wall / nemo_dcr wall)", title="end-to-end speedup vs byte ratio")
     a1.grid(alpha=0.3, which="both")
 
-    labels = [f"{c['link_mbit']:g} Mbit/s\n{c['changed_pct']:.1f}% chg" for c in cases]
+    labels = [f"{c['link_mbit']:g} Mbit/s {c['variant']}\n{c['changed_pct']:.1f}% chg" for c in cases]
     for ax, key, names, wall, title in (
         (a2, "stages", DCR_STAGES, "dcr_s", "nemo_dcr refit: stage times (medians) and e2e wall"),
         (a3, "dense_stages", DENSE_STAGES, "dense_s", "dense refit: stage times (medians) and e2e wall"),
@@ -378,22 +472,68 @@ class Run:
                 raise BenchError(f"receiver {rid} did not stop -- log: {log}") from None
             self._check_alive([f"receiver-{rid}"])
 
+    def _counters(self, trainer):
+        """The driver's counters (``COUNTER_FIELDS``): the root end's veth byte counters (tx:
+        towards the store, rx: from it) and the CPU seconds of the trainer's ranks, the
+        receiver(s) and moto (psutil, the processes' user + system time)."""
+        import psutil
+
+        from nemo_dcr_testbed.linkbench import Counters
+
+        def net(which):
+            path = f"/sys/class/net/{self.link.host_if}/statistics/{which}_bytes"
+            return lambda: int(open(path).read())
+
+        def cpu(pids):
+            procs = {}
+
+            def read():
+                total = 0.0
+                for pid in pids():
+                    try:
+                        p = procs.get(pid) or procs.setdefault(pid, psutil.Process(pid))
+                        t = p.cpu_times()
+                    except psutil.Error:  # a short-lived child, gone
+                        continue
+                    total += t.user + t.system
+                return total
+            return read
+
+        tp = psutil.Process(trainer.pid)
+        ranks = lambda: [c.pid for c in tp.children(recursive=True)] + [tp.pid]  # noqa: E731
+        rx = lambda: [p.pid for name, (p, _) in self.procs.items() if name.startswith("receiver-")]  # noqa: E731
+        return Counters({"up_mb": net("tx"), "down_mb": net("rx"), "trainer_cpu_s": cpu(ranks),
+                         "receiver_cpu_s": cpu(rx), "store_cpu_s": cpu(lambda: [self.moto.pid])})
+
     def make_plan(self) -> list[dict]:
-        """The steps the driver asks for, in order (``go/<step>.json``)."""
+        """The steps the driver asks for, in order (``go/<step>.json``): the warm-up, then per
+        rate ``--dense-steps`` steps with a dense refit after the nemo_dcr one (at the middle
+        lr, the first variant: their nemo_dcr refits count in that case), then per lr, rate
+        and repeat one step per variant, in turn (so each variant's refits are spread over
+        the same stretch of the run).  Steps without a dense refit are checked bit for bit
+        off the link (``verify``)."""
         args = self.args
-        plan = [{"lr": args.lrs[len(args.lrs) // 2], "link_mbit": args.setup_mbit, "dense": True, "warmup": True}
-                for _ in range(args.warmup)]
-        plan += [{"lr": lr, "link_mbit": mbit, "dense": True, "warmup": False}
-                 for lr in args.lrs for mbit in args.rates for _ in range(args.steps)]
+        mid = args.lrs[len(args.lrs) // 2]
+
+        def step(lr, mbit, variant, dense, warmup=False):
+            stream, qdisc = VARIANTS[variant]
+            return {"lr": lr, "link_mbit": mbit, "variant": variant, "stream": stream, "qdisc": qdisc,
+                    "dense": dense, "verify": True, "warmup": warmup}
+
+        plan = [step(mid, args.setup_mbit, args.variants[0], True, True) for _ in range(args.warmup)]
+        plan += [step(mid, mbit, args.variants[0], True) for mbit in args.rates for _ in range(args.dense_steps)]
+        plan += [step(lr, mbit, v, False) for lr in args.lrs for mbit in args.rates for _ in range(args.steps)
+                 for v in args.variants]
         return plan
 
     def report_step(self, step: int, n: int, p: dict, row: dict, t_start: float) -> None:
         """Progress after a step; raises if its refit did not commit bit-exactly."""
         r = refit_record(row)
-        tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s"
+        tag = "warm-up" if p["warmup"] else f"{p['link_mbit']:g} Mbit/s {p['variant']}"
+        dense = (f", dense {r['dense_s']:.1f}s ({r['speedup']:.1f}x; wire ratio {r['wire_ratio']:.0f}x)"
+                 if "dense_s" in r else "")
         _progress(f"step {step}/{n} ({tag}, lr {p['lr']:g}): changed {r['changed_pct']:.2f}%, "
-                  f"wire {r['wire_bytes']} B, nemo_dcr {r['dcr_s']:.2f}s, dense {r['dense_s']:.1f}s "
-                  f"({r['speedup']:.1f}x; wire ratio {r['wire_ratio']:.0f}x), "
+                  f"wire {r['wire_bytes']} B, nemo_dcr {r['dcr_s']:.2f}s (critical: {r['critical']}){dense}, "
                   f"bit-exact {'yes' if r['bit_exact'] else 'NO'}, {time.monotonic() - t_start:.0f}s elapsed")
         if not (r["committed"] and r["bit_exact"]):
             raise BenchError(f"step {step}: refit committed={r['committed']} bit_exact={r['bit_exact']} "
@@ -412,7 +552,8 @@ class Run:
                   "AWS_DEFAULT_REGION": "us-east-1", "NO_PROXY": self.link.ns_addr, "no_proxy": self.link.ns_addr}
         os.environ.update(s3_env)  # this driver's own store client (bucket, link probe)
         moto_exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.moto = self._start("moto", [*self.link.exec_prefix(), moto_exe, "-H", self.link.ns_addr,
+        pin_trainer, pin_rest = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if args.pin else ([], [])
+        self.moto = self._start("moto", [*self.link.exec_prefix(), *pin_rest, moto_exe, "-H", self.link.ns_addr,
                                          "-p", str(S3_PORT)], dict(os.environ))
         _wait_port(self.link.ns_addr, S3_PORT, self.moto)
         import s3fs
@@ -437,7 +578,9 @@ class Run:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: key_path})
         go_dir = os.path.join(self.run_dir, "go")
         os.makedirs(go_dir)
-        self._start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        plan_dir = os.path.join(self.run_dir, "rxplan")
+        os.makedirs(plan_dir)
+        trainer = self._start("trainer", [*pin_trainer, sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc-per-node={cfg.parallel.world_size}", "-m", "nemo_dcr_testbed.link_refit",
                                 "trainer", "--config", cfg_path, "--dir", self.run_dir,
                                 "--driver-pid", str(os.getpid())], env)
@@ -445,11 +588,11 @@ class Run:
         for rid in cfg.refit.receivers:
             rdirs[rid] = os.path.join(self.run_dir, f"receiver-{rid}")
             os.makedirs(rdirs[rid])
-            self._start(f"receiver-{rid}", [sys.executable, "-m", "nemo_dcr_testbed.link_refit", "receiver",
+            self._start(f"receiver-{rid}", [*pin_rest, sys.executable, "-m", "nemo_dcr_testbed.link_refit", "receiver",
                                             "--store", cfg.store.uri, "--receiver-id", rid, "--model-id", cfg.refit.model_id,
                                             "--dir", rdirs[rid], "--timeout-s", str(args.step_timeout_s),
-                                            "--driver-pid", str(os.getpid()),
-                                            *([] if args.stream else ["--no-stream"])], env)
+                                            "--driver-pid", str(os.getpid()), "--plans", plan_dir,
+                                            "--local-dir", self.run_dir], env)
         _progress(f"trainer ({cfg.parallel.world_size} ranks, TP={cfg.parallel.tensor_model_parallel_size}) and "
                   f"{len(rdirs)} receiver(s) starting; logs in {self.run_dir}")
         deadline = time.monotonic() + args.step_timeout_s
@@ -460,12 +603,28 @@ class Run:
                 raise BenchError(f"receivers not ready after {args.step_timeout_s:g}s (version 0 not loaded)")
             time.sleep(0.2)
         _progress(f"version 0 written and loaded ({time.monotonic() - t_start:.0f}s)")
+        counters = self._counters(trainer)
+        counters.start()
+        t0 = time.monotonic()
+        while not all(counters.series.values()) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        _progress(f"counters sampling ({', '.join(k for k, v in counters.series.items() if v)}) after "
+                  f"{time.monotonic() - t0:.2f}s")
 
         plan = self.make_plan()
         steps_path = os.path.join(self.run_dir, "steps.jsonl")
         rows: list[dict] = []
+        sampled: dict[int, dict] = {}  # step -> its counters (rows are read again from the file each step)
         for step, p in enumerate(plan, 1):
             self.link.set_rate(p["link_mbit"])
+            self.link.set_qdisc(p["qdisc"])
+            _write_json_atomic(os.path.join(plan_dir, f"{step}.json"), {"stream": p["stream"]})
+            t0 = time.monotonic()
+            while not all(os.path.exists(os.path.join(plan_dir, f"{step}.ok")) for _ in rdirs):
+                self._check_alive()
+                if time.monotonic() - t0 > args.step_timeout_s:
+                    raise BenchError(f"step {step}: the receiver did not take its plan -- logs in {self.run_dir}")
+                time.sleep(0.05)
             _write_json_atomic(os.path.join(go_dir, f"{step}.json"), p)
             t0 = time.monotonic()
             while len(rows) < step:
@@ -478,8 +637,17 @@ class Run:
                     raise BenchError(f"step {step} not finished after {args.step_timeout_s:g}s -- "
                                      f"logs in {self.run_dir}")
                 time.sleep(0.2)
-            self.report_step(step, len(plan), p, rows[step - 1], t_start)
+            row = rows[step - 1]
+            t_a, t_b = row["dcr"]["t_start"], row["dcr"]["t_committed"]
+            time.sleep(2 * counters.period_s)  # a sample after the decision
+            sampled[step] = {k: (None if v is None else round(v / (1e6 if k.endswith("_mb") else 1), 4))
+                             for k in COUNTER_FIELDS for v in [counters.between(k, t_a, t_b)]}
+            row["counters"] = sampled[step]
+            self.report_step(step, len(plan), p, row, t_start)
+        counters.stop()
         self._stop_all(rdirs, "step")
+        for step, row in enumerate(rows, 1):
+            row["counters"] = sampled[step]
         return {"records": [refit_record(row) for row in rows], "plan": plan, "link_checks": link_checks,
                 "wall_s": time.monotonic() - t_start}
 
@@ -491,16 +659,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lrs", default="4.5e-7,2.4e-6,4.5e-6",
                     help="learning rates, one case each (the defaults change ~1%%, ~3%%, ~5%% of BF16 elements "
                          "per step on the default model; the measured changed_pct is reported)")
-    ap.add_argument("--steps", type=int, default=1, help="optimizer steps (= refit pairs) per case")
+    ap.add_argument("--steps", type=int, default=3, help="refits per case (lr, rate, variant), each its own step")
+    ap.add_argument("--dense-steps", type=int, default=3,
+                    help="dense refits per rate (each after a nemo_dcr refit of the first variant, middle lr)")
+    ap.add_argument("--variants", default="stream,nostream,stream+small-first",
+                    help=f"what changes between refits of one trainer run: {', '.join(VARIANTS)} (streaming "
+                         "receive on/off; the link's queueing, one FIFO or small packets first)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the trainer ranks to CPU 0 and the receiver and the store to CPU 1 (taskset)")
     ap.add_argument("--warmup", type=int, default=1, help="steps at --setup-mbit before the cases (not reported "
                     "as cases: the first refits pay one-time costs)")
     ap.add_argument("--setup-mbit", type=float, default=10000.0,
                     help="link rate while version 0 and the warm-up steps cross it")
     ap.add_argument("--probe-mib", type=int, default=16, help="size of the link probe at each rate (MiB)")
     ap.add_argument("--step-timeout-s", type=float, default=1800.0)
-    ap.add_argument("--no-stream", dest="stream", action="store_false",
-                    help="the receiver fetches a version's chunks only after its manifest (streaming receive off)")
-    ap.add_argument("--out-dir", default=RESULTS, help="where refit_link.json / .png go")
+    ap.add_argument("--out-dir", default=RESULTS, help="where <name>.json / .png go")
+    ap.add_argument("--name", default="refit_link", help="file name of the JSON and the plot (default refit_link)")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml (after the defaults: "
                     + " ".join(MODEL) + ")")
@@ -512,13 +686,16 @@ def _main(args) -> int:
     check_prerequisites()
     args.rates = _parse_floats(args.rates, "rates")
     args.lrs = _parse_floats(args.lrs, "lrs")
-    if args.steps < 1 or args.warmup < 0:
-        raise BenchError("--steps must be >= 1 and --warmup >= 0", 2)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        raise BenchError(f"--variants: a comma-separated list of {', '.join(VARIANTS)}", 2)
+    if args.steps < 0 or args.warmup < 0 or args.dense_steps < 1:
+        raise BenchError("--steps and --warmup must be >= 0 and --dense-steps >= 1", 2)
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "link", time.strftime("%Y%m%d-%H%M%S")))
 
     from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
-    total = args.warmup + args.steps * len(args.rates) * len(args.lrs)
+    total = args.warmup + len(args.rates) * (args.dense_steps + args.steps * len(args.lrs) * len(args.variants))
     try:
         cfg = load_demo_config([*MODEL, f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/run", f"steps={total}",
                                 "refit.model_id=refit-link", "refit.verify_dense=false", "refit.ack_timeout_s=900", "refit.pipeline=false",
@@ -541,12 +718,15 @@ def _main(args) -> int:
 
     records = out["records"]
     cases = []
-    for lr in args.lrs:
-        for mbit in args.rates:
-            mine = [r for r, p in zip(records, out["plan"])
-                    if not p["warmup"] and r["lr"] == lr and r["link_mbit"] == mbit]
-            cases.append(case_entry(mbit, lr, mine))
-    cases.sort(key=lambda c: (c["link_mbit"], c["lr"]))
+    for mbit in args.rates:
+        dense = [r for r, p in zip(records, out["plan"]) if not p["warmup"] and p["dense"] and r["link_mbit"] == mbit]
+        for lr in args.lrs:
+            for variant in args.variants:
+                mine = [r for r, p in zip(records, out["plan"]) if not p["warmup"] and r["lr"] == lr
+                        and r["link_mbit"] == mbit and p["variant"] == variant]
+                if mine:
+                    cases.append(case_entry(mbit, lr, mine, dense, variant))
+    cases.sort(key=lambda c: (c["link_mbit"], c["lr"], args.variants.index(c["variant"])))
     m = cfg.model
     result = {
         "meta": {
@@ -567,14 +747,17 @@ def _main(args) -> int:
             "receivers": cfg.refit.receivers,
             "coding": cfg.refit.coding,
             "chunk_bytes": cfg.refit.chunk_bytes,
-            "stream": args.stream,
+            "variants": {v: {"stream": VARIANTS[v][0], "qdisc": VARIANTS[v][1]} for v in args.variants},
+            "pinned": "trainer ranks on CPU 0, receiver and store on CPU 1 (taskset)" if args.pin else None,
             "rates_mbit": args.rates, "lrs": args.lrs, "steps_per_case": args.steps, "warmup_steps": args.warmup,
+            "dense_steps_per_rate": args.dense_steps,
             "setup_mbit": args.setup_mbit, "overrides": args.overrides,
             "wall_s": round(out["wall_s"], 1), "run_dir": run_dir,
             "verification": {
                 "bit_exact_refits": f"{sum(r['bit_exact'] for r in records)}/{len(records)}",
-                "how": "after each dense refit the receiver compares its delta-refit model with the densely "
-                       "loaded one, every parameter and buffer as integer views (compare_modules)",
+                "how": "after every refit the receiver compares its delta-refit model with the trainer's gathered "
+                       "canonical state loaded into a second model (through the store on dense steps, from a "
+                       "local file on the others), every parameter and buffer as integer views (compare_modules)",
                 "negative_control": [c for r in records for c in r["negative_control"]],
             },
             "definitions": {
@@ -596,18 +779,31 @@ def _main(args) -> int:
                               "gather/serialize/deserialize/load)",
                 "dcr_link_bound": "nemo_dcr wire bytes at the link rate take longer than every nemo_dcr CPU stage",
                 "speedup_over_ratio": "speedup / wire_ratio",
+                "dense_s (case)": "median of the dense refits at the case's rate (dense bytes and wall do not "
+                                  "depend on the lr or the variant)",
+                "timeline": "the critical path, consecutive segments from the step's end to the decision: the "
+                            "trainer's diff+encode+upload (rank 0 until its last chunk put), the manifest put "
+                            "and the receiver's poll until it read it, the chunks still arriving after it, the "
+                            "receiver's decode tail + apply + ack, the trainer's ack poll + decision; "
+                            "_first/_last_chunk_listed_s: when a receiver listing first / last showed a new "
+                            "chunk of the version (streaming only)",
+                "requests": "store calls by op:kind (transport/store/meter.py): the trainer's (all ranks) "
+                            "for the version; the receiver's since its previous answer (idle polls included)",
+                "up_mb / down_mb": "bytes on the link (root end veth tx / rx counters, headers included) "
+                                   "between the step's end and the decision",
+                "*_cpu_s": "CPU seconds (user + system) of the trainer ranks, the receiver, moto over the refit",
             },
         },
         "cases": cases,
         "warmup": [r for r, p in zip(records, out["plan"]) if p["warmup"]],
     }
     os.makedirs(args.out_dir, exist_ok=True)
-    json_path = os.path.join(args.out_dir, "refit_link.json")
+    json_path = os.path.join(args.out_dir, args.name + ".json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     print_table(cases)
-    plot(cases, os.path.join(args.out_dir, "refit_link.png"))
-    _progress(f"wrote {json_path} and refit_link.png ({out['wall_s']:.0f}s)")
+    plot(cases, os.path.join(args.out_dir, args.name + ".png"))
+    _progress(f"wrote {json_path} and {args.name}.png ({out['wall_s']:.0f}s)")
     return 0
 
 

@@ -46,6 +46,13 @@ from nemo_dcr.transport.store import ObjectStore
 from nemo_dcr.transport.store.meter import diff, snapshot_of
 
 
+DEFAULT_FETCH_THREADS = 8
+"""Chunks a receiver fetches at once by default (``ReceiverConfig.fetch_threads``): measured on
+the link benchmark (docs/benchmarks.md, issue 32), two fetches at a time (one per core of
+its 2-core VM, the earlier default) kept the receiver one round trip per two chunks behind
+the trainer's uploads."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ReceiverConfig:
     receiver_id: str = field(metadata=flag(
@@ -61,9 +68,11 @@ class ReceiverConfig:
     version (``v/<v>/dense.safetensors`` loaded through the same loader into a second
     model) and report ``bit_exact`` in the ack.  Verification only: doubles memory."""
     fetch_threads: int = field(default=0, metadata=flag(
-        "--fetch-threads", "chunks downloaded, verified and decoded at once (0: one per CPU core, at most 8)"))
-    """Chunks downloaded, verified and decoded at once (the coder releases the GIL);
-    0: one per CPU core, at most 8."""
+        "--fetch-threads", f"chunks downloaded, verified and decoded at once (0: {DEFAULT_FETCH_THREADS})"))
+    """Chunks downloaded, verified and decoded at once; 0: ``DEFAULT_FETCH_THREADS``.  A
+    fetch mostly waits on the store (one request per chunk, a round trip each over a
+    distant link) and the coders release the GIL, so this is not bounded by the cores:
+    the ack reports the cores decoding used (``decode_cores``) beside it."""
     stream: bool = field(default=True, metadata=flag(
         "--no-stream", "fetch a version's chunks only once its signed manifest is there (default: fetch and decode "
         "them as they land, use them only if the manifest lists the same bytes)"))
@@ -79,7 +88,12 @@ class ReceiverConfig:
 
     @property
     def threads(self) -> int:
-        return self.fetch_threads or max(1, min(8, os.cpu_count() or 1))
+        return self.fetch_threads or DEFAULT_FETCH_THREADS
+
+    @property
+    def decode_cores(self) -> int:
+        """Cores the decoding of ``threads`` fetches runs on at most."""
+        return max(1, min(self.threads, os.cpu_count() or 1))
 
 
 @dataclass
@@ -208,6 +222,7 @@ class Receiver:
         stats = {"download_s": got.download_busy_s, "fetch_s": max(0.0, got.downloaded_at - t0),
                  "decode_s": got.done_at - max(got.downloaded_at, t0),
                  "decode_cpu_s": got.decode_cpu_s, "decode_gbps": got.decode_gbps, "fetch_threads": self.cfg.threads,
+                 "decode_cores": self.cfg.decode_cores,
                  "wire_bytes": manifest.wire_bytes, "changed": sum(d.nnz for d in deltas),
                  "stream": self.cfg.stream, "prefetch_used_chunks": got.prefetched_chunks,
                  "prefetch_used_bytes": got.prefetched_bytes, "manifest_read_at": manifest_at,
@@ -282,6 +297,7 @@ class Receiver:
             stats["sample"] = sample
         mark, self._store_mark = self._store_mark, snapshot_of(self.store)
         stats["requests"] = diff(self._store_mark, mark)  # since the previous answer: polls, listings, fetches
+        stats["answered_at"] = time.monotonic()
         return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=True,
                    held_version=self.held_version, manifest_digest=manifest_digest, stats=stats)
 

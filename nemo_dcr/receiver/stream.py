@@ -60,7 +60,7 @@ MAX_STRIDE = 8
 MAX_KEYS = 16384
 """Chunk keys one state looks at, at most: a key-less writer planting empty objects under
 ``chunks/`` costs the receiver this many requests per held version, then prefetching stops."""
-BATCH_PER_THREAD = 4
+BATCH_PER_THREAD = 2
 """New keys fetched per poll, per thread: bounds how long one follower step takes."""
 _CHUNK_NAME = re.compile(r"^r[0-9]{3,6}-[0-9]{5,9}\.dcr$")
 

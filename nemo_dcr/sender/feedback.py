@@ -91,7 +91,7 @@ class CodingFeedback:
     def _observation(self, current: str, stats: PublishStats, per_rank: Sequence[RankMeasure],
                      t_start: float | None) -> VersionObservation:
         acks = [a.get("stats") or {} for a in stats.acks]
-        decode = [float(a["decode_cpu_s"]) / max(1, int(a.get("fetch_threads") or 1))
+        decode = [float(a["decode_cpu_s"]) / max(1, int(a.get("decode_cores") or a.get("fetch_threads") or 1))
                   for a in acks if a.get("decode_cpu_s")]
         download = [float(a["download_s"]) for a in acks if a.get("download_s")]
         return VersionObservation(

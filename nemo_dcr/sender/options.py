@@ -34,8 +34,12 @@ class RefitOptions:
     chunk_bytes: int = 4 << 20
     """Upper bound on a chunk's raw records (8-byte positions + values) before coding;
     larger tensors are split into several records, so chunks stream at this granularity."""
-    upload_workers: int = 2
-    """Threads encoding and uploading chunks while later parameters are diffed."""
+    upload_workers: int = 8
+    """Threads encoding and uploading chunks while later parameters are diffed.  A put mostly
+    waits on the store (a round trip per chunk over a distant link; the coders release the
+    GIL), so this is not bounded by the cores: with 2 per rank the link benchmark's trainer
+    kept two puts in flight and took twice the link's time per byte (docs/benchmarks.md,
+    issue 32).  Encoding runs on at most the rank's cores whatever this says."""
     coding: str = "auto"
     """How chunks are coded (``sender/coding_choice.py``): ``context``, the codec's
     default codings in context mode (conditioned on the committed base bits, which receivers

@@ -106,9 +106,17 @@ def _await_objects(store, keys: list[str], timeout_s: float, what: str, poll_s: 
 
 
 # ----------------------------------------------------------------------------- trainer
-def _dense_refit(hook, version: int, receivers: tuple[str, ...], timeout_s: float) -> dict | None:
+def local_state_path(local_dir: str, version: int) -> str:
+    return os.path.join(local_dir, f"{version:08d}.safetensors")
+
+
+def _dense_refit(hook, version: int, receivers: tuple[str, ...], timeout_s: float,
+                 local_dir: str | None = None) -> dict | None:
     """Collective: the dense refit of ``version`` (see the module docstring); rank 0 returns
-    its timings and the receivers' reports, other ranks None."""
+    its timings and the receivers' reports, other ranks None.  ``local_dir``: the check
+    only, off the link: the state goes to a local file (``local_state_path``) that the
+    receiver on this machine loads and compares, not through the store (its times are not
+    a dense refit's and are not reported as one)."""
     import torch.distributed as dist
     from safetensors.torch import save as save_safetensors
 
@@ -122,7 +130,13 @@ def _dense_refit(hook, version: int, receivers: tuple[str, ...], timeout_s: floa
     blob = save_safetensors({k: v.contiguous() for k, v in sorted(state.items())})  # as hf_export writes init/
     del state
     t2 = time.monotonic()
-    hook.store.put(dense_key(version), blob)
+    if local_dir is not None:
+        tmp = local_state_path(local_dir, version) + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, local_state_path(local_dir, version))
+    else:
+        hook.store.put(dense_key(version), blob)
     t3 = time.monotonic()
     poll_s = hook.sender.cfg.ack_poll_s  # as the joint commit polls for its acks
     acks = _await_objects(hook.store, [dense_ack_key(r, version) for r in receivers], timeout_s,
@@ -131,6 +145,9 @@ def _dense_refit(hook, version: int, receivers: tuple[str, ...], timeout_s: floa
     # outside the timed window: the receivers' bit-exact comparison of both refits
     verify = _await_objects(hook.store, [verify_key(r, version) for r in receivers], timeout_s,
                             f"dense refit v{version}: receiver comparisons", poll_s)
+    if local_dir is not None:
+        os.unlink(local_state_path(local_dir, version))
+        return {"local": True, "verify": [{"receiver": r, **verify[verify_key(r, version)]} for r in receivers]}
     hook.store.delete(dense_key(version))  # keep the store's memory flat over the run
     return {
         "bytes": len(blob), "t_start": t0, "t_acked": t4, "wall_s": t4 - t0,
@@ -178,7 +195,12 @@ def trainer_main(argv: list[str]) -> int:
         stats = hook.last_stats
         dcr = {"wall_s": marks["committed"] - marks["step_end"], "t_start": marks["step_end"],
                "t_committed": marks["committed"]}
-        dense = _dense_refit(hook, step, receivers, cfg.refit.ack_timeout_s) if plan["dense"] else None
+        if plan["dense"]:
+            dense = _dense_refit(hook, step, receivers, cfg.refit.ack_timeout_s)
+        elif plan.get("verify", True):  # the bit-exact check alone, off the link
+            dense = _dense_refit(hook, step, receivers, cfg.refit.ack_timeout_s, local_dir=args.dir)
+        else:
+            dense = None
         if rank == 0:
             row = {"step": step, "plan": plan, "loss": result.loss, "canonical_numel": hook.sender.canonical_numel,
                    "family": hook.family.name, "dcr": dcr, "stats": asdict(stats), "dense": dense}
@@ -215,6 +237,11 @@ def receiver_main(argv: list[str]) -> int:
     ap.add_argument("--driver-pid", type=int, default=0, help="stop when this process is gone")
     ap.add_argument("--no-stream", dest="stream", action="store_false",
                     help="fetch a version's chunks only after its manifest (ReceiverConfig.stream=False)")
+    ap.add_argument("--plans", default=None,
+                    help="the driver's rxplan/ directory: before step s the driver writes <s>.json "
+                         "({'stream': bool}) and waits for <s>.ok, written once this receiver follows it")
+    ap.add_argument("--local-dir", default=None,
+                    help="where the trainer writes the state of a check-only step (local_state_path)")
     args = ap.parse_args(argv)
 
     from safetensors.torch import load as load_safetensors
@@ -241,17 +268,31 @@ def receiver_main(argv: list[str]) -> int:
     print(json.dumps({"receiver": rid, "ready": True, "run_id": session.run_id}), flush=True)
 
     done: set[int] = set()
+    planned: set[int] = set()
     stop = os.path.join(args.dir, "stop")
     while not os.path.exists(stop):
         if _driver_gone(args.driver_pid):
             print(f"link_refit receiver: driver {args.driver_pid} is gone; stopping", file=sys.stderr, flush=True)
             return 1
+        nxt = follower.state.committed + 1
+        if args.plans and nxt not in planned and follower.state.awaiting is None and \
+                os.path.exists(os.path.join(args.plans, f"{nxt}.json")):
+            with open(os.path.join(args.plans, f"{nxt}.json")) as f:
+                rx.cfg = dataclasses.replace(rx.cfg, stream=bool(json.load(f)["stream"]))
+            open(os.path.join(args.plans, f"{nxt}.ok"), "w").close()
+            planned.add(nxt)
         if follower.step():
             continue
         v = follower.state.committed
-        if v > 0 and v not in done and follower.state.awaiting is None and store.exists(dense_key(v)):
+        local = local_state_path(args.local_dir, v) if args.local_dir else ""
+        if v > 0 and v not in done and follower.state.awaiting is None and \
+                ((local and os.path.exists(local)) or store.exists(dense_key(v))):
             t0 = time.monotonic()
-            blob = store.get(dense_key(v))
+            if local and os.path.exists(local):
+                with open(local, "rb") as f:
+                    blob = f.read()
+            else:
+                blob = store.get(dense_key(v))
             t1 = time.monotonic()
             state = load_safetensors(blob)
             t2 = time.monotonic()

@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -156,3 +157,57 @@ def git_state(root: str) -> dict | None:
     except (BenchError, OSError):
         return None
     return {"head": head, "modified": [ln[3:] for ln in status.splitlines()]}
+
+
+class Counters:
+    """A thread reading named counters every ``period_s`` (``readers``: name -> a function
+    returning a number; one that raises is skipped for that sample), each kept as a series
+    of ``(time.monotonic(), value)``; ``at(name, t)`` is the last value read at or before ``t``."""
+
+    def __init__(self, readers: dict, period_s: float = 0.05) -> None:
+        import threading
+
+        self.readers = dict(readers)
+        self.period_s = period_s
+        self.series: dict[str, list[tuple[float, float]]] = {k: [] for k in self.readers}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="counters", daemon=True)
+
+    def add(self, name: str, reader) -> None:
+        with self._lock:
+            self.readers[name] = reader
+            self.series.setdefault(name, [])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                readers = list(self.readers.items())
+            for name, read in readers:
+                try:
+                    value = float(read())
+                except Exception:  # noqa: BLE001 - a process gone, a counter unreadable: no sample
+                    continue
+                t = time.monotonic()
+                with self._lock:
+                    self.series[name].append((t, value))
+            self._stop.wait(self.period_s)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def at(self, name: str, t: float) -> float | None:
+        import bisect
+
+        with self._lock:
+            s = self.series.get(name, [])
+            i = bisect.bisect_right(s, (t, float("inf")))
+            return s[i - 1][1] if i else None
+
+    def between(self, name: str, t0: float, t1: float) -> float | None:
+        a, b = self.at(name, t0), self.at(name, t1)
+        return None if a is None or b is None else b - a

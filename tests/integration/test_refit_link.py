@@ -38,7 +38,8 @@ def _missing_privileges() -> str | None:
 @pytest.mark.skipif(_missing_privileges() is not None, reason=_missing_privileges() or "")
 def test_smallest_configuration_refits_bit_exact_over_a_shaped_link(tmp_path):
     out, run = tmp_path / "out", tmp_path / "run"
-    cmd = [sys.executable, SCRIPT, "--rates", "50", "--lrs", "1e-4", "--steps", "1", "--warmup", "0",
+    cmd = [sys.executable, SCRIPT, "--rates", "50", "--lrs", "1e-4", "--steps", "1", "--dense-steps", "1",
+           "--variants", "stream,nostream+small-first", "--warmup", "0",
            "--probe-mib", "1", "--out-dir", str(out), "--run-dir", str(run), *TINY]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
@@ -48,19 +49,31 @@ def test_smallest_configuration_refits_bit_exact_over_a_shaped_link(tmp_path):
     meta = d["meta"]
     assert "bench_refit_link.py --rates 50" in meta["command"]
     assert meta["tp"] == 2 and meta["link_probe"][0]["link_mbit"] == 50
-    (case,) = d["cases"]
-    for field in CASE_FIELDS:
-        assert field in case, field
-    assert set(case["stages"]) == set(STAGES)
-    assert case["link_mbit"] == 50 and case["lr"] == 1e-4 and 0 < case["changed_pct"] <= 100
-    assert case["wire_ratio"] == pytest.approx(case["dense_bytes"] / case["wire_bytes"])
-    assert case["speedup"] == pytest.approx(case["dense_s"] / case["dcr_s"])
-    assert case["dcr_s"] > 0 and case["dense_s"] > 0 and case["overlap"] >= 1.0
-    assert case["committed"] == "1/1" and case["bit_exact"] == "1/1"
-    (refit,) = case["refits"]
-    assert refit["bit_exact"] is True and refit["negative_control"] == ["detected"]
-    assert refit["verify"][0]["compared"] > 0
-    assert meta["verification"]["bit_exact_refits"] == "1/1"
+    stream, other = d["cases"]
+    assert (stream["variant"], other["variant"]) == ("stream", "nostream+small-first")
+    assert meta["variants"]["nostream+small-first"] == {"stream": False, "qdisc": "small-first"}
+    for case in (stream, other):
+        for field in CASE_FIELDS:
+            assert field in case, field
+        assert set(case["stages"]) == set(STAGES)
+        assert case["link_mbit"] == 50 and case["lr"] == 1e-4 and 0 < case["changed_pct"] <= 100
+        assert case["wire_ratio"] == pytest.approx(case["dense_bytes"] / case["wire_bytes"])
+        assert case["speedup"] == pytest.approx(case["dense_s"] / case["dcr_s"])
+        assert case["dcr_s"] > 0 and case["dense_s"] > 0 and case["overlap"] >= 1.0 and case["dense_n"] == 1
+        for refit in case["refits"]:
+            assert refit["bit_exact"] is True and refit["verify"][0]["compared"] > 0
+            # the critical path adds up to the wall; the counters and the request accounting are there
+            segments = [v for k, v in refit["timeline"].items() if not k.startswith("_")]
+            assert sum(segments) == pytest.approx(refit["dcr_s"], abs=2e-3)
+            assert refit["up_mb"] > 0 and refit["down_mb"] > 0 and refit["trainer_cpu_s"] > 0
+            assert refit["requests"]["trainer"]["put:chunk"]["n"] == refit["chunks"]
+            assert refit["requests"]["receiver"]["get:chunk"]["n"] == refit["chunks"]
+            assert "stat:chunk" not in refit["requests"]["receiver"]
+    # the first variant's case holds the dense step's nemo_dcr refit and its own
+    assert stream["committed"] == stream["bit_exact"] == "2/2" and other["committed"] == other["bit_exact"] == "1/1"
+    assert stream["refits"][0]["negative_control"] == ["detected"]
+    assert other["prefetched_share"] == 0 and other["refits"][0]["rx_stream"] is False
+    assert meta["verification"]["bit_exact_refits"] == "3/3"
     assert p.stdout.splitlines()[0].split()[:2] == ["link", "Mbit/s"]  # the table on stdout, progress on stderr
     assert "[bench_refit_link] step 1/1" in p.stderr
 
