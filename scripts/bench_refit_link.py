@@ -2,8 +2,10 @@
 through the same S3 store, the same shaped link and the same receiver process.
 
     sudo .venv/bin/python scripts/bench_refit_link.py [--rates 50,200] [--lrs 4.5e-7,2.4e-6,4.5e-6]
-        [--steps 1] [--warmup 1] [--no-stream] [--out-dir benchmarks/results]
+        [--steps 3] [--dense-steps 3] [--variants stream,nostream,stream+small-first] [--pin]
+        [--warmup 1] [--out-dir benchmarks/results] [--name refit_link]
         [hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml ...]
+    .venv/bin/python scripts/bench_refit_link.py --regroup benchmarks/results/refit_link.json
 
 Needs root (network namespaces, ``tc``); refuses to run otherwise.
 
@@ -21,20 +23,26 @@ cross it, each direction at R.  Gloo traffic between trainer ranks stays on loop
 
 One trainer run (Megatron-Core GPT, TP=2 under torchrun; by default 8 layers, hidden 1024,
 FFN 2816, 16 heads / 4 KV groups, vocabulary 32000: 155.7 M parameters, 311 MB BF16) and one
-receiver run through all cases: for each learning rate, for each link rate, ``--steps``
-optimizer steps, each followed by both refits (``testbed/nemo_dcr_testbed/link_refit.py``: nemo_dcr
-first, then the dense one; every dense refit is also the bit-exact check of the delta
-refit).  The link is reshaped between steps only, while nothing is in flight.  Version 0
-and the ``--warmup`` steps run with the link at ``--setup-mbit`` and are not cases.
+receiver run through every refit (``testbed/nemo_dcr_testbed/link_refit.py``), each its own
+optimizer step (``make_plan``): first ``--dense-steps`` steps per rate whose nemo_dcr refit is
+followed by a dense one, then for each learning rate, rate and repeat one step per variant,
+in turn.  A variant says whether the receiver streams (``receiver/stream.py``) and how the
+link queues (``Link.set_qdisc``: one FIFO, or small packets first); the link and the
+receiver are changed between steps only, while nothing is in flight.  Training is
+deterministic, so two runs of the same plan refit the same steps with the same bytes: a
+product change is compared across runs on identical versions.  Every refit is checked bit
+for bit (on a dense step against the densely loaded model, otherwise against the trainer's
+gathered state written to a local file, off the link).  Version 0 and the ``--warmup``
+steps run with the link at ``--setup-mbit`` and are not cases.
 
-The receiver streams (``receiver/stream.py``: it fetches and decodes each chunk as it lands,
-while the trainer is still uploading the rest, and uses it once the signed manifest lists
-its digest); ``--no-stream`` runs it the way it ran before, fetching only after the manifest.
+Per refit it records the stages, the critical path (``timeline``), the store calls of each
+side by kind (``transport/store/meter.py``), the bytes on the link per direction and the
+CPU seconds of the trainer ranks, the receiver and the store (``Run._counters``).
 
-Writes ``<out-dir>/refit_link.{json,png}``; prints a table on stdout, progress on stderr.
+Writes ``<out-dir>/<name>.{json,png}``; prints a table on stdout, progress on stderr.
 Timings are wall clock on whatever else the machine is doing.  On the project's 2-core VM
-the defaults take about 9 min and ``--steps 2`` about 16 min: a dense refit of the default
-model takes ~110 s at 50 Mbit/s (311 MB put, then got, each way at the link rate).
+the defaults take about 15 min (a dense refit of the default model takes ~110 s at
+50 Mbit/s: 311 MB put, then got, each way at the link rate).
 """
 from __future__ import annotations
 
@@ -65,7 +73,7 @@ MODEL = ["model.num_layers=8", "model.hidden_size=1024", "model.num_attention_he
 NS_PREFIX = "dcrlink-"
 S3_PORT = 5000
 BUCKET = "refit-link"
-DCR_STAGES = ("diff_s", "project_s", "encode_s", "upload_s", "rx_download_s", "rx_decode_s", "rx_apply_s")
+DCR_STAGES = ("diff_s", "project_s", "encode_s", "publish_s", "rx_download_s", "rx_decode_s", "rx_apply_s")
 DCR_CPU = ("diff_s", "project_s", "encode_s", "rx_decode_s", "rx_apply_s")
 DENSE_STAGES = ("gather_s", "serialize_s", "put_s", "rx_get_s", "rx_deserialize_s", "rx_load_s")
 DENSE_CPU = ("gather_s", "serialize_s", "rx_deserialize_s", "rx_load_s")
@@ -255,7 +263,7 @@ def refit_record(row: dict) -> dict:
     # the tail after the last arrival, where a receiver without the pool reports all of it)
     decode = rx("decode_cpu_s") if any("decode_cpu_s" in a["stats"] for a in acks) else rx("decode_s")
     stages = {"diff_s": st["diff_s"], "project_s": st["project_s"], "encode_s": st["encode_s"],
-              "upload_s": st["upload_s"], "rx_download_s": rx("download_s"), "rx_decode_s": decode,
+              "publish_s": st["publish_s"], "rx_download_s": rx("download_s"), "rx_decode_s": decode,
               "rx_apply_s": rx("apply_s")}
     slowest = max(stages, key=stages.get)
     rec = {
@@ -271,6 +279,7 @@ def refit_record(row: dict) -> dict:
         "rx_prefetch_used_chunks": min((a["stats"].get("prefetch_used_chunks", 0) for a in acks), default=0),
         "rx_prefetch_used_bytes": min((a["stats"].get("prefetch_used_bytes", 0) for a in acks), default=0),
         "variant": row["plan"].get("variant", "stream"), "qdisc": row["plan"].get("qdisc", "fifo"),
+        "dense_step": bool(row["plan"]["dense"]),
         "coding": st.get("coding", ""),
         "timeline": timeline(row),
         "requests": {"trainer": _requests(st.get("requests", {}).get("calls", {})),
@@ -349,8 +358,52 @@ def case_entry(mbit: float, lr: float, refits: list[dict], dense: list[dict], va
     }
 
 
+def build_cases(records: list[dict], variants: list[str]) -> list[dict]:
+    """Cases (rate, lr, variant) from the refits of the measured steps.  The nemo_dcr refits of
+    the dense steps (the first steps at each rate, where the change is larger) are a case of
+    their own, ``<variant> (dense steps)``, so that the variants compare refits of the same
+    stretch of the run; every case's dense side is the dense refits at its rate."""
+    cases = []
+    for mbit in sorted({r["link_mbit"] for r in records}):
+        dense = [r for r in records if r["link_mbit"] == mbit and "dense_s" in r]
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            if r["link_mbit"] == mbit:
+                name = f"{r['variant']} (dense steps)" if r.get("dense_step", "dense_s" in r) else r["variant"]
+                groups.setdefault((r["lr"], name), []).append(r)
+        order = {v: i for i, v in enumerate(variants)}
+        for (lr, name), mine in sorted(groups.items(), key=lambda kv: (kv[0][0], "(dense" in kv[0][1],
+                                                                       order.get(kv[0][1], 99))):
+            cases.append(case_entry(mbit, lr, mine, dense, name))
+    return cases
+
+
+def regroup(path: str) -> int:
+    """``--regroup``: rebuild the cases of a result JSON from its refits (what ``build_cases``
+    and ``case_entry`` make now), rewrite it and its plot, print the table."""
+    with open(path) as f:
+        result = json.load(f)
+    seen, records = set(), []
+    for c in result["cases"]:
+        for r in c["refits"]:
+            if r["step"] not in seen:
+                seen.add(r["step"])
+                if "publish_s" not in r["stages"]:  # written before the stage was the trainer's wall
+                    r["stages"].pop("upload_s", None)
+                    r["stages"]["publish_s"] = r["publish_s"]
+                records.append(r)
+    records.sort(key=lambda r: r["step"])
+    variants = list(result["meta"].get("variants") or ["stream"])
+    result["cases"] = build_cases(records, variants)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result["cases"])
+    plot(result["cases"], path.removesuffix(".json") + ".png")
+    return 0
+
+
 def print_table(cases: list[dict]) -> None:
-    cols = [("link Mbit/s", 11), ("variant", 20), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
+    cols = [("link Mbit/s", 11), ("variant", 32), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
             ("nemo_dcr s", 10), ("dense s", 8), ("speedup", 8), ("spd/ratio", 9), ("link-bound", 10),
             ("overlap", 7), ("slowest stage", 13), ("prefetched", 10), ("bit-exact", 9)]
     print(" ".join(n.rjust(w) for n, w in cols), flush=True)
@@ -365,7 +418,7 @@ def print_table(cases: list[dict]) -> None:
     for c in cases:
         t = c["timeline"]
         reqs = {side: sum(c["requests"][side].values()) for side in ("trainer", "receiver")}
-        print(f"{c['link_mbit']:>6g} {c['variant']:>20} {c['changed_pct']:5.2f}%  "
+        print(f"{c['link_mbit']:>6g} {c['variant']:>32} {c['changed_pct']:5.2f}%  "
               + "  ".join(f"{t[k]:.3f}" for k in t if not k.startswith("_"))
               + f"  | requests trainer {reqs['trainer']:.0f} ({c['request_s']['trainer']:.2f}s) receiver "
               f"{reqs['receiver']:.0f} ({c['request_s']['receiver']:.2f}s)"
@@ -678,7 +731,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/link/<date-time>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml (after the defaults: "
                     + " ".join(MODEL) + ")")
+    ap.add_argument("--regroup", metavar="JSON", default=None,
+                    help="rebuild the cases of an existing result JSON from its refits and rewrite it (no run)")
     args = ap.parse_args(argv)
+    if args.regroup:
+        return regroup(args.regroup)
     return run_cli("bench_refit_link", lambda: _main(args))
 
 
@@ -717,16 +774,9 @@ def _main(args) -> int:
     out = execute_run(run)
 
     records = out["records"]
-    cases = []
-    for mbit in args.rates:
-        dense = [r for r, p in zip(records, out["plan"]) if not p["warmup"] and p["dense"] and r["link_mbit"] == mbit]
-        for lr in args.lrs:
-            for variant in args.variants:
-                mine = [r for r, p in zip(records, out["plan"]) if not p["warmup"] and r["lr"] == lr
-                        and r["link_mbit"] == mbit and p["variant"] == variant]
-                if mine:
-                    cases.append(case_entry(mbit, lr, mine, dense, variant))
-    cases.sort(key=lambda c: (c["link_mbit"], c["lr"], args.variants.index(c["variant"])))
+    for r, p in zip(records, out["plan"]):
+        r["warmup"] = p["warmup"]
+    cases = build_cases([r for r in records if not r["warmup"]], args.variants)
     m = cfg.model
     result = {
         "meta": {
@@ -795,7 +845,7 @@ def _main(args) -> int:
             },
         },
         "cases": cases,
-        "warmup": [r for r, p in zip(records, out["plan"]) if p["warmup"]],
+        "warmup": [r for r in records if r["warmup"]],
     }
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, args.name + ".json")

@@ -35,7 +35,7 @@ number comes from:
   split into a part per request ``U0`` and a part per wire byte ``U1`` by a least-squares line
   through the version's chunks' (bytes, put seconds) (:func:`latency_share`; an unshaped link
   to a local store is mostly per request, a slow link mostly per byte), EWMA;
-* receivers, from their acks (``decode_cpu_s``, ``fetch_threads``, ``download_s``): the
+* receivers, from their acks (``decode_cpu_s``, ``decode_cores``, ``download_s``): the
   slowest receiver's decode wall, expressed relative to the probe's local decode rate of
   the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
   speed; and its download seconds: per byte ``D1`` what the trainer's puts cost per byte

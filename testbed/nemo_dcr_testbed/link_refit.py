@@ -28,9 +28,13 @@ The comparison is outside both timed windows.
 Driver protocol (files in ``--dir``, same machine): the driver shapes the link for step
 ``s``, then writes ``go/<s>.json`` (``{"lr": float, "dense": bool, "link_mbit": float}``);
 every rank waits for it, sets the learning rate (and ``refit.coding``, if the plan has a
-``"coding"``), trains one step and runs both refits; rank
-0 appends one JSON row to ``steps.jsonl``.  The receiver writes ``ready`` once it holds
-version 0 and stops when ``stop`` appears.
+``"coding"``), trains one step and runs the nemo_dcr refit, then the dense one if the plan
+says ``"dense"``, else (``"verify"``) the bit-exact check alone: the gathered state goes to a
+local file (``local_state_path``) the receiver compares against, off the link; rank
+0 appends one JSON row to ``steps.jsonl``.  Before ``go/<s>.json`` the driver writes
+``rxplan/<s>.json`` (``{"stream": bool}``) and waits for the receiver's ``rxplan/<s>.ok``:
+the receiver sets streaming receive for version ``s`` while idle, before any of its chunks
+exist.  The receiver writes ``ready`` once it holds version 0 and stops when ``stop`` appears.
 
     torchrun --nproc-per-node 2 -m nemo_dcr_testbed.link_refit trainer --config C --dir D
     python -m nemo_dcr_testbed.link_refit receiver --store URI --receiver-id r0 --model-id M --dir D

@@ -22,7 +22,7 @@ TINY = ["model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads
         "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=16"]
 CASE_FIELDS = ("link_mbit", "lr", "changed_pct", "wire_bytes", "dense_bytes", "wire_ratio", "dcr_s", "dense_s",
                "speedup", "link_bound", "stages", "dense_stages", "overlap", "slowest_stage", "bit_exact", "refits")
-STAGES = ("diff_s", "project_s", "encode_s", "upload_s", "rx_download_s", "rx_decode_s", "rx_apply_s")
+STAGES = ("diff_s", "project_s", "encode_s", "publish_s", "rx_download_s", "rx_decode_s", "rx_apply_s")
 
 
 def _missing_privileges() -> str | None:
@@ -49,10 +49,10 @@ def test_smallest_configuration_refits_bit_exact_over_a_shaped_link(tmp_path):
     meta = d["meta"]
     assert "bench_refit_link.py --rates 50" in meta["command"]
     assert meta["tp"] == 2 and meta["link_probe"][0]["link_mbit"] == 50
-    stream, other = d["cases"]
-    assert (stream["variant"], other["variant"]) == ("stream", "nostream+small-first")
+    stream, other, dense_step = d["cases"]
+    assert [c["variant"] for c in d["cases"]] == ["stream", "nostream+small-first", "stream (dense steps)"]
     assert meta["variants"]["nostream+small-first"] == {"stream": False, "qdisc": "small-first"}
-    for case in (stream, other):
+    for case in d["cases"]:
         for field in CASE_FIELDS:
             assert field in case, field
         assert set(case["stages"]) == set(STAGES)
@@ -69,13 +69,15 @@ def test_smallest_configuration_refits_bit_exact_over_a_shaped_link(tmp_path):
             assert refit["requests"]["trainer"]["put:chunk"]["n"] == refit["chunks"]
             assert refit["requests"]["receiver"]["get:chunk"]["n"] == refit["chunks"]
             assert "stat:chunk" not in refit["requests"]["receiver"]
-    # the first variant's case holds the dense step's nemo_dcr refit and its own
-    assert stream["committed"] == stream["bit_exact"] == "2/2" and other["committed"] == other["bit_exact"] == "1/1"
-    assert stream["refits"][0]["negative_control"] == ["detected"]
+    # the dense step's nemo_dcr refit is a case of its own (its dense refit is every case's dense side)
+    for case in d["cases"]:
+        assert case["committed"] == case["bit_exact"] == "1/1"
+    assert dense_step["refits"][0]["dense_step"] and not stream["refits"][0]["dense_step"]
+    assert dense_step["refits"][0]["negative_control"] == ["detected"]
     assert other["prefetched_share"] == 0 and other["refits"][0]["rx_stream"] is False
     assert meta["verification"]["bit_exact_refits"] == "3/3"
     assert p.stdout.splitlines()[0].split()[:2] == ["link", "Mbit/s"]  # the table on stdout, progress on stderr
-    assert "[bench_refit_link] step 1/1" in p.stderr
+    assert "[bench_refit_link] step 3/3" in p.stderr
 
     # everything the run created is gone
     assert meta["link"]["namespace"] not in subprocess.run(["ip", "netns", "list"], capture_output=True,

@@ -123,3 +123,4 @@ def test_meter_sums_and_differences():
     both = combined([snap, m.snapshot()])
     assert both["calls"]["get:head"]["n"] == 3 and both["calls"]["get:head"]["bytes"] == 24
     assert totals(m.snapshot())["get"] == {"n": 2, "s": 0.75, "bytes": 14}
+

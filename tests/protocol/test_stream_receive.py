@@ -223,3 +223,42 @@ def test_receive_cli_no_stream(tmp_path, key):
     base = ["--store", str(tmp_path / "s"), "--receiver-id", "r0", "--model-id", "m", "--key-file", key]
     assert check_input(parser().parse_args(base))[2].stream is True
     assert check_input(parser().parse_args([*base, "--no-stream"]))[2].stream is False
+
+
+class LyingSizes:
+    """The receiver's store, with a listing that lies about every chunk's size by ``shift``
+    bytes (as a relay or a planted listing could)."""
+
+    def __init__(self, inner, shift):
+        self.inner, self.shift, self.lied = inner, shift, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list_sizes(self, prefix, *, limit=None):
+        out = []
+        for k, size in self.inner.list_sizes(prefix, limit=limit):
+            self.lied += "/chunks/" in k
+            out.append((k, max(0, size + self.shift) if "/chunks/" in k else size))
+        return out
+
+
+@pytest.mark.parametrize("shift", [-1, 1000])
+def test_a_listing_that_lies_about_sizes_costs_a_fetch_again_never_an_apply(tmp_path, key, shift):
+    """A listed size bounds the prefetch's read and nothing else.  Under the real size the
+    read is refused (the chunk is fetched after the manifest against its signed size and
+    digest); over it, the real bytes are read and checked against the signed digest before
+    use.  Either way the version applies bit for bit.  Control: the lie was told, and the
+    undersized reads did fail at prefetch (nothing of them was used)."""
+    rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
+    rx.rx.store = liar = LyingSizes(inner, shift)
+    _step(w, rng)
+    stats = _refit(sender, rx, 1)
+    assert stats.committed and liar.lied >= stats.chunks
+    ack = _ack(inner, key, 1)
+    assert ack.ok
+    if shift < 0:
+        assert ack.stats["prefetch_failed"] == stats.chunks and ack.stats["prefetch_used_chunks"] == 0
+    else:
+        assert ack.stats["prefetch_used_chunks"] == stats.chunks and ack.stats["prefetch_mismatched"] == 0
+    _assert_bit_exact(rx, w)
