@@ -402,6 +402,34 @@ def regroup(path: str) -> int:
     return 0
 
 
+def compare(paths: list[str]) -> int:
+    """``--compare``: one line per case of the first result, its nemo_dcr wall, speedup and
+    speedup / wire ratio in each result side by side (runs of the same plan refit the same
+    steps with the same bytes: the changed % is checked equal)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        runs.append((os.path.basename(path).removesuffix(".json"), d["meta"].get("git") or {},
+                     {(c["link_mbit"], c["lr"], c["variant"]): c for c in d["cases"]}))
+    print("runs: " + "; ".join(f"{name} (git {g.get('head', '?')}{' +' if g.get('modified') else ''})"
+                               for name, g, _ in runs))
+    print("(*: other bytes than the first run's step: its changed % differs)")
+    print(f"{'Mbit/s':>6} {'lr':>8} {'variant':>32} {'chg %':>6}  " + "  ".join(f"{n:>24}" for n, _, _ in runs))
+    for key, first in runs[0][2].items():
+        cells = []
+        for _, _, cases in runs:
+            c = cases.get(key)
+            if c is None:
+                cells.append(f"{'-':>24}")
+                continue
+            other = abs(c["changed_pct"] - first["changed_pct"]) > 1e-6  # not the same step's bytes
+            cells.append(f"{c['dcr_s']:6.2f}s {c['speedup']:6.1f}x {c['speedup_over_ratio']:5.2f}"
+                         f"{'*' if other else ' '}".rjust(24))
+        print(f"{key[0]:>6g} {key[1]:>8g} {key[2]:>32} {first['changed_pct']:6.2f}  " + "  ".join(cells))
+    return 0
+
+
 def print_table(cases: list[dict]) -> None:
     cols = [("link Mbit/s", 11), ("variant", 32), ("lr", 8), ("changed %", 9), ("wire B", 10), ("dense B", 11), ("wire ratio", 10),
             ("nemo_dcr s", 10), ("dense s", 8), ("speedup", 8), ("spd/ratio", 9), ("link-bound", 10),
@@ -733,7 +761,11 @@ def main(argv: list[str] | None = None) -> int:
                     + " ".join(MODEL) + ")")
     ap.add_argument("--regroup", metavar="JSON", default=None,
                     help="rebuild the cases of an existing result JSON from its refits and rewrite it (no run)")
+    ap.add_argument("--compare", metavar="JSON", nargs="+", default=None,
+                    help="print the cases of result JSONs side by side (nemo_dcr s, speedup, speedup / ratio); no run")
     args = ap.parse_args(argv)
+    if args.compare:
+        return compare(args.compare)
     if args.regroup:
         return regroup(args.regroup)
     return run_cli("bench_refit_link", lambda: _main(args))
