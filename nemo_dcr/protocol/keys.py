@@ -158,6 +158,8 @@ def key_kind(key: str) -> str:
     ``manifest``, ``decision``, ``dense``, ``head``, ``committed``, ``ack``, ``join``,
     ``run``, ``init``, ``snapshot``; anything else is ``other`` (request accounting,
     ``transport/store/meter.py``)."""
+    if CHUNK_MARK in key:  # what a chunk object's key contains (and a listed chunks/ prefix)
+        return "chunk"
     key = key.strip("/")
     for pattern, kind in _KINDS:
         if pattern.match(key):

@@ -18,7 +18,7 @@ from protocol_helpers import Rx, _sender, _step, bits_of, key  # noqa: F401 - ke
 
 from nemo_dcr.protocol.keys import key_kind
 from nemo_dcr.transport.store import list_sizes, open_store
-from nemo_dcr.transport.store.meter import RequestMeter, combined, diff, totals
+from nemo_dcr.transport.store.meter import RequestMeter, combined, diff
 
 
 class NoSizes:
@@ -105,7 +105,7 @@ def test_the_s3_listing_gives_sizes_and_tags_without_a_head(s3_bucket):
     ("v/00000003/dense.safetensors", "dense"), ("HEAD.json", "head"), ("COMMITTED.json", "committed"),
     ("acks/r0/00000003.json", "ack"), ("acks/join.d/r0.json", "join"), ("RUN.json", "run"),
     ("init/model.safetensors", "init"), ("snapshots/v00000040/SNAPSHOT.json", "snapshot"),
-    ("v/00000003/", "other"), ("planted", "other"),
+    ("v/00000003/", "other"), ("planted", "other"), ("planted/chunks/x", "chunk"),
 ])
 def test_key_kinds(key_, kind):
     assert key_kind(key_) == kind
@@ -117,10 +117,10 @@ def test_meter_sums_and_differences():
     snap = m.snapshot()
     m.call("get", "HEAD.json", attempts=3, seconds=0.25, nbytes=4)
     m.call("list", "v/00000001/chunks/", attempts=1, seconds=0.1)
-    d = m.since(snap)
+    d = diff(m.snapshot(), snap)
     assert d["calls"] == {"get:head": {"n": 1, "attempts": 3, "s": 0.25, "bytes": 4},
                           "list:chunk": {"n": 1, "attempts": 1, "s": 0.1, "bytes": 0}}
     both = combined([snap, m.snapshot()])
     assert both["calls"]["get:head"]["n"] == 3 and both["calls"]["get:head"]["bytes"] == 24
-    assert totals(m.snapshot())["get"] == {"n": 2, "s": 0.75, "bytes": 14}
+    assert m.snapshot()["calls"]["get:head"] == {"n": 2, "attempts": 4, "s": 0.75, "bytes": 14}
 

@@ -113,7 +113,7 @@ class FsspecStore(BoundedStore):
                     return b""
                 raise
             if len(data) > max_bytes:
-                raise ObjectTooLarge(self.uri, key, len(data), max_bytes, grew=False, at_least=True)
+                raise ObjectTooLarge(self.uri, key, len(data), max_bytes, at_least=True)
             return data
 
         return self._call("get", key, attempt)

@@ -11,8 +11,8 @@ On fsspec back ends a store call may be more than one request to the server (S3:
 of unknown size is a ``HEAD`` then a ``GET``); those requests are counted too, under
 ``requests`` by their fsspec call (``info``, ``cat_file``, ``pipe_file``, ``lsdir``, ...).
 
-The sender and the receiver report the difference between two snapshots
-(``RequestMeter.since``) per version: the trainer's upload, manifest, ack polls and
+The sender and the receiver report the difference between two snapshots (``diff``) per
+version: the trainer's upload, manifest, ack polls and
 decision; the receiver's polls, listings and chunk reads since its previous answer.
 """
 from __future__ import annotations
@@ -52,13 +52,10 @@ class RequestMeter:
             return {"calls": {k: {"n": n, "attempts": a, "s": s, "bytes": b} for k, (n, a, s, b) in self._calls.items()},
                     "requests": {k: {"n": n, "s": s} for k, (n, s) in self._requests.items()}}
 
-    def since(self, before: Mapping | None) -> dict:
-        """What was counted after the snapshot ``before`` (None: everything), entries with no
-        new call left out; seconds rounded to microseconds."""
-        return diff(self.snapshot(), before)
-
 
 def diff(now: Mapping, before: Mapping | None) -> dict:
+    """What ``now`` counted after the snapshot ``before`` (None: everything), entries with no
+    new call left out; seconds rounded to microseconds."""
     before = before or {}
     out: dict = {}
     for table in ("calls", "requests"):
@@ -82,17 +79,6 @@ def combined(snapshots: Iterable[Mapping]) -> dict:
                 acc = out[table].setdefault(name, {f: 0 for f in row})
                 for f, v in row.items():
                     acc[f] = acc.get(f, 0) + v
-    return out
-
-
-def totals(snapshot: Mapping) -> dict:
-    """Calls and seconds per operation (``get``, ``put``, ``list``, ...), summed over kinds."""
-    out: dict = {}
-    for name, row in snapshot.get("calls", {}).items():
-        acc = out.setdefault(name.split(":", 1)[0], {"n": 0, "s": 0.0, "bytes": 0})
-        acc["n"] += row["n"]
-        acc["s"] += row["s"]
-        acc["bytes"] += row["bytes"]
     return out
 
 

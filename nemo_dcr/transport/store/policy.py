@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from nemo_dcr.configs.check import check_number
 from nemo_dcr.errors import WrongTypeError
-from nemo_dcr.protocol.keys import CHUNK_MARK
 from nemo_dcr.transport.store.base import ObjectNotFound, ObjectTooLarge, StoreError, SymlinkRefused
 from nemo_dcr.transport.store.meter import RequestMeter
 
@@ -183,15 +182,17 @@ class BoundedStore:
 
     uri: str
     policy: StorePolicy
-    chunk_bytes_read: int = 0
-    """Bytes of chunk objects (keys with ``CHUNK_MARK``) this store's ``get`` calls returned:
-    the one count of them (``FailoverStore.upstream_stats`` reads its members',
-    ``failover.origin_chunk_bytes`` the demo's ``origin_read_bytes``)."""
+
+    @property
+    def chunk_bytes_read(self) -> int:
+        """Bytes of chunk objects (keys with ``CHUNK_MARK``) this store's ``get`` calls returned,
+        from its meter (``get:chunk``): the one count of them (``FailoverStore.upstream_stats``
+        reads its members', ``failover.origin_chunk_bytes`` the demo's ``origin_read_bytes``)."""
+        return self.meter.snapshot()["calls"].get("get:chunk", {}).get("bytes", 0)
 
     def _init_policy(self, policy: StorePolicy | None) -> None:
         if policy is not None and not isinstance(policy, StorePolicy):
             raise WrongTypeError(f"policy must be a StorePolicy, got {type(policy).__name__}")
-        self._reads_lock = threading.Lock()
         self.meter = RequestMeter()
         """Every call of this store, by operation and key kind (``transport/store/meter.py``)."""
         self.policy = policy or StorePolicy()
@@ -208,12 +209,7 @@ class BoundedStore:
             attempt += 1
             try:
                 out = self._run_attempt(op, fn, Attempt(p, nbytes))
-                moved = nbytes
-                if op == "get":
-                    moved = len(out[0] if isinstance(out, tuple) else out)
-                    if CHUNK_MARK in key:
-                        with self._reads_lock:
-                            self.chunk_bytes_read += moved
+                moved = len(out[0] if isinstance(out, tuple) else out) if op == "get" else nbytes
                 self.meter.call(op, key, attempts=attempt, seconds=time.monotonic() - start, nbytes=moved)
                 return out
             except Exception as e:  # noqa: BLE001 - classified and reported below
