@@ -58,6 +58,7 @@ import sys
 import time
 
 from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import Sampler, file_counter
 from nemo_dcr_testbed.linkbench import parse_floats as _parse_floats
 from nemo_dcr_testbed.linkbench import read_rows as _read_rows
 from nemo_dcr_testbed.linkbench import remove_stale_links as _remove_stale_links
@@ -559,11 +560,8 @@ class Run:
         receiver(s) and moto (psutil, the processes' user + system time)."""
         import psutil
 
-        from nemo_dcr_testbed.linkbench import Counters
-
         def net(which):
-            path = f"/sys/class/net/{self.link.host_if}/statistics/{which}_bytes"
-            return lambda: int(open(path).read())
+            return file_counter(f"/sys/class/net/{self.link.host_if}/statistics/{which}_bytes")
 
         def cpu(pids):
             procs = {}
@@ -583,8 +581,8 @@ class Run:
         tp = psutil.Process(trainer.pid)
         ranks = lambda: [c.pid for c in tp.children(recursive=True)] + [tp.pid]  # noqa: E731
         rx = lambda: [p.pid for name, (p, _) in self.procs.items() if name.startswith("receiver-")]  # noqa: E731
-        return Counters({"up_mb": net("tx"), "down_mb": net("rx"), "trainer_cpu_s": cpu(ranks),
-                         "receiver_cpu_s": cpu(rx), "store_cpu_s": cpu(lambda: [self.moto.pid])})
+        return Sampler({"up_mb": net("tx"), "down_mb": net("rx"), "trainer_cpu_s": cpu(ranks),
+                        "receiver_cpu_s": cpu(rx), "store_cpu_s": cpu(lambda: [self.moto.pid])}, period_s=0.05)
 
     def make_plan(self) -> list[dict]:
         """The steps the driver asks for, in order (``go/<step>.json``): the warm-up, then per
@@ -686,11 +684,7 @@ class Run:
         _progress(f"version 0 written and loaded ({time.monotonic() - t_start:.0f}s)")
         counters = self._counters(trainer)
         counters.start()
-        t0 = time.monotonic()
-        while not all(counters.series.values()) and time.monotonic() - t0 < 10:
-            time.sleep(0.05)
-        _progress(f"counters sampling ({', '.join(k for k, v in counters.series.items() if v)}) after "
-                  f"{time.monotonic() - t0:.2f}s")
+        _progress(f"counters sampling: {', '.join(k for k, log in counters.logs.items() if log.t)}")
 
         plan = self.make_plan()
         steps_path = os.path.join(self.run_dir, "steps.jsonl")
@@ -721,8 +715,8 @@ class Run:
             row = rows[step - 1]
             t_a, t_b = row["dcr"]["t_start"], row["dcr"]["t_committed"]
             time.sleep(2 * counters.period_s)  # a sample after the decision
-            sampled[step] = {k: (None if v is None else round(v / (1e6 if k.endswith("_mb") else 1), 4))
-                             for k in COUNTER_FIELDS for v in [counters.between(k, t_a, t_b)]}
+            sampled[step] = {k: round((log.at(t_b) - log.at(t_a)) / (1e6 if k.endswith("_mb") else 1), 4)
+                             if log.t else None for k, log in counters.logs.items()}
             row["counters"] = sampled[step]
             self.report_step(step, len(plan), p, row, t_start)
         counters.stop()

@@ -67,6 +67,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from nemo_dcr_testbed.linkbench import BenchError, check_prerequisites, execute_run, fresh_run_dir, git_state, progress, run_cli
+from nemo_dcr_testbed.linkbench import CounterLog, Sampler, file_counter  # noqa: F401 - CounterLog: the tests use it from here
 from nemo_dcr_testbed.linkbench import parse_floats as _parse_floats
 from nemo_dcr_testbed.linkbench import read_rows as _read_rows
 from nemo_dcr_testbed.linkbench import remove_stale_links as _remove_stale_links
@@ -207,79 +208,6 @@ def tc_class_sent(text: str, classid: str = "1:10") -> int:
     if not m:
         raise BenchError(f"no htb class {classid} with a 'Sent N bytes' line in tc's output")
     return int(m.group(1))
-
-
-class CounterLog:
-    """Timestamped samples of a monotonically growing byte counter; ``at(t)`` interpolates
-    linearly between the samples around ``t`` (clamped to the first / last)."""
-
-    def __init__(self) -> None:
-        self.t: list[float] = []
-        self.v: list[int] = []
-        self._lock = threading.Lock()
-
-    def add(self, t: float, value: int) -> None:
-        with self._lock:
-            if self.t and t <= self.t[-1]:
-                raise ValueError("samples must come in time order")
-            self.t.append(t)
-            self.v.append(value)
-
-    def at(self, t: float) -> float:
-        with self._lock:
-            if not self.t:
-                raise ValueError("no samples")
-            i = bisect.bisect_left(self.t, t)
-            if i == 0:
-                return float(self.v[0])
-            if i == len(self.t):
-                return float(self.v[-1])
-            t0, t1, v0, v1 = self.t[i - 1], self.t[i], self.v[i - 1], self.v[i]
-            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-
-    def delta(self, t0: float, t1: float) -> int:
-        return int(round(self.at(t1) - self.at(t0)))
-
-    def busy_span(self, t0: float, t1: float, min_step: int = 16384) -> tuple[float, int] | None:
-        """(seconds, bytes) from the first to the last sample interval in [t0, t1] in which
-        the counter grew by at least ``min_step`` bytes (idle polling excluded); None if none."""
-        with self._lock:
-            lo, hi = bisect.bisect_left(self.t, t0), bisect.bisect_right(self.t, t1)
-            busy = [i for i in range(max(lo, 1), hi) if self.v[i] - self.v[i - 1] >= min_step]
-            if not busy:
-                return None
-            a, b = busy[0] - 1, busy[-1]
-            return self.t[b] - self.t[a], self.v[b] - self.v[a]
-
-
-class Sampler:
-    """A thread sampling ``/sys/class/net/<if>/statistics/tx_bytes`` every ``SAMPLE_S``."""
-
-    def __init__(self, ifname: str) -> None:
-        self.path = f"/sys/class/net/{ifname}/statistics/tx_bytes"
-        self.log = CounterLog()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def read(self) -> int:
-        with open(self.path) as f:
-            return int(f.read())
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.log.add(time.monotonic(), self.read())
-            except (OSError, ValueError):
-                pass
-            self._stop.wait(SAMPLE_S)
-
-    def start(self) -> None:
-        self._thread.start()
-        time.sleep(3 * SAMPLE_S)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
 
 
 # ------------------------------------------------------------------------- bit-exactness
@@ -815,7 +743,7 @@ class Run:
         time.sleep(2 * SAMPLE_S)
         tc1 = self.link.tc_sent()
         stats1 = self.relay_stats() if topology == "relay" else {}
-        log = self.sampler.log
+        log = self.sampler.logs["tx"]
         t_a, t_b = row["dcr"]["t_start"], row["dcr"]["t_committed"]
         cross, step_bytes = log.delta(t_a, t_b), log.delta(t_go, t_row)
         busy = log.busy_span(t_a, t_b)
@@ -887,7 +815,8 @@ class Run:
 
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
         self.origin = cfg.store.uri
-        self.sampler = Sampler(self.link.host_if)
+        self.sampler = Sampler({"tx": file_counter(f"/sys/class/net/{self.link.host_if}/statistics/tx_bytes")},
+                               SAMPLE_S)
         self.sampler.start()
 
         cfg_path = os.path.join(self.run_dir, "config.json")

@@ -5,12 +5,14 @@ argument parsing, the git state and the JSON files they write.  Test bed, not pr
 from __future__ import annotations
 
 import atexit
+import bisect
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -159,55 +161,87 @@ def git_state(root: str) -> dict | None:
     return {"head": head, "modified": [ln[3:] for ln in status.splitlines()]}
 
 
-class Counters:
+class CounterLog:
+    """Timestamped samples of a monotonically growing byte counter; ``at(t)`` interpolates
+    linearly between the samples around ``t`` (clamped to the first / last)."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+        self.v: list[int] = []
+        self._lock = threading.Lock()
+
+    def add(self, t: float, value: int) -> None:
+        with self._lock:
+            if self.t and t <= self.t[-1]:
+                raise ValueError("samples must come in time order")
+            self.t.append(t)
+            self.v.append(value)
+
+    def at(self, t: float) -> float:
+        with self._lock:
+            if not self.t:
+                raise ValueError("no samples")
+            i = bisect.bisect_left(self.t, t)
+            if i == 0:
+                return float(self.v[0])
+            if i == len(self.t):
+                return float(self.v[-1])
+            t0, t1, v0, v1 = self.t[i - 1], self.t[i], self.v[i - 1], self.v[i]
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+
+    def delta(self, t0: float, t1: float) -> int:
+        return int(round(self.at(t1) - self.at(t0)))
+
+    def busy_span(self, t0: float, t1: float, min_step: int = 16384) -> tuple[float, int] | None:
+        """(seconds, bytes) from the first to the last sample interval in [t0, t1] in which
+        the counter grew by at least ``min_step`` bytes (idle polling excluded); None if none."""
+        with self._lock:
+            lo, hi = bisect.bisect_left(self.t, t0), bisect.bisect_right(self.t, t1)
+            busy = [i for i in range(max(lo, 1), hi) if self.v[i] - self.v[i - 1] >= min_step]
+            if not busy:
+                return None
+            a, b = busy[0] - 1, busy[-1]
+            return self.t[b] - self.t[a], self.v[b] - self.v[a]
+
+
+def file_counter(path: str):
+    """A reader of the integer in ``path`` (a ``/sys/class/net/<if>/statistics`` counter)."""
+    def read() -> int:
+        with open(path) as f:
+            return int(f.read())
+    return read
+
+
+class Sampler:
     """A thread reading named counters every ``period_s`` (``readers``: name -> a function
-    returning a number; one that raises is skipped for that sample), each kept as a series
-    of ``(time.monotonic(), value)``; ``at(name, t)`` is the last value read at or before ``t``."""
+    returning the counter's value; a reading that raises is skipped), each kept in its own
+    :class:`CounterLog` (``logs[name]``)."""
 
-    def __init__(self, readers: dict, period_s: float = 0.05) -> None:
-        import threading
-
+    def __init__(self, readers: dict, period_s: float) -> None:
         self.readers = dict(readers)
         self.period_s = period_s
-        self.series: dict[str, list[tuple[float, float]]] = {k: [] for k in self.readers}
-        self._lock = threading.Lock()
+        self.logs = {name: CounterLog() for name in self.readers}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="counters", daemon=True)
-
-    def add(self, name: str, reader) -> None:
-        with self._lock:
-            self.readers[name] = reader
-            self.series.setdefault(name, [])
+        self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                readers = list(self.readers.items())
-            for name, read in readers:
+            for name, read in self.readers.items():
                 try:
-                    value = float(read())
-                except Exception:  # noqa: BLE001 - a process gone, a counter unreadable: no sample
-                    continue
-                t = time.monotonic()
-                with self._lock:
-                    self.series[name].append((t, value))
+                    self.logs[name].add(time.monotonic(), read())
+                except Exception:  # noqa: BLE001 - a counter unreadable, a process gone: no sample
+                    pass
             self._stop.wait(self.period_s)
 
     def start(self) -> None:
+        """Start sampling; returns once every counter has been read at least once (or after
+        ``3 x period_s``, whichever is later)."""
         self._thread.start()
+        time.sleep(3 * self.period_s)
+        deadline = time.monotonic() + 10
+        while not all(log.t for log in self.logs.values()) and time.monotonic() < deadline:
+            time.sleep(self.period_s)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-
-    def at(self, name: str, t: float) -> float | None:
-        import bisect
-
-        with self._lock:
-            s = self.series.get(name, [])
-            i = bisect.bisect_right(s, (t, float("inf")))
-            return s[i - 1][1] if i else None
-
-    def between(self, name: str, t0: float, t1: float) -> float | None:
-        a, b = self.at(name, t0), self.at(name, t1)
-        return None if a is None or b is None else b - a
