@@ -167,10 +167,17 @@ class Receiver:
             return 0
         st = self._stream
         if st is None or not st.matches(run_id=run_id, base_version=self.held_version, generation=self._writes):
+            self._drop_stream()
             st = self._stream = StreamState(self.served, run_id=run_id, model_id=self.cfg.model_id,
                                             base_version=self.held_version, generation=self._writes,
                                             threads=self.cfg.threads)
         return st.poll(self.store, candidates(handled, stride, st.top))
+
+    def _drop_stream(self) -> None:
+        """Forget what was prefetched (the held bits changed, or a manifest consumed it)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
     # --------------------------------------------------------------- one version
     def fetch(self, manifest: Manifest, *, base: Mapping | None = None, base_version: int | None = None
@@ -211,6 +218,8 @@ class Receiver:
                                                                   generation=self._writes):
             prefetched, stream_stats = stream.take(manifest, want)
             held = stream.held  # the same bits (nothing was written since), already read
+        if stream is not None:
+            stream.close()
         t0 = time.perf_counter()
         manifest_at = time.monotonic()
         got = fetch_chunks(self.store, manifest.chunks, held=held, specs=specs, budget=budget, want=want,
@@ -249,7 +258,7 @@ class Receiver:
             raise RefitRefused(str(e)) from None
         self.journal.begin(version, base_version, deltas, held)
         self._writes += 1
-        self._stream = None
+        self._drop_stream()
         try:
             self.served.apply(deltas)
         except Exception as e:  # noqa: BLE001 - any failure mid-write is repaired, then reported
@@ -266,7 +275,7 @@ class Receiver:
         records = self.journal.undo_records()
         base = self.journal.base_version
         self._writes += 1
-        self._stream = None
+        self._drop_stream()
         self.served.apply(records)
         self.journal.clear()
         self.held_version = base

@@ -4,10 +4,12 @@ trainer's upload instead of after it.
 
 While the follower is idle (nothing awaiting a decision, no tentative version, ``HEAD.json``
 naming nothing new), each of its steps calls ``Receiver.prefetch``, which polls one
-``StreamState``: it lists ``v/<n>/chunks/`` for the candidate versions ``n`` and, on up to
-``threads`` threads, downloads every chunk key it has not seen, checks its header (run id,
-model id, the version its key names, ``base_version`` = the version the receiver holds)
-and decodes it against the held bits.  Nothing here is trusted or applied:
+``StreamState``: it lists ``v/<n>/chunks/`` for the candidate versions ``n``, starts
+downloading every chunk key it has not seen on the state's own pool of ``threads``
+workers, and decodes the downloads that have finished since its last poll: their headers
+are checked (run id, model id, the version its key names, ``base_version`` = the version the
+receiver holds) and their records decoded against the held bits.  Nothing here is trusted
+or applied:
 
 * the raw bytes prefetched for one held version are capped at ``fetch.admission_cap``
   (the bound a manifest's chunk bytes must meet: 2 x the dense size of the receiver's
@@ -15,22 +17,26 @@ and decodes it against the held bits.  Nothing here is trusted or applied:
   listing carries sizes, so a chunk costs one ``GET``; a relay's does not, and a ``stat``
   of each new key asks it) and reserved against the cap before it is downloaded, at most that many
   bytes are read, and the records decoded are charged to a
-  ``DecodeBudget.for_tensors`` of their own; over either bound prefetching stops for this
-  held version (the normal path fetches what is missing once the manifest is there);
-* when the manifest arrives, ``take`` hands over only the prefetched chunks whose key is
-  listed with the same size and sha256 digest and whose header agrees with the manifest;
-  ``fetch_chunks`` charges their records to the version's own budget and fetches every
-  other chunk normally; prefetched chunks the manifest does not list are dropped, and the
-  whole state goes with every ``take`` (one manifest consumes it) and whenever the held
-  bits may have changed (apply, rollback, catch-up, repair: ``Receiver`` compares its
-  write generation and held version).
+  ``DecodeBudget.for_tensors`` of their own; over the cap no new download starts, over the
+  budget nothing more is decoded, for this held version (the normal path fetches what is
+  missing once the manifest is there);
+* when the manifest arrives, ``take`` waits for the listed chunks whose download has
+  started, cancels the listed ones still queued (the normal path fetches them on its own
+  threads, at once), and hands over only the prefetched chunks whose key is listed with the
+  same size and sha256 digest and whose header agrees with the manifest; ``fetch_chunks``
+  charges their records to the version's own budget and fetches every other chunk
+  normally; prefetched chunks the manifest does not list are dropped, and the whole state
+  is closed with every ``take`` (one manifest consumes it) and whenever the held bits may
+  have changed (apply, rollback, catch-up, repair: ``Receiver`` compares its write
+  generation and held version).
 
-Why synchronous, from the follower's step, rather than a background thread: decoding a
-context-mode record reads the held bits, which apply and rollback overwrite in place.
-Polled from the one thread that also applies and rolls back, a prefetch can never overlap
-a write, so it needs no lock around the runtime and no cancellation; the cost is that a
-manifest is noticed only after the current batch (at most ``BATCH_PER_THREAD x threads``
-chunks) has been fetched.
+Downloads run ahead of the follower; decoding does not.  Downloading reads only the store,
+so it runs on the pool between the follower's steps, and a manifest is noticed at the next
+step whatever is in flight.  Decoding a context-mode record reads the held bits, which
+apply and rollback overwrite in place, so it runs only inside ``poll`` and ``take``
+(joined before they return), on the one thread that also applies and rolls back: a decode
+never overlaps a write, with no lock around the runtime.  A download still running when
+the state is closed finishes on its pool thread and its bytes are never decoded.
 
 Downloads here are plain ``get`` s, not ``fetch_verified``: before the manifest there is no
 digest to check, and demoting an upstream on unsigned evidence (a header or an object a
@@ -45,7 +51,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from nemo_dcr.codec import DecodeBudget, DecodedChunk, chunk_digest, decode_chunk, read_chunk_index
@@ -60,8 +66,6 @@ MAX_STRIDE = 8
 MAX_KEYS = 16384
 """Chunk keys one state looks at, at most: a key-less writer planting empty objects under
 ``chunks/`` costs the receiver this many requests per held version, then prefetching stops."""
-BATCH_PER_THREAD = 2
-"""New keys fetched per poll, per thread: bounds how long one follower step takes."""
 _CHUNK_NAME = re.compile(r"^r[0-9]{3,6}-[0-9]{5,9}\.dcr$")
 
 
@@ -95,10 +99,20 @@ def candidates(handled: int, stride: int, top: int) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class _Downloaded:
+    version: int
+    key: str
+    blob: bytes
+    started: float
+    arrived: float
+
+
 class StreamState:
     """What one receiver prefetched on top of one held version (see the module docstring).
-    Not thread-safe as a whole: ``poll`` and ``take`` are called from the follower's thread
-    (``poll`` uses worker threads internally and joins them before returning)."""
+    ``poll``, ``take``, ``drain`` and ``close`` are called from the follower's thread; the
+    downloads run on the state's own pool (``threads`` workers) and touch only the store and
+    the byte reservation, never the runtime."""
 
     def __init__(self, served, *, run_id: str, model_id: str, base_version: int, generation: int, threads: int):
         self.specs = served.tensor_specs()
@@ -124,46 +138,61 @@ class StreamState:
         self.failed = 0
         """Chunks the store did not serve (vanished, grew, a store error): left to the normal path."""
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future] = {}
+        """key -> its download (``_download``), submitted and not yet decoded."""
+        self._over_budget = False
 
     def matches(self, *, run_id: str, base_version: int, generation: int) -> bool:
         return (self.run_id, self.base_version, self.generation) == (run_id, base_version, generation)
 
+    @property
+    def in_flight(self) -> int:
+        """Downloads submitted whose chunk is not decoded yet."""
+        return len(self._inflight)
+
     # ------------------------------------------------------------------ poll
     def poll(self, store, versions: Sequence[int]) -> int:
-        """List ``versions``' chunk keys and fetch and decode the new ones (a bounded batch);
-        returns how many chunks it decoded.  Store errors while listing propagate
+        """List ``versions``' chunk keys, start downloading the new ones on the state's pool,
+        and decode the downloads that have finished; returns how many chunks it decoded.
+        Never waits for a download.  Store errors while listing propagate
         (``TransportError``); everything about one chunk is counted, never raised."""
-        if self.stopped:
-            return 0
-        batch = BATCH_PER_THREAD * self.threads
-        new: list[tuple[int, str, int | None]] = []
-        for v in versions:
-            prefix = f"{version_prefix(v)}/chunks/"
-            for key, size in list_sizes(store, prefix, limit=MAX_KEYS):
-                if key in self.seen or not key.startswith(prefix) or not _CHUNK_NAME.match(key[len(prefix):]):
-                    continue
-                if len(self.seen) >= MAX_KEYS:
-                    self.stopped = f"more than {MAX_KEYS} chunk keys on top of v{self.base_version}"
+        if not self.stopped:
+            for v in versions:
+                prefix = f"{version_prefix(v)}/chunks/"
+                for key, size in list_sizes(store, prefix, limit=MAX_KEYS):
+                    if key in self.seen or not key.startswith(prefix) or not _CHUNK_NAME.match(key[len(prefix):]):
+                        continue
+                    if len(self.seen) >= MAX_KEYS:
+                        self.stopped = f"more than {MAX_KEYS} chunk keys on top of v{self.base_version}"
+                        break
+                    self.seen.add(key)
+                    now = time.monotonic()
+                    self.listed_at.setdefault(v, [now, now])[1] = now
+                    self.top = max(self.top, v)
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="dcr-prefetch")
+                    self._inflight[key] = self._pool.submit(self._download, store, v, key, size)
+                if self.stopped:
                     break
-                self.seen.add(key)
-                now = time.monotonic()
-                self.listed_at.setdefault(v, [now, now])[1] = now
-                self.top = max(self.top, v)
-                new.append((v, key, size))
-                if len(new) >= batch:
-                    break
-            if len(new) >= batch or self.stopped:
-                break
-        if not new:
-            return 0
-        if len(new) == 1 or self.threads == 1:
-            results = [self._one(store, *item) for item in new]
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.threads, len(new)), thread_name_prefix="dcr-prefetch") as pool:
-                results = list(pool.map(lambda item: self._one(store, *item), new))
-        return sum(results)
+        return self._decode([k for k, f in self._inflight.items() if f.done()])
 
-    def _one(self, store, version: int, key: str, size: int | None) -> bool:
+    def drain(self) -> int:
+        """Wait for every download in flight and decode it; returns how many chunks it decoded."""
+        wait(list(self._inflight.values()))
+        return self._decode(list(self._inflight))
+
+    def close(self) -> None:
+        """Drop the downloads not started; those running finish on their own and are dropped."""
+        for f in self._inflight.values():
+            f.cancel()
+        self._inflight.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _download(self, store, version: int, key: str, size: int | None) -> _Downloaded | None:
+        """One chunk's bytes, on a pool thread (reads the store only); None when not served."""
         started = time.perf_counter()
         try:
             if size is None:  # a listing without sizes (a relay's)
@@ -171,58 +200,84 @@ class StreamState:
                 if info is None:  # vanished since it was listed
                     with self._lock:
                         self.failed += 1
-                    return False
+                    return None
                 size = info.size
             with self._lock:  # reserve before downloading: the cap holds whatever is in flight
                 if self.stopped:
-                    return False
+                    return None
                 if self.reserved + size > self.cap:
                     self.stopped = (f"prefetched chunk bytes would exceed {self.cap} (twice the dense size "
                                     f"of the tensors held, + 1 MiB)")
-                    return False
+                    return None
                 self.reserved += size
             blob = store.get(key, max_bytes=size)
         except DcrError:  # vanished (ObjectNotFound), over its listed size, store failed, refused by a failover list
             with self._lock:
                 self.failed += 1
-            return False
-        arrived = time.perf_counter()
-        try:
-            index = read_chunk_index(blob, expect=self.specs)
-            want = {"run_id": self.run_id, "model_id": self.model_id, "version": str(version),
-                    "base_version": str(self.base_version)}
-            if {k: index.meta.get(k) for k in want} != want:
-                raise ValidationError("header names another run, model, version or base")
-        except DcrError:
-            with self._lock:
+            return None
+        return _Downloaded(version, key, blob, started, time.perf_counter())
+
+    def _decode(self, keys: Sequence[str]) -> int:
+        """Check the headers of the finished downloads ``keys`` and charge their records, in
+        order, on this thread, then decode them against the held bits (in parallel, joined)."""
+        admitted: list[_Downloaded] = []
+        for key in keys:
+            got = self._inflight.pop(key).result()
+            if got is None or self._over_budget:
+                continue
+            try:
+                index = read_chunk_index(got.blob, expect=self.specs)
+                want = {"run_id": self.run_id, "model_id": self.model_id, "version": str(got.version),
+                        "base_version": str(self.base_version)}
+                if {k: index.meta.get(k) for k in want} != want:
+                    raise ValidationError("header names another run, model, version or base")
+            except DcrError:
                 self.rejected += 1
-            return False
-        try:
-            self.budget.charge(index.records)
-        except ValidationError:
-            with self._lock:
+                continue
+            try:
+                self.budget.charge(index.records)
+            except ValidationError:
                 self.stopped = "prefetched records would exceed the decode budget of the tensors held"
-            return False
+                self._over_budget = True
+                continue
+            admitted.append(got)
+        if len(admitted) > 1 and self.threads > 1:
+            with ThreadPoolExecutor(max_workers=min(self.threads, len(admitted)),
+                                    thread_name_prefix="dcr-decode") as pool:
+                done = list(pool.map(self._decode_one, admitted))
+        else:
+            done = [self._decode_one(item) for item in admitted]
+        for p in done:
+            if p is None:
+                self.rejected += 1
+            else:
+                self.ready[p.key] = p
+        return sum(p is not None for p in done)
+
+    def _decode_one(self, got: _Downloaded) -> Prefetched | None:
         t = time.perf_counter()
         try:
-            chunk = decode_chunk(blob, base=self.held, expect=self.specs)
+            chunk = decode_chunk(got.blob, base=self.held, expect=self.specs)
         except DcrError:
-            with self._lock:
-                self.rejected += 1
-            return False
-        spent = time.perf_counter() - t
-        got = Prefetched(key=key, version=version, nbytes=len(blob), digest=chunk_digest(blob), chunk=chunk,
-                         times=ChunkTimes(started, arrived, spent))
-        with self._lock:
-            self.ready[key] = got
-        return True
+            return None
+        return Prefetched(key=got.key, version=got.version, nbytes=len(got.blob), digest=chunk_digest(got.blob),
+                          chunk=chunk, times=ChunkTimes(got.started, got.arrived, time.perf_counter() - t))
 
     # ------------------------------------------------------------------ take
     def take(self, manifest: Manifest, want: Mapping[str, str]) -> tuple[dict[str, Prefetched], dict]:
         """The prefetched chunks ``manifest`` may use (key -> ``Prefetched``): listed, with the
         entry's size and digest, and a header equal to ``want``.  Returns them and the
-        stats for the ack; the caller drops this state afterwards."""
+        stats for the ack; the caller closes this state afterwards.  A listed chunk still
+        downloading is waited for if its download has started, and left to the normal path
+        (``fetch_chunks``, on its own threads) if it has not."""
         listed = {ref.key: ref for ref in manifest.chunks}
+        flying = [k for k in self._inflight if k in listed]
+        queued = [k for k in flying if self._inflight[k].cancel()]
+        for k in queued:
+            del self._inflight[k]
+        running = [k for k in flying if k not in queued]
+        wait([self._inflight[k] for k in running])
+        self._decode(running)
         mine = [p for p in self.ready.values() if p.version == manifest.version]
         use: dict[str, Prefetched] = {}
         unlisted = mismatched = 0
@@ -237,7 +292,8 @@ class StreamState:
                 mismatched += 1
         stats = {"prefetched_chunks": len(mine), "prefetched_bytes": sum(p.nbytes for p in mine),
                  "prefetch_unlisted": unlisted, "prefetch_mismatched": mismatched,
-                 "prefetch_rejected": self.rejected, "prefetch_failed": self.failed}
+                 "prefetch_rejected": self.rejected, "prefetch_failed": self.failed,
+                 "prefetch_awaited": len(running), "prefetch_not_started": len(queued)}
         if self.stopped:
             stats["prefetch_stopped"] = self.stopped
         if manifest.version in self.listed_at:

@@ -12,6 +12,7 @@ not by timing; every end state is compared with the trainer's bits as integer vi
 with a perturbed negative control.
 """
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -44,8 +45,7 @@ class SteppingStore:
         self.inner.put(key, data)
         if self.follower is None or "/chunks/" not in key:
             return
-        while self.follower.step():
-            pass
+        _idle(self.follower)
         version = int(key.split("/")[1])
         state = self.follower.rx._stream
         self.puts.append({"key": key, "manifest": self.inner.exists(manifest_key(version)),
@@ -53,6 +53,19 @@ class SteppingStore:
                           "ready": 0 if state is None else len(state.ready)})
         if self.after_chunk is not None:
             self.after_chunk(len(self.puts))
+
+
+def _idle(follower) -> int:
+    """Step ``follower`` until it has nothing to do, waiting for the prefetch's downloads
+    (they run on the stream state's own threads); returns the chunks decoded meanwhile."""
+    decoded = 0
+    while True:
+        while follower.step():
+            decoded += 1
+        state = follower.rx._stream
+        if state is None or not state.in_flight:
+            return decoded
+        decoded += state.drain()
 
 
 def _setup(tmp_path, key, *, seed=0):
@@ -134,7 +147,7 @@ def test_a_planted_chunk_the_manifest_does_not_list_is_dropped(tmp_path, key):
     rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
     v0 = bits_of(w)
     planted = _plant(inner, 1, 7, 0, sender.run_id, v0)
-    assert rx.follower.step()  # prefetched (header fine: right run, model, version and base)
+    assert _idle(rx.follower)  # prefetched (header fine: right run, model, version and base)
     assert planted in rx.rx._stream.ready
     _step(w, rng)
     stats = _refit(sender, rx, 1)
@@ -152,7 +165,7 @@ def test_a_prefetched_chunk_with_other_bytes_than_the_manifest_is_fetched_again(
     rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
     # planted under the key the trainer's first chunk will take: prefetched, then replaced
     planted = _plant(inner, 1, 0, 0, sender.run_id, bits_of(w))
-    assert rx.follower.step() and planted in rx.rx._stream.ready
+    assert _idle(rx.follower) and planted in rx.rx._stream.ready
     _step(w, rng)
     stats = _refit(sender, rx, 1)
     assert writer.puts[0]["key"] == planted  # the trainer's put replaced it; already seen, not prefetched again
@@ -165,7 +178,7 @@ def test_a_prefetched_chunk_with_other_bytes_than_the_manifest_is_fetched_again(
 def test_a_chunk_claiming_another_base_is_dropped_at_prefetch(tmp_path, key):
     rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
     planted = _plant(inner, 1, 0, 0, sender.run_id, bits_of(w), base_version="5")
-    assert not rx.follower.step()  # listed and fetched, refused by its header: nothing decoded
+    assert not _idle(rx.follower)  # listed and fetched, refused by its header: nothing decoded
     state = rx.rx._stream
     assert planted in state.seen and planted not in state.ready and state.rejected == 1
     _step(w, rng)
@@ -197,11 +210,11 @@ def test_the_prefetch_state_goes_when_the_held_bits_change(tmp_path, key):
     """A rollback (abort) writes the runtime: what was decoded before it is never used."""
     rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
     planted = _plant(inner, 1, 5, 0, sender.run_id, bits_of(w))
-    assert rx.follower.step()
+    assert _idle(rx.follower)
     state = rx.rx._stream
     assert planted in state.ready
     rx.rx._writes += 1  # as apply and undo do before writing
-    rx.follower.step()
+    _idle(rx.follower)
     fresh = rx.rx._stream
     assert fresh is not state and fresh.generation == state.generation + 1
     assert fresh.ready[planted] is not state.ready[planted]  # decoded again, against the bits held now
@@ -262,3 +275,72 @@ def test_a_listing_that_lies_about_sizes_costs_a_fetch_again_never_an_apply(tmp_
     else:
         assert ack.stats["prefetch_used_chunks"] == stats.chunks and ack.stats["prefetch_mismatched"] == 0
     _assert_bit_exact(rx, w)
+
+
+class HeldGets:
+    """The receiver's store, with the ``get`` of any key in ``hold`` blocked until
+    ``release`` is set (a slow download, made deterministic)."""
+
+    def __init__(self, inner):
+        self.inner, self.hold, self.release = inner, set(), threading.Event()
+        self.started: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key, **kw):
+        if key in self.hold:
+            self.started.append(key)
+            assert self.release.wait(timeout=20)
+        return self.inner.get(key, **kw)
+
+
+def test_downloads_run_ahead_of_the_follower_and_the_manifest_waits_only_for_started_ones(tmp_path, key):
+    """The follower's step only starts downloads: it returns while one is still running (its
+    ``get`` is blocked).  At the manifest, a listed chunk whose download started is waited
+    for and used; those queued behind it (one fetch thread) are cancelled and fetched by
+    the normal path.  Control: the blocked chunk really was in flight when the step returned."""
+    rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
+    writer.follower = None  # this test steps the receiver itself
+    rx.rx.cfg = dataclasses.replace(rx.rx.cfg, fetch_threads=1)
+    rx.rx.store = slow = HeldGets(inner)
+    rx.rx.before_fetch = lambda manifest: slow.release.set()  # the manifest is read: let the download finish
+    seen = {}
+
+    def before_manifest(manifest):
+        slow.hold.add(manifest.chunks[0].key)
+        assert not rx.follower.step()  # listed every chunk, started one download, decoded nothing
+        state = rx.rx._stream
+        seen.update(in_flight=state.in_flight, started=list(slow.started), ready=len(state.ready),
+                    released=slow.release.is_set())
+        rx.start(until=manifest.version)
+
+    _step(w, rng)
+    stats = sender.refit(1, before_manifest=before_manifest)
+    rx.join()
+    assert stats.committed and stats.chunks > 2
+    assert seen["in_flight"] == stats.chunks and seen["ready"] == 0 and not seen["released"]
+    ack = _ack(inner, key, 1)
+    assert ack.stats["prefetch_awaited"] == 1 and ack.stats["prefetch_used_chunks"] == 1
+    assert ack.stats["prefetch_not_started"] == stats.chunks - 1
+    _assert_bit_exact(rx, w)
+
+
+def test_a_download_running_when_the_held_bits_change_is_never_decoded(tmp_path, key):
+    """A write drops the prefetch state while one of its downloads is running; that download's
+    bytes are never decoded into it, and the next state fetches and decodes the chunk again
+    against the bits held now.  Control: the old state did start the download."""
+    rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
+    rx.rx.store = slow = HeldGets(inner)
+    planted = _plant(inner, 1, 5, 0, sender.run_id, bits_of(w))
+    slow.hold.add(planted)
+    assert not rx.follower.step()
+    old = rx.rx._stream
+    assert old.in_flight == 1 and slow.started == [planted]
+    rx.rx._writes += 1  # as apply and undo do before writing
+    rx.follower.step()
+    assert old.in_flight == 0 and rx.rx._stream is not old  # closed with the write
+    slow.release.set()
+    assert rx.rx._stream.drain() == 1
+    assert planted in rx.rx._stream.ready and not old.ready
+    assert slow.started == [planted, planted]
