@@ -26,9 +26,10 @@ One ``step``:
    does not extend what this receiver committed: it writes a refusal that names both
    versions and keeps serving ``c``.  A store document never makes a receiver exit.
 6. Idle (nothing awaiting a decision, no tentative version, ``HEAD.json`` naming nothing
-   new): streaming receive (``receiver/stream.py``): the receiver fetches and decodes a
-   bounded batch of the chunks that appeared for the next versions, on top of ``c``, before
-   their manifest; step 4 uses them only where the signed manifest lists the same bytes.
+   new): streaming receive (``receiver/stream.py``): the receiver lists the chunks that
+   appeared for the next versions and fetches and decodes them, on top of ``c``, on its own
+   threads, before their manifest; step 4 uses them only where the signed manifest lists
+   the same bytes.
 
 Elastic membership (``join``): a receiver that is not a member -- new, or evicted, as the
 signed decisions it reads say -- writes a sealed join request naming the committed
@@ -148,6 +149,8 @@ class Follower:
         looks this far ahead."""
         self._chain_head: Decision | None = None  # the newest decision of the last catch-up's chain
         self._prefetch_error = ""
+        self.prefetched = 0
+        """Chunks streaming receive decoded so far (progress, for ``run``'s timeout)."""
         self.join = join
         self.member: bool | None = None
         """Whether the last signed decision this receiver read names it a member (None: none read yet)."""
@@ -415,12 +418,15 @@ class Follower:
         return True
 
     def _prefetch(self) -> bool:
-        """Step 6 (streaming receive); True when chunks were fetched and decoded."""
+        """Step 6 (streaming receive): list and submit new chunks, count those decoded since.
+        False even when some were: they download and decode on their own threads, so nothing
+        is gained by listing again before the poll interval (``prefetched`` is the progress)."""
         st = self.state
         if st.tentative is not None:
             return False
         try:
-            return self.rx.prefetch(st.run_id, handled=st.handled, stride=self.stride) > 0
+            self.prefetched += self.rx.prefetch(st.run_id, handled=st.handled, stride=self.stride)
+            return False
         except TransportError as e:  # the normal path fetches after the manifest; log a new error once
             if str(e) != self._prefetch_error:
                 self._prefetch_error = str(e)
@@ -476,8 +482,11 @@ class Follower:
         ``timeout_s`` bounds each wait for progress.  Returns the committed version."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while until_version is None or self.state.decided < until_version:
-            if self.step():
+            prefetched = self.prefetched
+            stepped = self.step()
+            if stepped or self.prefetched != prefetched:
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            if stepped:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 what = (f"decision on v{self.state.awaiting}" if self.state.awaiting is not None

@@ -4,39 +4,37 @@ trainer's upload instead of after it.
 
 While the follower is idle (nothing awaiting a decision, no tentative version, ``HEAD.json``
 naming nothing new), each of its steps calls ``Receiver.prefetch``, which polls one
-``StreamState``: it lists ``v/<n>/chunks/`` for the candidate versions ``n``, starts
-downloading every chunk key it has not seen on the state's own pool of ``threads``
-workers, and decodes the downloads that have finished since its last poll: their headers
-are checked (run id, model id, the version its key names, ``base_version`` = the version the
-receiver holds) and their records decoded against the held bits.  Nothing here is trusted
-or applied:
+``StreamState``: it lists ``v/<n>/chunks/`` for the candidate versions ``n`` and submits
+every chunk key it has not seen to the state's own pool of ``threads`` workers, which
+download it, check its header (run id, model id, the version its key names,
+``base_version`` = the version the receiver holds) and decode it against the held bits.
+Nothing here is trusted or applied:
 
 * the raw bytes prefetched for one held version are capped at ``fetch.admission_cap``
   (the bound a manifest's chunk bytes must meet: 2 x the dense size of the receiver's
   tensors + 1 MiB), each object's size is read from the listing (``list_sizes``: S3's
-  listing carries sizes, so a chunk costs one ``GET``; a relay's does not, and a ``stat``
-  of each new key asks it) and reserved against the cap before it is downloaded, at most that many
-  bytes are read, and the records decoded are charged to a
-  ``DecodeBudget.for_tensors`` of their own; over the cap no new download starts, over the
-  budget nothing more is decoded, for this held version (the normal path fetches what is
-  missing once the manifest is there);
-* when the manifest arrives, ``take`` waits for the listed chunks whose download has
-  started, cancels the listed ones still queued (the normal path fetches them on its own
-  threads, at once), and hands over only the prefetched chunks whose key is listed with the
-  same size and sha256 digest and whose header agrees with the manifest; ``fetch_chunks``
+  listing carries sizes, and so does a relay's, so a chunk costs one ``GET``; a key
+  listed without a size, by a store whose listing has none, costs a ``stat``) and reserved
+  against the cap before it is downloaded, at most that many bytes are read, and the
+  records decoded are charged to a ``DecodeBudget.for_tensors`` of their own; over the cap
+  no new download starts, over the budget nothing more is decoded, for this held version
+  (the normal path fetches what is missing once the manifest is there);
+* when the manifest arrives, ``take`` waits for the listed chunks already started,
+  cancels the listed ones still queued (the normal path fetches them at once, on its own
+  threads), and hands over only the prefetched chunks whose key is listed with the same
+  size and sha256 digest and whose header agrees with the manifest; ``fetch_chunks``
   charges their records to the version's own budget and fetches every other chunk
   normally; prefetched chunks the manifest does not list are dropped, and the whole state
-  is closed with every ``take`` (one manifest consumes it) and whenever the held bits may
-  have changed (apply, rollback, catch-up, repair: ``Receiver`` compares its write
+  is closed with every ``take`` (one manifest consumes it) and before every write of the
+  held bits (apply, rollback, catch-up, repair: ``Receiver`` also compares its write
   generation and held version).
 
-Downloads run ahead of the follower; decoding does not.  Downloading reads only the store,
-so it runs on the pool between the follower's steps, and a manifest is noticed at the next
-step whatever is in flight.  Decoding a context-mode record reads the held bits, which
-apply and rollback overwrite in place, so it runs only inside ``poll`` and ``take``
-(joined before they return), on the one thread that also applies and rolls back: a decode
-never overlaps a write, with no lock around the runtime.  A download still running when
-the state is closed finishes on its pool thread and its bytes are never decoded.
+The chunks run ahead of the follower: its step only lists and submits, so a manifest is
+noticed at the next step whatever is in flight.  A decode reads the held bits, which apply
+and rollback overwrite in place; ``close`` therefore marks the state closed (no decode
+starts after it) and waits for the decodes running, and the receiver closes the state
+before every write: a decode never overlaps a write, and nothing decoded against older
+bits is used.  A download running at ``close`` finishes on its thread and is dropped.
 
 Downloads here are plain ``get`` s, not ``fetch_verified``: before the manifest there is no
 digest to check, and demoting an upstream on unsigned evidence (a header or an object a
@@ -99,20 +97,11 @@ def candidates(handled: int, stride: int, top: int) -> list[int]:
     return out
 
 
-@dataclass(frozen=True)
-class _Downloaded:
-    version: int
-    key: str
-    blob: bytes
-    started: float
-    arrived: float
-
-
 class StreamState:
     """What one receiver prefetched on top of one held version (see the module docstring).
-    ``poll``, ``take``, ``drain`` and ``close`` are called from the follower's thread; the
-    downloads run on the state's own pool (``threads`` workers) and touch only the store and
-    the byte reservation, never the runtime."""
+    ``poll``, ``take``, ``drain`` and ``close`` are called from the follower's thread; each
+    chunk is downloaded and decoded on the state's own pool (``threads`` workers), and
+    ``close`` returns only when no decode is running and none can start."""
 
     def __init__(self, served, *, run_id: str, model_id: str, base_version: int, generation: int, threads: int):
         self.specs = served.tensor_specs()
@@ -137,10 +126,13 @@ class StreamState:
         """Chunks dropped at prefetch: malformed, another run, model, version or base."""
         self.failed = 0
         """Chunks the store did not serve (vanished, grew, a store error): left to the normal path."""
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future] = {}
-        """key -> its download (``_download``), submitted and not yet decoded."""
+        """key -> its download and decode (``_one``), submitted and not yet collected."""
+        self._decoding = 0
+        """Decodes running now (they read the held bits)."""
+        self._closed = False
         self._over_budget = False
 
     def matches(self, *, run_id: str, base_version: int, generation: int) -> bool:
@@ -148,15 +140,15 @@ class StreamState:
 
     @property
     def in_flight(self) -> int:
-        """Downloads submitted whose chunk is not decoded yet."""
+        """Chunks submitted and not yet collected by ``poll``, ``drain`` or ``take``."""
         return len(self._inflight)
 
     # ------------------------------------------------------------------ poll
     def poll(self, store, versions: Sequence[int]) -> int:
-        """List ``versions``' chunk keys, start downloading the new ones on the state's pool,
-        and decode the downloads that have finished; returns how many chunks it decoded.
-        Never waits for a download.  Store errors while listing propagate
-        (``TransportError``); everything about one chunk is counted, never raised."""
+        """List ``versions``' chunk keys and submit the new ones to the state's pool; returns
+        how many chunks were decoded since the last call.  Never waits for a chunk.  Store
+        errors while listing propagate (``TransportError``); everything about one chunk is
+        counted, never raised."""
         if not self.stopped:
             for v in versions:
                 prefix = f"{version_prefix(v)}/chunks/"
@@ -172,18 +164,24 @@ class StreamState:
                     self.top = max(self.top, v)
                     if self._pool is None:
                         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="dcr-prefetch")
-                    self._inflight[key] = self._pool.submit(self._download, store, v, key, size)
+                    self._inflight[key] = self._pool.submit(self._one, store, v, key, size)
                 if self.stopped:
                     break
-        return self._decode([k for k, f in self._inflight.items() if f.done()])
+        return self._collect([k for k, f in self._inflight.items() if f.done()])
 
     def drain(self) -> int:
-        """Wait for every download in flight and decode it; returns how many chunks it decoded."""
+        """Wait for every chunk submitted; returns how many were decoded since the last call."""
         wait(list(self._inflight.values()))
-        return self._decode(list(self._inflight))
+        return self._collect(list(self._inflight))
 
     def close(self) -> None:
-        """Drop the downloads not started; those running finish on their own and are dropped."""
+        """Stop: no decode starts from now on, and this returns once the decodes running have
+        ended (after it the held bits may be written).  Queued chunks are cancelled; a
+        download running finishes on its thread and is dropped."""
+        with self._lock:
+            self._closed = True
+            while self._decoding:
+                self._lock.wait()
         for f in self._inflight.values():
             f.cancel()
         self._inflight.clear()
@@ -191,77 +189,71 @@ class StreamState:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _download(self, store, version: int, key: str, size: int | None) -> _Downloaded | None:
-        """One chunk's bytes, on a pool thread (reads the store only); None when not served."""
+    def _collect(self, keys: Sequence[str]) -> int:
+        return sum(bool(self._inflight.pop(k).result()) for k in keys)
+
+    def _one(self, store, version: int, key: str, size: int | None) -> bool:
+        """Download, check and decode one chunk, on a pool thread; True when it is ready."""
         started = time.perf_counter()
         try:
-            if size is None:  # a listing without sizes (a relay's)
+            if size is None:  # listed without a size
                 info = store.stat(key)
                 if info is None:  # vanished since it was listed
                     with self._lock:
                         self.failed += 1
-                    return None
+                    return False
                 size = info.size
             with self._lock:  # reserve before downloading: the cap holds whatever is in flight
-                if self.stopped:
-                    return None
+                if self.stopped or self._closed:
+                    return False
                 if self.reserved + size > self.cap:
                     self.stopped = (f"prefetched chunk bytes would exceed {self.cap} (twice the dense size "
                                     f"of the tensors held, + 1 MiB)")
-                    return None
+                    return False
                 self.reserved += size
             blob = store.get(key, max_bytes=size)
         except DcrError:  # vanished (ObjectNotFound), over its listed size, store failed, refused by a failover list
             with self._lock:
                 self.failed += 1
-            return None
-        return _Downloaded(version, key, blob, started, time.perf_counter())
-
-    def _decode(self, keys: Sequence[str]) -> int:
-        """Check the headers of the finished downloads ``keys`` and charge their records, in
-        order, on this thread, then decode them against the held bits (in parallel, joined)."""
-        admitted: list[_Downloaded] = []
-        for key in keys:
-            got = self._inflight.pop(key).result()
-            if got is None or self._over_budget:
-                continue
-            try:
-                index = read_chunk_index(got.blob, expect=self.specs)
-                want = {"run_id": self.run_id, "model_id": self.model_id, "version": str(got.version),
-                        "base_version": str(self.base_version)}
-                if {k: index.meta.get(k) for k in want} != want:
-                    raise ValidationError("header names another run, model, version or base")
-            except DcrError:
+            return False
+        arrived = time.perf_counter()
+        try:
+            index = read_chunk_index(blob, expect=self.specs)
+            want = {"run_id": self.run_id, "model_id": self.model_id, "version": str(version),
+                    "base_version": str(self.base_version)}
+            if {k: index.meta.get(k) for k in want} != want:
+                raise ValidationError("header names another run, model, version or base")
+        except DcrError:
+            with self._lock:
                 self.rejected += 1
-                continue
+            return False
+        with self._lock:
+            if self._closed or self._over_budget:
+                return False
             try:
                 self.budget.charge(index.records)
             except ValidationError:
                 self.stopped = "prefetched records would exceed the decode budget of the tensors held"
                 self._over_budget = True
-                continue
-            admitted.append(got)
-        if len(admitted) > 1 and self.threads > 1:
-            with ThreadPoolExecutor(max_workers=min(self.threads, len(admitted)),
-                                    thread_name_prefix="dcr-decode") as pool:
-                done = list(pool.map(self._decode_one, admitted))
-        else:
-            done = [self._decode_one(item) for item in admitted]
-        for p in done:
-            if p is None:
-                self.rejected += 1
-            else:
-                self.ready[p.key] = p
-        return sum(p is not None for p in done)
-
-    def _decode_one(self, got: _Downloaded) -> Prefetched | None:
-        t = time.perf_counter()
+                return False
+            self._decoding += 1  # from here until the decode ends, close() waits
+        got = None
         try:
-            chunk = decode_chunk(got.blob, base=self.held, expect=self.specs)
+            t = time.perf_counter()
+            chunk = decode_chunk(blob, base=self.held, expect=self.specs)
+            got = Prefetched(key=key, version=version, nbytes=len(blob), digest=chunk_digest(blob), chunk=chunk,
+                             times=ChunkTimes(started, arrived, time.perf_counter() - t))
         except DcrError:
-            return None
-        return Prefetched(key=got.key, version=got.version, nbytes=len(got.blob), digest=chunk_digest(got.blob),
-                          chunk=chunk, times=ChunkTimes(got.started, got.arrived, time.perf_counter() - t))
+            pass
+        finally:
+            with self._lock:
+                self._decoding -= 1
+                self._lock.notify_all()
+                if got is None:
+                    self.rejected += 1
+                else:
+                    self.ready[key] = got
+        return got is not None
 
     # ------------------------------------------------------------------ take
     def take(self, manifest: Manifest, want: Mapping[str, str]) -> tuple[dict[str, Prefetched], dict]:
@@ -277,8 +269,9 @@ class StreamState:
             del self._inflight[k]
         running = [k for k in flying if k not in queued]
         wait([self._inflight[k] for k in running])
-        self._decode(running)
-        mine = [p for p in self.ready.values() if p.version == manifest.version]
+        self._collect(running)
+        with self._lock:  # an unlisted chunk may still be decoding into ``ready``
+            mine = [p for p in self.ready.values() if p.version == manifest.version]
         use: dict[str, Prefetched] = {}
         unlisted = mismatched = 0
         for p in mine:

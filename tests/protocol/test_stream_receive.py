@@ -327,9 +327,9 @@ def test_downloads_run_ahead_of_the_follower_and_the_manifest_waits_only_for_sta
 
 
 def test_a_download_running_when_the_held_bits_change_is_never_decoded(tmp_path, key):
-    """A write drops the prefetch state while one of its downloads is running; that download's
-    bytes are never decoded into it, and the next state fetches and decodes the chunk again
-    against the bits held now.  Control: the old state did start the download."""
+    """A write closes the prefetch state while one of its downloads is running; that chunk
+    is never decoded into it, and the next state fetches and decodes it again against the
+    bits held now.  Control: the old state did start the download, and it ended."""
     rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
     rx.rx.store = slow = HeldGets(inner)
     planted = _plant(inner, 1, 5, 0, sender.run_id, bits_of(w))
@@ -337,10 +337,39 @@ def test_a_download_running_when_the_held_bits_change_is_never_decoded(tmp_path,
     assert not rx.follower.step()
     old = rx.rx._stream
     assert old.in_flight == 1 and slow.started == [planted]
+    running = old._inflight[planted]
     rx.rx._writes += 1  # as apply and undo do before writing
     rx.follower.step()
     assert old.in_flight == 0 and rx.rx._stream is not old  # closed with the write
     slow.release.set()
+    assert running.result(timeout=20) is False and not old.ready  # downloaded, then dropped undecoded
     assert rx.rx._stream.drain() == 1
-    assert planted in rx.rx._stream.ready and not old.ready
+    assert planted in rx.rx._stream.ready
     assert slow.started == [planted, planted]
+
+
+def test_close_waits_for_a_decode_that_reads_the_held_bits(tmp_path, key):
+    """Decodes run on the state's threads and read the held bits; ``close`` (called before
+    every write) returns only once the decode running has ended.  Control: while the decode
+    is held inside its read of the held bits, ``close`` has not returned."""
+    rng, w, inner, writer, sender, rx = _setup(tmp_path, key)
+    planted = _plant(inner, 1, 5, 0, sender.run_id, bits_of(w))
+    served, entered, release = rx.rx.served, threading.Event(), threading.Event()
+    real = served.canonical_bits
+
+    def held_back(name):
+        entered.set()
+        assert release.wait(20)
+        return real(name)
+
+    served.canonical_bits = held_back
+    rx.follower.step()
+    assert entered.wait(20)  # a decode is reading the held bits
+    state = rx.rx._stream
+    closer = threading.Thread(target=state.close, daemon=True)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # waiting for the decode
+    release.set()
+    closer.join(20)
+    assert not closer.is_alive() and planted in state.ready
