@@ -202,6 +202,12 @@ class RelayStore(BoundedStore):
         return self._call("exists", key, self._head(key)) is not None
 
     def list(self, prefix: str, *, limit: int | None = None) -> list[str]:
+        return [k for k, _ in self.list_sizes(prefix, limit=limit)]
+
+    def list_sizes(self, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
+        """The keys under ``prefix`` in key order, each with the size the relay's answer gives
+        (``"sizes"``, beside ``"keys"``; None where the relay does not know it, or for every
+        key of an answer without sizes).  A size bounds a later read of the key, nothing more."""
         p = prefix.strip("/")
         if p:
             check_key(p)
@@ -209,7 +215,7 @@ class RelayStore(BoundedStore):
 
         most = MAX_LIST_KEYS if limit is None else min(limit, MAX_LIST_KEYS)
 
-        def attempt(att: Attempt) -> list[str]:
+        def attempt(att: Attempt) -> list[tuple[str, int | None]]:
             resp = self._request("GET", "list", fields=fields)
             if resp.status == 413:  # the relay's listing is over MAX_LIST_KEYS: an answer
                 resp.drain_conn()
@@ -217,7 +223,9 @@ class RelayStore(BoundedStore):
             data = self._read(resp, att, MAX_LIST_BYTES)
             if len(data) > MAX_LIST_BYTES:
                 raise RelayRefused(f"list answer over {MAX_LIST_BYTES} bytes")
-            if data.count(b'"') > 2 * most + 2:  # "keys" and one pair per key, before parsing
+            if data.count(b'"') > 2 * most + 4:  # "keys", "sizes" and one pair per key, before parsing
+                raise RelayRefused(f"list answer of over {most} keys")
+            if data.count(b",") > 2 * most + 2:  # a key and a size per key, before parsing
                 raise RelayRefused(f"list answer of over {most} keys")
             try:
                 answer = json.loads(data)
@@ -228,7 +236,12 @@ class RelayStore(BoundedStore):
             keys = answer["keys"]
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise RelayRefused("list answer: 'keys' is not a list of strings")
-            return sorted(keys) if limit is None else sorted(keys)[:limit]
+            sizes = answer.get("sizes", [None] * len(keys))
+            if not isinstance(sizes, list) or len(sizes) != len(keys) or not all(
+                    n is None or (type(n) is int and 0 <= n < 1 << 63) for n in sizes):
+                raise RelayRefused("list answer: 'sizes' is not one size (an integer >= 0, or null) per key")
+            listed = sorted(zip(keys, sizes), key=lambda kv: kv[0])
+            return listed if limit is None else listed[:limit]
 
         return self._call("list", prefix, attempt)
 

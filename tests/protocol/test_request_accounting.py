@@ -8,8 +8,9 @@ the sender's stats and the receiver's ack carry, every end state compared bit fo
   no ``HEAD``), its size taken from the listing (no ``stat`` per chunk);
 * the sender puts each chunk once and writes one manifest, ``HEAD.json`` and decision.
 
+Through a relay (whose listing passes S3's sizes on) the receiver's count is the same.
 Control: the same receiver on a store whose listing carries no sizes (a wrapper without
-``list_sizes``, as a relay's) asks a ``stat`` per chunk it prefetches, and the counters show it.
+``list_sizes``) asks a ``stat`` per chunk it prefetches, and the counters show it.
 """
 import numpy as np
 import pytest
@@ -33,11 +34,11 @@ class NoSizes:
         return getattr(self.inner, name)
 
 
-def _run(tmp_path, key, store_uri, *, wrap=None, versions=(1, 2)):
+def _run(tmp_path, key, store_uri, *, wrap=None, versions=(1, 2), rx_uri=None):
     rng = np.random.default_rng(0)
     w = torch.randn(64, 32).to(torch.bfloat16)
     sender, store = _sender(tmp_path, {"w": w}, key, store=open_store(store_uri), chunk_bytes=128, upload_workers=1)
-    rx_store = open_store(store_uri)
+    rx_store = open_store(rx_uri or store_uri)
     rx = Rx("r0", wrap(rx_store) if wrap else rx_store, key, sender.run_id, w)
     out = []
     for version in versions:
@@ -83,6 +84,21 @@ def test_control_a_listing_without_sizes_costs_a_stat_per_prefetched_chunk(tmp_p
     store.put("v/00000001/chunks/r000-00000.dcr", b"x" * 7)
     assert list_sizes(NoSizes(store), "v/00000001/chunks/") == [("v/00000001/chunks/r000-00000.dcr", None)]
     assert list_sizes(store, "v/00000001/chunks/") == [("v/00000001/chunks/r000-00000.dcr", 7)]
+
+
+def test_through_a_relay_a_chunk_costs_one_request_too(tmp_path, key, s3_bucket):
+    """A relay's listing passes the sizes of S3's on: the receiver reads each chunk with one
+    ``get`` through the relay, no ``stat``; the relay itself lists and reads S3 (each chunk
+    once).  The control above is the same receiver on a listing without sizes."""
+    from nemo_dcr.transport.relay import RelayThread
+
+    with RelayThread(open_store(s3_bucket + "/run")) as relay:
+        for stats, ack in _run(tmp_path, key, s3_bucket + "/run", rx_uri=relay.uri):
+            got = ack["requests"]["calls"]
+            assert got["get:chunk"]["n"] == stats.chunks and got["get:chunk"]["bytes"] == stats.wire_bytes
+            assert "stat:chunk" not in got and ack["prefetched_chunks"] > 0
+        s = relay.stats()
+        assert s["upstreams"][0]["chunk_bytes_read"] > 0
 
 
 def test_the_s3_listing_gives_sizes_and_tags_without_a_head(s3_bucket):

@@ -129,6 +129,56 @@ def test_read_side_round_trip(origin):
             assert http.request("GET", r.uri.replace("relay", "http") + "/v1/health").data == b"ok\n"
 
 
+def test_a_list_carries_sizes_from_the_upstream_listing_or_the_held_copy(origin, tmp_path):
+    """A relay's ``list`` gives each key's size: its upstream's, where that listing carries
+    sizes (a directory, S3, a relay), else the size of the copy it holds, else None (the
+    child asks ``HEAD``).  Through two levels the sizes pass on.  Control: an upstream listing
+    without sizes and a key the relay does not hold give None."""
+    sizes = (5, 0, 1 << 20)
+    for i, n in enumerate(sizes):
+        origin.inner.put(CHUNK.format(i), os.urandom(n))
+    origin.inner.put("init/a.json", b"{}")
+    origin.inner.put("init/b.json", b"[1, 2]")
+    with RelayThread(origin) as r:  # origin: a listing without sizes
+        c = client(r.uri)
+        assert c.list_sizes("init") == [("init/a.json", None), ("init/b.json", None)]
+        assert c.get("init/b.json") == b"[1, 2]"  # now held (an immutable key)
+        time.sleep(r.relay.cfg.coalesce_ms / 1000 + 0.05)  # past the listing's coalescing window
+        assert c.list_sizes("init") == [("init/a.json", None), ("init/b.json", 6)]  # the held copy's
+    with RelayThread(origin.inner) as root, RelayThread(client(root.uri)) as leaf:  # a directory: sizes
+        want = [(CHUNK.format(i), n) for i, n in enumerate(sizes)]
+        assert client(root.uri).list_sizes("v/00000001/chunks") == want
+        assert client(leaf.uri).list_sizes("v/00000001/chunks") == want  # passed on by the root
+        assert client(leaf.uri).list_sizes("v/00000001/chunks", limit=2) == want[:2]
+        assert client(leaf.uri).list("v/00000001/chunks") == [k for k, _ in want]
+
+
+@pytest.mark.parametrize("body, limit, error", [
+    (b'{"keys": ["a", "b"], "sizes": [1]}', None, "one size"),
+    (b'{"keys": ["a"], "sizes": [-1]}', None, "one size"),
+    (b'{"keys": ["a"], "sizes": [true]}', None, "one size"),
+    (b'{"keys": ["a"], "sizes": ["7"]}', None, "one size"),
+    (b'{"keys": ["a"], "sizes": {"a": 1}}', None, "one size"),
+    (b'{"keys": ["a"], "sizes": [1' + b',1' * 9 + b']}', 1, "over 1 keys"),  # numbers counted before parsing
+])
+def test_a_list_answer_with_bad_sizes_is_refused(body, limit, error):
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    srv = CannedServer(head + body)
+    try:
+        c = RelayStore(srv.uri, policy=StorePolicy(timeout_s=2, retries=0))
+        with pytest.raises(StoreError, match=error):
+            c.list_sizes("v/00000001/chunks", limit=limit)
+    finally:
+        srv.close()
+    ok = b'{"keys": ["b", "a"]}'  # control: an answer without sizes (an older relay) is read, sizes None
+    srv = CannedServer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(ok) + ok)
+    try:
+        assert RelayStore(srv.uri, policy=StorePolicy(timeout_s=2, retries=0)).list_sizes("v") == [("a", None),
+                                                                                                  ("b", None)]
+    finally:
+        srv.close()
+
+
 def test_a_bounded_list_passes_its_limit_upstream(origin):
     """``list(prefix, limit=n)`` through a relay: the relay asks its upstream for n keys (a
     store writer's flood costs one bounded page at every hop), caches it apart from the

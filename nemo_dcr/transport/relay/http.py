@@ -133,16 +133,16 @@ class RelayHTTP:
             if prefix:
                 _check(prefix)
             limit = _list_limit(request.query.get("limit"))
-            keys = await self.relay.list(prefix, limit)
+            listed = await self.relay.list(prefix, limit)
         except _Answer as a:
             return a.response(self.relay)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             return _error_response(self.relay, exc)
-        if len(keys) > MAX_LIST_KEYS:
+        if len(listed) > MAX_LIST_KEYS:
             self.relay.counters.lists_too_long += 1
-            return _text(413, f"{prefix!r}: {len(keys)} keys, over {MAX_LIST_KEYS} (ask with a limit)",
+            return _text(413, f"{prefix!r}: {len(listed)} keys, over {MAX_LIST_KEYS} (ask with a limit)",
                          {"X-Dcr-Limit": str(MAX_LIST_KEYS)})
-        return web.json_response({"keys": keys})
+        return web.json_response({"keys": [k for k, _ in listed], "sizes": [n for _, n in listed]})
 
     async def _h_put(self, request):
         from aiohttp import web

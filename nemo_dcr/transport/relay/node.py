@@ -16,7 +16,7 @@ from nemo_dcr.protocol.keys import RUN_KEY, is_chunk_object, is_immutable, key_v
 from nemo_dcr.transport.relay.config import MAX_LIST_KEYS, RelayConfig
 from nemo_dcr.transport.relay.http import make_app
 from nemo_dcr.transport.relay.stats import RelayCounters
-from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError
+from nemo_dcr.transport.store.base import ObjectInfo, ObjectNotFound, ObjectStore, ObjectTooLarge, StoreError, list_sizes
 from nemo_dcr.transport.store.policy import one_line
 
 
@@ -43,7 +43,7 @@ class Relay:
         self.counters = RelayCounters()
         self.cache = Cache(self.cfg, self.counters, self._log)
         self._fresh_stat: dict[str, tuple[float, ObjectInfo | None]] = {}
-        self._fresh_list: dict[tuple[str, int | None], tuple[float, list[str]]] = {}  # (prefix, limit)
+        self._fresh_list: dict[tuple[str, int | None], tuple[float, list[tuple[str, int | None]]]] = {}  # (prefix, limit)
         self._flights: dict[tuple[str, str], Flight] = {}
         self.sending: dict[int, list] = {}  # id -> [key, size, sent]
         self._pool = ThreadPoolExecutor(self.cfg.fetch_threads, thread_name_prefix="nemo-dcr-relay-upstream")
@@ -275,7 +275,11 @@ class Relay:
 
         return await self._join(self._flight("stat", key, lambda fl: fetch()))
 
-    async def list(self, prefix: str, limit: int | None = None) -> list[str]:
+    async def list(self, prefix: str, limit: int | None = None) -> list[tuple[str, int | None]]:
+        """The keys under ``prefix`` in key order, each with its size: from the upstream's
+        listing where it carries sizes (S3, a directory, a relay that passes them on:
+        ``store.base.list_sizes``), else from the copy this relay holds, else None.  A
+        size only bounds the child's later read of the key (as the origin's listing would)."""
         hit = self._fresh_list.get((prefix, limit))
         if hit is not None and hit[0] > self._loop.time():
             self.counters.coalesced += 1
@@ -283,11 +287,13 @@ class Relay:
 
         async def fetch():
             self.counters.upstream_lists += 1
-            keys = await self._up(self.store.list, prefix, limit=limit)
-            self._fresh_list[(prefix, limit)] = (self._loop.time() + self._window, keys)
-            if len(keys) <= MAX_LIST_KEYS:
-                self._cut_through(keys)
-            return keys
+            listed = await self._up(list_sizes, self.store, prefix, limit=limit)
+            held = self.cache.entries
+            listed = [(k, n if n is not None or k not in held else held[k].size) for k, n in listed]
+            self._fresh_list[(prefix, limit)] = (self._loop.time() + self._window, listed)
+            if len(listed) <= MAX_LIST_KEYS:
+                self._cut_through([k for k, _ in listed])
+            return listed
 
         flight_key = prefix if limit is None else f"{prefix}#limit={limit}"
         return await self._join(self._flight("list", flight_key, lambda fl: fetch()))

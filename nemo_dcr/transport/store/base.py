@@ -150,7 +150,7 @@ def stat_then_put(store: ObjectStore, key: str, data: bytes) -> bool:
 def list_sizes(store: ObjectStore, prefix: str, *, limit: int | None = None) -> list[tuple[str, int | None]]:
     """The keys under ``prefix`` in key order, each with its size where the store's listing
     carries it (local directories, fsspec back ends such as S3, failover lists of those:
-    ``store.list_sizes``), else None (a relay's listing, any store without the method): the
+    ``store.list_sizes``, relays), else None (any store without the method): the
     caller asks ``stat`` for the keys it wants.  A listed size is the bound of a later
     bounded ``get`` of that key, never trusted beyond it."""
     fn = getattr(store, "list_sizes", None)
