@@ -326,12 +326,8 @@ class Planner:
             owner = next(
                 w.dest_owner for w in writes[names[0]] if w.dest_owner.tensor.untyped_storage().data_ptr() == ptr
             )
-            numel = owner.tensor.untyped_storage().nbytes() // owner.tensor.element_size()
-            counter = torch.zeros(numel, dtype=torch.int16)
-            masks = {}
+            same = []  # (name, write) of every write into this storage through its element size
             for name in names:
-                mask = torch.zeros(numel, dtype=torch.bool)
-                total = 0
                 for w in writes[name]:
                     if w.dest_owner.tensor.untyped_storage().data_ptr() != ptr:
                         continue
@@ -339,19 +335,10 @@ class Planner:
                         if out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
                             raise LoaderError(f"{name}: plain write through a reinterpreting view of {owner.name}")
                         continue  # a transform writing through another dtype: elements not comparable
-                    view = torch.as_strided(mask, w.dest.shape, w.dest.stride(), w.dest.storage_offset())
-                    view.fill_(True)
-                    total += w.dest.numel()
-                if total != int(mask.sum()) and out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
-                    p = out[name]
-                    out[name] = TensorPlacement(
-                        p.spec, PlacementKind.TRANSFORM, p.copies, f"writes elements of {owner.name} more than once"
-                    )
-                counter += mask
-                masks[name] = mask
-            if int(counter.max()) > 1:
-                shared = sorted(n for n, m in masks.items() if bool((counter[m] > 1).any()))
-                raise LoaderError(f"canonical tensors {shared} are written into the same elements of {owner.name}")
+                    same.append((name, w))
+            if not _spans_overlap(same):
+                continue  # contiguous writes into disjoint spans (e.g. every parameter mapped on one file)
+            out = _check_overlaps_by_mask(out, owner, names, same)
         return out
 
     def _check_mirror_consistent(self, mirror: dict[str, torch.Tensor], writes: dict[str, list[CapturedWrite]]) -> None:
@@ -405,3 +392,46 @@ def _describe_nonplain(spec: TensorSpec, w: CapturedWrite) -> str:
     if w.fed_name != spec.name:
         return f"{w.op} into {w.dest_owner.name} from the tensor fed as {w.fed_name}"
     return f"{w.op} casts {w.source.dtype} -> {w.dest.dtype} into {w.dest_owner.name}"
+
+
+def _spans_overlap(writes: list[tuple[str, CapturedWrite]]) -> bool:
+    """False when every write is contiguous and no two touch the same element (sorted spans
+    of the owner's elements, O(k log k)); True when any does, or any write is strided (the
+    caller then checks element by element)."""
+    spans = []
+    for _, w in writes:
+        if not w.dest.is_contiguous():
+            return True
+        start = w.dest.storage_offset()
+        spans.append((start, start + w.dest.numel()))
+    spans.sort()
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _check_overlaps_by_mask(out: dict[str, TensorPlacement], owner, names: list[str],
+                            writes: list[tuple[str, CapturedWrite]]) -> dict[str, TensorPlacement]:
+    """``Planner._check_overlaps`` element by element for one storage: one boolean mask of the
+    storage per canonical tensor at a time, and a write counter over it."""
+    numel = owner.tensor.untyped_storage().nbytes() // owner.tensor.element_size()
+    counter = torch.zeros(numel, dtype=torch.int16)
+
+    def mask_of(name: str) -> tuple[torch.Tensor, int]:
+        mask, total = torch.zeros(numel, dtype=torch.bool), 0
+        for n, w in writes:
+            if n == name:
+                torch.as_strided(mask, w.dest.shape, w.dest.stride(), w.dest.storage_offset()).fill_(True)
+                total += w.dest.numel()
+        return mask, total
+
+    for name in names:
+        mask, total = mask_of(name)
+        if total != int(mask.sum()) and out[name].kind in (PlacementKind.DIRECT, PlacementKind.VIEW):
+            p = out[name]
+            out[name] = TensorPlacement(
+                p.spec, PlacementKind.TRANSFORM, p.copies, f"writes elements of {owner.name} more than once"
+            )
+        counter += mask
+    if int(counter.max()) > 1:
+        shared = sorted(n for n in names if bool((counter[mask_of(n)[0]] > 1).any()))
+        raise LoaderError(f"canonical tensors {shared} are written into the same elements of {owner.name}")
+    return out
