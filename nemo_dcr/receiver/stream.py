@@ -182,10 +182,8 @@ class StreamState:
             self._closed = True
             while self._decoding:
                 self._lock.wait()
-        for f in self._inflight.values():
-            f.cancel()
         self._inflight.clear()
-        if self._pool is not None:
+        if self._pool is not None:  # every future in flight is the pool's: queued ones are cancelled here
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
