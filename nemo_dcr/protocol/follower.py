@@ -45,11 +45,11 @@ receiver but not make it apply, keep or roll back anything.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
 from nemo_dcr.errors import DcrError, ProtocolError, TransportError
+from nemo_dcr.events import event_line
 from nemo_dcr.protocol.manifest import (
     HEAD_KEY,
     Ack,
@@ -155,7 +155,7 @@ class Follower:
         self.member: bool | None = None
         """Whether the last signed decision this receiver read names it a member (None: none read yet)."""
         self._requested: tuple[int, str] | None = None  # (version, digest) of the last join request written
-        self._log = log or (lambda event: print(json.dumps(event), flush=True))
+        self._log = log or (lambda event: print(event_line(event), flush=True))
         self.docs = DocReader(store, sealer, run_id, log=self._log, who={"receiver": receiver_id})
         self._head_moved = time.monotonic()  # when HEAD.json last named a version not answered yet
         self._acked: dict[int, str] = {}  # version -> uri of the upstream that took its ok ack (last 2)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import sys
 import tempfile
 
 from nemo_dcr.configs.flags import FieldFlags, field_values
 from nemo_dcr.errors import DcrError, ValidationError
+from nemo_dcr.events import event_line
 from nemo_dcr.receiver.registry import RuntimeOptions, check_options, runtime_names
 
 PROG = "nemo-dcr receive"
@@ -151,16 +151,16 @@ def _serve(args, store, sealer, cfg, options) -> int:
                              run_id=args.run_id, init_dir=args.init_dir, timeout_s=args.timeout_s,
                              allow_unverified=args.insecure_no_key, dump_dir=args.dump_dir, snapshot=args.snapshot)
     with session:
-        print(json.dumps({"receiver": args.receiver_id, "bootstrap": session.bootstrap}), flush=True)
+        print(event_line({"receiver": args.receiver_id, "bootstrap": session.bootstrap}), flush=True)
         session.follower.join = args.join
         if session.recovered is not None:
-            print(json.dumps({"receiver": args.receiver_id, **session.recovered, "held": session.committed}),
+            print(event_line({"receiver": args.receiver_id, **session.recovered, "held": session.committed}),
                   flush=True)
-        print(json.dumps({"receiver": args.receiver_id, "ready": True, "run_id": session.run_id,
+        print(event_line({"receiver": args.receiver_id, "ready": True, "run_id": session.run_id,
                           "held": session.committed}), flush=True)
         session.run(until_version=args.until_version, timeout_s=args.timeout_s)
         # the version held now (session.committed is the one held at the start)
-        print(json.dumps({"receiver": args.receiver_id, "done": True, "held": session.follower.state.committed,
+        print(event_line({"receiver": args.receiver_id, "done": True, "held": session.follower.state.committed,
                           "origin_chunk_bytes": origin_chunk_bytes(store)}), flush=True)  # the demo sums these
     return 0
 

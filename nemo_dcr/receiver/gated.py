@@ -35,6 +35,7 @@ import numpy as np
 
 from nemo_dcr.codec.types import TensorDelta
 from nemo_dcr.errors import ProtocolError
+from nemo_dcr.events import event_line
 from nemo_dcr.protocol.follower import Follower
 from nemo_dcr.protocol.manifest import HEAD_KEY, Head, Manifest
 from nemo_dcr.protocol.reader import DocReader
@@ -249,7 +250,7 @@ class BackgroundFollower:
         self._write_status()
 
     def _event(self, event: dict) -> None:
-        self._log_line(json.dumps(event))
+        self._log_line(event_line(event))
         version = event.get("version")
         with self._cond:
             if isinstance(version, int) and ("decision" in event or event.get("ok") is False):
@@ -273,7 +274,7 @@ class BackgroundFollower:
                 with self._cond:
                     self._status.error = _one_line(f"{type(e).__name__}: {e}")
                     self._cond.notify_all()
-                self._log_line(json.dumps({"receiver": f.receiver_id, "event": "step failed",
+                self._log_line(event_line({"receiver": f.receiver_id, "event": "step failed",
                                            "error": self._status.error}))
                 self._write_status()
                 time.sleep(self.RETRY_S)

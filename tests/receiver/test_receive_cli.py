@@ -1,6 +1,7 @@
 """``nemo-dcr receive``: bad input is one line on stderr and exit status 2, found before a
 run is waited for or a model loaded; every runtime in the registry is accepted."""
 import os
+import time
 
 import pytest
 
@@ -141,7 +142,9 @@ def test_the_done_line_names_the_version_held_at_the_end(tmp_path, capsys, monke
     out: dict = {}
     t = _refits(sender, w, (1, 2, 3), out)
     argv = [*_base(tmp_path), "--key-file", key, "--until-version", "3", "--timeout-s", "60"]
+    t0 = time.time()
     assert receive_cli.main(argv) == 0
+    t1 = time.time()
     t.join(60)
     assert [out[v].committed for v in (1, 2, 3)] == [True, True, True]
     events = _events(capsys.readouterr().out)
@@ -149,6 +152,10 @@ def test_the_done_line_names_the_version_held_at_the_end(tmp_path, capsys, monke
     done = events[-1]
     assert done["done"] is True and done["held"] == 3, events
     assert ready["held"] == 0  # control: the held version the session started with differs
+    # every line (the CLI's and the follower's) carries its wall-clock time, in print order
+    stamps = [e["ts"] for e in events]
+    assert len(events) > 4 and stamps == sorted(stamps) and t0 - 0.001 <= stamps[0] and stamps[-1] <= t1 + 0.001
+    assert {"committed"} <= {e.get("event") for e in events}  # the follower's events are among them
 
 
 def test_a_full_state_dir_is_one_line_exit_1_and_a_restart_repairs(tmp_path, capsys, monkeypatch):

@@ -825,7 +825,7 @@ def _start_relay(upstream: str, *extra: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise AssertionError(f"relay did not start: {proc.stderr.read()}")
     ready = json.loads(line)
-    assert ready["relay"] == "listening" and ready["upstreams"] == [upstream]
+    assert ready["relay"] == "listening" and ready["upstreams"] == [upstream] and ready["ts"] > 0
     return proc, "relay://" + ready["address"]
 
 
@@ -834,6 +834,7 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
     a, b = os.urandom(3 << 20), os.urandom(3 << 20)
     origin.put(CHUNK.format(0), a)
     origin.put(CHUNK.format(1), b)
+    t0 = time.time()
     p0, uri0 = _start_relay(origin.uri, "--spool", str(tmp_path / "spool0"), "--progress-s", "0.2")
     try:
         p1, uri1 = _start_relay(uri0, "--max-memory-bytes", "16M")
@@ -858,6 +859,8 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
         assert p0.wait(20) == 0
     assert not any((tmp_path / "spool0").iterdir())
     events = [json.loads(line) for line in p0.stderr.read().splitlines() if line.startswith("{")]
+    stamps = [e["ts"] for e in events]  # wall-clock seconds on every event line, in print order
+    assert stamps == sorted(stamps) and t0 - 0.001 <= stamps[0] and stamps[-1] <= time.time() + 0.001
     progress = [e for e in events if e["relay"] == "progress"]
     assert progress and set(relay_mod.cli.PROGRESS_FIELDS) <= set(progress[-1])
     assert 0 < max(e["served_bytes"] for e in progress) <= len(a) + len(b)

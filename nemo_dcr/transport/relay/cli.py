@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import signal
@@ -11,6 +10,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from nemo_dcr.errors import DcrError, ValidationError
+from nemo_dcr.events import event_line
 from nemo_dcr.transport.relay.config import PROG, RelayConfig
 from nemo_dcr.transport.relay.node import Relay, stderr_log
 from nemo_dcr.transport.store.base import ObjectStore
@@ -168,7 +168,7 @@ async def _serve(store: ObjectStore, cfg: RelayConfig, host: str, port: int, pro
         loop.add_signal_handler(sig, stop.set)
     bound = await relay.start(host, port)
     shown = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
-    print(json.dumps({"relay": "listening", "address": shown, "upstreams": [u["uri"] for u in relay.upstreams()],
+    print(event_line({"relay": "listening", "address": shown, "upstreams": [u["uri"] for u in relay.upstreams()],
                       "config": {k: v for k, v in asdict(cfg).items()}}), flush=True)
     ticker = asyncio.ensure_future(_progress(relay, progress_s)) if progress_s > 0 else None
     try:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nemo_dcr.errors import FormatError, ValidationError
+from nemo_dcr.events import event_line
 from nemo_dcr.transport.relay.cache import Cache, Entry, NotHeld, Overloaded
 from nemo_dcr.protocol.keys import RUN_KEY, is_chunk_object, is_immutable, key_version
 from nemo_dcr.transport.relay.config import MAX_LIST_KEYS, RelayConfig
@@ -375,4 +375,4 @@ def retrieve(task: asyncio.Task) -> None:
 
 
 def stderr_log(event: dict) -> None:
-    print(json.dumps(event), file=sys.stderr, flush=True)
+    print(event_line(event), file=sys.stderr, flush=True)
