@@ -825,7 +825,7 @@ def _start_relay(upstream: str, *extra: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise AssertionError(f"relay did not start: {proc.stderr.read()}")
     ready = json.loads(line)
-    assert ready["relay"] == "listening" and ready["upstreams"] == [upstream] and ready["ts"] > 0
+    assert ready["relay"] == "listening" and ready["upstreams"] == upstream.split(",") and ready["ts"] > 0
     return proc, "relay://" + ready["address"]
 
 
@@ -865,6 +865,55 @@ def test_relay_processes_tree_and_sigterm(tmp_path):
     assert progress and set(relay_mod.cli.PROGRESS_FIELDS) <= set(progress[-1])
     assert 0 < max(e["served_bytes"] for e in progress) <= len(a) + len(b)
     assert events[-1]["relay"] == "stopped"
+
+
+def test_a_mid_relay_killed_during_a_version_is_routed_around(tmp_path):
+    """Three levels: root r0 (in-process, over the counting origin), mid r1 (a ``nemo-dcr
+    relay`` process, upstreams ``r0,origin``) and leaf r2 (in-process, upstreams
+    ``r1,r0,origin``, as bench_relay_link.py lists them), a reader under r2.  The version's
+    last four chunks are held at the origin; the reader reads the first four, r1 is
+    SIGKILLed, the origin lets go: r2 fetches the rest from its grandparent r0, which
+    serves them from its own flight or cache, so the reader gets every chunk bit for bit
+    and the origin is read once per chunk.  Control: leaf r2x, whose only upstream is r1,
+    read the first four as well and fails on the rest."""
+    from nemo_dcr.transport.store import open_store
+
+    origin = CountingStore(LocalDirStore(str(tmp_path / "origin")))
+    keys = [CHUNK.format(i) for i in range(8)]
+    payloads = {k: os.urandom(256 << 10) for k in keys}
+    for k in keys:
+        origin.put(k, payloads[k])
+    early, late = keys[:4], keys[4:]
+    origin.gate, origin.gated = threading.Event(), set(late)
+    with RelayThread(origin) as r0:
+        p1, uri1 = _start_relay(f"{r0.uri},{origin.uri}")
+        try:
+            with RelayThread(open_store(f"{uri1},{r0.uri},{origin.uri}")) as r2, \
+                    RelayThread(RelayStore(uri1, policy=StorePolicy(timeout_s=2, retries=0))) as r2x:
+                reader, control = client(r2.uri), client(r2x.uri)
+                assert reader.list("v/00000001/chunks/") == keys == control.list("v/00000001/chunks/")
+                assert [reader.get(k) for k in early] == [payloads[k] for k in early]
+                assert [control.get(k) for k in early] == [payloads[k] for k in early]
+                wait_for(lambda: all(origin.calls["get", k] == 1 for k in late), "r0 to ask the origin for the rest")
+                assert r2.stats()["upstream_chunk_bytes"] == 4 * (256 << 10)  # the rest is in flight, not held
+                p1.kill()  # mid-version: r1 and r2 are waiting on r0 for the held chunks
+                assert p1.wait(20) == -signal.SIGKILL
+                origin.gate.set()
+                got = {k: reader.get(k) for k in late}
+                with pytest.raises(StoreError):
+                    control.get(late[0])
+                s0, s2 = r0.stats(), r2.stats()
+        finally:
+            if p1.poll() is None:
+                p1.kill()
+            p1.wait(20)
+    assert got == {k: payloads[k] for k in late} and len(set(got.values())) == len(late)
+    assert {k: origin.calls["get", k] for k in keys} == {k: 1 for k in keys}  # each chunk left the origin once
+    assert s0["upstream_chunk_bytes"] == 8 * (256 << 10)
+    rows = {u["uri"]: u for u in s2["upstreams"]}
+    assert rows[uri1]["failures"] >= 1 and rows[uri1]["chunk_bytes_read"] == 4 * (256 << 10)
+    assert rows[r0.uri]["chunk_bytes_read"] == 4 * (256 << 10)  # the rest came from the grandparent
+    assert rows[origin.uri]["chunk_bytes_read"] == 0 and s2["current_upstream"] == r0.uri
 
 
 def test_sigterm_does_not_wait_for_a_stalled_upstream():
