@@ -2,8 +2,14 @@
 long a refit takes, when R receivers on the far side read the origin store directly
 (``store``) or through a relay tree (``relay``).
 
-    sudo .venv/bin/python scripts/bench_relay_link.py [--rates 50,200] [--receivers 4] [--fanout 2]
-        [--steps 2] [--lr 2.4e-6] [--model link|small] [--out-dir benchmarks/results] [hydra overrides ...]
+    sudo .venv/bin/python scripts/bench_relay_link.py [--rates 50,200] [--receivers 4] [--fanout 2 | --fanouts 2,2,4]
+        [--topologies store,relay] [--kill-relay r1] [--steps 2] [--lr 2.4e-6] [--model link|small]
+        [--out-dir benchmarks/results] [--out-name relay_link] [hydra overrides ...]
+
+The 16-receiver, three-level tree (``benchmarks/results/scale_tree.{json,png}``)::
+
+    sudo .venv/bin/python scripts/bench_relay_link.py --fanouts 2,2,4 --model small --topologies store,relay \
+        --rates 50,200 --steps 2 --kill-relay r1 --probe-reps 0 --out-name scale_tree
 
 Needs root (network namespace, veth pair, ``tc``); refuses to run otherwise.
 
@@ -26,8 +32,29 @@ included), sampled every 20 ms, taken between the trainer's two timestamps of th
 interface is read around each step as a cross-check.
 
 Cases, per link rate: ``store`` (every receiver's store URI is the origin) and ``relay``
-(a relay tree of fanout ``--fanout`` on the far side; only the root relay reads the origin;
-every node's upstream list ends with the origin, e.g. ``relay://r1,relay://r0,s3://...``).
+(a relay tree on the far side; only the root relay reads the origin; every node's upstream
+list ends with the origin, e.g. ``relay://r1,relay://r0,s3://...``).  The tree: ``--fanout
+F`` groups the receivers F per relay, those relays F per relay, up to one root;
+``--fanouts A,B,C`` shapes it per level instead: the root has A child relays, each of
+those B, each of those C receivers (A*B*C receivers; ``meta.levels`` = 3, the number of
+relay levels, the root being level 1).  Relays are named r0 (the root), then level by
+level, left to right.
+
+``--kill-relay NAME`` adds one refit after the relay cases, at the last rate, in which the
+driver SIGKILLs relay NAME (a relay below the root) as soon as its log shows the version
+(its first object of it): its children re-parent to the next upstream of their lists (the
+grandparent), which serves them from what it holds.  That case (``relay_killed``: which,
+when, what it held) is ``reparented`` when each child relay of the killed one read chunk
+bytes of the version from a remaining upstream and every receiver below it is bit-exact.
+
+Every case records ``origin_read_bytes``: the version's chunk bytes read from the origin
+by anyone (moto_server's request log: each GET of a chunk key, counted as the whole
+object; the relay cases must stay within 1.1x the version's wire bytes), and a
+``timeline``: for each relay level when its first and last relay first held an object of
+the version, and when the first and the last receiver acknowledged it applied (the ``ts``
+of the relays' ``version`` and the receivers' ack log events), in seconds after the end of
+the optimizer step, with each receiver's lag behind the first.  ``meta.memory``: the
+receivers' summed RSS (sampled every 0.5 s) and each one's peak (VmHWM).
 The same trainer run and the same receiver processes' weights serve every case: the
 receivers run with ``--persistent-weights``, and between the two topologies they are
 stopped and started again over their own weights with the other store URI.  One warm-up
@@ -41,19 +68,22 @@ must be reported (negative control).
 
 The hop probe (after the cases, at each rate): from the far namespace, GETs of a small
 object and of a chunk-sized object through the origin store directly (one link hop), the
-root relay (link + one relay hop) and a leaf relay (link + two relay hops).  Probe keys are
+root relay (link + one relay hop) and a leaf relay (link + one more relay hop per level
+below the root; the deepest relay not killed).  Probe keys are
 not version chunks, so relays do not cache them: each GET travels the whole path.  From the
 medians: the link's goodput, and each relay hop's added delay (fixed part from the small
 object, and the store-and-forward time of one chunk).  ``scripts/project_1t.py`` reads
 these as the relay's measured per-hop rates.
 
-Writes ``<out-dir>/relay_link.{json,png}``; prints a table on stdout, progress on stderr.
+Writes ``<out-dir>/<out-name>.{json,png}`` (``relay_link`` by default); prints a table on
+stdout, progress on stderr.
 """
 from __future__ import annotations
 
 import argparse
 import bisect
 import json
+import math
 import os
 import re
 import shlex
@@ -100,8 +130,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="50,200", help="inter-cluster link rates in Mbit/s (each direction)")
-    ap.add_argument("--receivers", type=int, default=4, help="receivers on the far side")
-    ap.add_argument("--fanout", type=int, default=2, help="children per relay")
+    ap.add_argument("--receivers", type=int, default=None,
+                    help="receivers on the far side (default 4; with --fanouts, the product of the fanouts)")
+    ap.add_argument("--fanout", type=int, default=2, help="children per relay (a tree as deep as it needs)")
+    ap.add_argument("--fanouts", default=None,
+                    help="the tree per relay level instead, root first: 2,2,4 = a root with 2 relays, each with "
+                         "2 relays, each with 4 receivers (7 relays in 3 levels, 16 receivers)")
+    ap.add_argument("--kill-relay", default=None, metavar="NAME",
+                    help="one more refit after the relay cases, at the last rate, in which relay NAME (not the "
+                         "root; r1 is the root's first child) is SIGKILLed once its log shows the version")
     ap.add_argument("--topologies", default="store,relay", help="cases per rate, in this order")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps (= refits) per case")
     ap.add_argument("--lr", type=float, default=2.4e-6,
@@ -112,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="link rate while version 0, the warm-up steps and the topology switch cross it")
     ap.add_argument("--probe-reps", type=int, default=5, help="GETs per path and size in the hop probe (0: none)")
     ap.add_argument("--step-timeout-s", type=float, default=900.0)
-    ap.add_argument("--out-dir", default=RESULTS, help="where relay_link.json / .png go")
+    ap.add_argument("--out-dir", default=RESULTS, help="where the JSON and PNG go")
+    ap.add_argument("--out-name", default="relay_link", help="their name: <out-dir>/<out-name>.{json,png}")
     ap.add_argument("--run-dir", default=None, help="logs and per-step rows (default runs/relay-link/<date-time>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml")
     try:
@@ -126,11 +164,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.topologies or any(t not in ("store", "relay") for t in args.topologies) \
             or len(set(args.topologies)) != len(args.topologies):
         raise BenchError(f"--topologies must list store and/or relay once each, got {args.topologies}", 2)
+    if args.fanouts is not None:
+        args.fanouts = parse_fanouts(args.fanouts)
+        if args.receivers is None:
+            args.receivers = math.prod(args.fanouts)
+        elif args.receivers != math.prod(args.fanouts):
+            raise BenchError(f"--fanouts {','.join(map(str, args.fanouts))} seats {math.prod(args.fanouts)} "
+                             f"receivers, --receivers says {args.receivers}", 2)
+    elif args.receivers is None:
+        args.receivers = 4
     if args.receivers < 1 or args.fanout < 1 or args.steps < 1 or args.probe_reps < 0 or args.lr <= 0:
         raise BenchError("--receivers, --fanout and --steps must be >= 1, --probe-reps >= 0, --lr > 0", 2)
-    if "relay" in args.topologies and args.fanout == 1 and args.receivers > 1:
+    if "relay" in args.topologies and args.fanouts is None and args.fanout == 1 and args.receivers > 1:
         raise BenchError("--fanout 1 cannot join more than one receiver under one root relay", 2)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.out_name):
+        raise BenchError(f"--out-name must be a plain file name (letters, digits, _ . -), got {args.out_name!r}", 2)
+    if args.kill_relay is not None:
+        if "relay" not in args.topologies:
+            raise BenchError("--kill-relay needs the relay topology", 2)
+        tree = build_tree(args)
+        if args.kill_relay not in {n.name for n in tree.relays[1:]}:
+            raise BenchError(f"--kill-relay must name a relay below the root ({', '.join(n.name for n in tree.relays[1:])}"
+                             f"), got {args.kill_relay!r}" if len(tree.relays) > 1 else
+                             "--kill-relay needs a tree with relays below the root", 2)
     return args
+
+
+def parse_fanouts(text: str) -> list[int]:
+    """``2,2,4`` -> [2, 2, 4]: children per relay, level by level from the root."""
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise BenchError(f"--fanouts must be comma-separated integers, got {text!r}", 2) from None
+    if not vals or any(v < 1 for v in vals):
+        raise BenchError(f"--fanouts must list integers >= 1, got {text!r}", 2)
+    return vals
+
+
+def build_tree(args) -> "Tree":
+    """The relay tree of the arguments: ``--fanouts`` if given, else ``--fanout``."""
+    rids = receiver_ids(args.receivers)
+    return relay_tree_levels(rids, args.fanouts) if args.fanouts else relay_tree(rids, args.fanout)
+
+
+def receiver_ids(n: int) -> list[str]:
+    return [f"rx{i}" for i in range(n)]
 
 
 # --------------------------------------------------------------------------- the tree
@@ -156,6 +234,25 @@ class Tree:
         while name in parents:
             name = parents[name]
             out.append(name)
+        return out
+
+    def levels(self) -> list[list[str]]:
+        """Relay names per level: ``[[root], [its child relays], ...]``, left to right."""
+        out: list[list[str]] = []
+        for n in self.relays:
+            depth = len(self.ancestors(n.name))
+            while len(out) <= depth:
+                out.append([])
+            out[depth].append(n.name)
+        return out
+
+    def below(self, name: str) -> list[str]:
+        """Every relay and receiver under relay ``name`` (depth first)."""
+        kids = {n.name: n.children for n in self.relays}
+        out = []
+        for c in kids.get(name, ()):
+            out.append(c)
+            out += self.below(c)
         return out
 
     def upstreams(self, name: str, addresses: dict[str, str], origin: str) -> str:
@@ -201,13 +298,106 @@ def relay_tree(receivers: list[str], fanout: int) -> Tree:
     return Tree(tuple(relays), receiver_parent)
 
 
+def relay_tree_levels(receivers: list[str], fanouts: list[int]) -> Tree:
+    """A tree shaped per level: the root has ``fanouts[0]`` child relays, each of those
+    ``fanouts[1]``, ..., and each relay of the last level ``fanouts[-1]`` receivers, so
+    ``len(fanouts)`` levels of relays (the root is level 1) over ``prod(fanouts)`` receivers,
+    which fill the last level's relays in order.  Names as :func:`relay_tree`'s: r0 the
+    root, then level by level, left to right (2,2,4: r1 r2; r3 r4 under r1, r5 r6 under r2;
+    rx0-rx3 under r3)."""
+    if not fanouts or any(f < 1 for f in fanouts):
+        raise ValueError(f"fanouts must be integers >= 1, got {fanouts}")
+    if len(receivers) != math.prod(fanouts):
+        raise ValueError(f"fanouts {fanouts} seat {math.prod(fanouts)} receivers, not {len(receivers)}")
+    level, k = ["r0"], 1
+    children: dict[str, tuple[str, ...]] = {}
+    for f in fanouts[:-1]:
+        below = []
+        for name in level:
+            children[name] = tuple(f"r{k + i}" for i in range(f))
+            below += children[name]
+            k += f
+        level = below
+    f = fanouts[-1]
+    for i, name in enumerate(level):
+        children[name] = tuple(receivers[i * f:(i + 1) * f])
+    parent = {c: p for p, cs in children.items() for c in cs}
+    relays = tuple(RelayNode(name, parent.get(name), children[name]) for name in sorted(children, key=lambda n: int(n[1:])))
+    return Tree(relays, {rx: parent[rx] for rx in receivers})
+
+
 # ------------------------------------------------------------------------ the counters
+def probe_leaf(tree: Tree, killed: set[str]) -> str:
+    """The relay the hop probe reads through as "leaf": the deepest one (the last of the
+    deepest level) that is neither killed nor below a killed relay."""
+    gone = set(killed) | {x for k in killed for x in tree.below(k)}
+    return next(n for level in reversed(tree.levels()) for n in reversed(level) if n not in gone)
+
+
 def tc_class_sent(text: str, classid: str = "1:10") -> int:
     """Bytes ``tc -s class show`` reports sent by class ``classid``."""
     m = re.search(rf"class htb {re.escape(classid)} .*?\n\s*Sent (\d+) bytes", text, re.S)
     if not m:
         raise BenchError(f"no htb class {classid} with a 'Sent N bytes' line in tc's output")
     return int(m.group(1))
+
+
+_ANSI = r"(?:\x1b\[[0-9;]*m)*"
+
+
+def origin_chunk_gets(moto_log: str, bucket: str, prefix: str) -> dict[str, int]:
+    """GETs answered 200/206 per chunk key (``v/<n>/chunks/...``, the run's prefix taken off)
+    in moto_server's request log (werkzeug's lines, colour codes and all)."""
+    pat = re.compile(rf'"{_ANSI}GET /{re.escape(bucket)}/{re.escape(prefix)}/(v/\d+/chunks/[^ ?]+) HTTP/[0-9.]+'
+                     rf'{_ANSI}" (?:200|206) ')
+    out: dict[str, int] = {}
+    for m in pat.finditer(moto_log):
+        out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out
+
+
+def origin_reads(gets: dict[str, int], sizes: dict[str, int]) -> dict:
+    """One version's reads of the origin: ``sizes`` its chunk keys and their sizes, ``gets``
+    the GETs per key (:func:`origin_chunk_gets`); each GET counts as the whole object (every
+    reader of the tree fetches whole chunks)."""
+    n = {k: gets.get(k, 0) for k in sizes}
+    return {"origin_read_bytes": sum(n[k] * sizes[k] for k in sizes), "origin_chunk_gets": sum(n.values()),
+            "origin_chunks": len(sizes), "origin_chunks_read_twice": sum(1 for v in n.values() if v > 1),
+            "origin_chunks_never_read": sum(1 for v in n.values() if v == 0)}
+
+
+def first_events(text: str, match) -> list[dict]:
+    """The JSON event lines of a log (lines that open with ``{``) for which ``match(e)``."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and match(e):
+                out.append(e)
+    return out
+
+
+def level_times(levels: list[list[str]], relay_ts: dict[str, float | None], receiver_ts: dict[str, float | None],
+                t0: float) -> dict:
+    """When the first and the last node of each level had a version, in seconds after ``t0``:
+    ``relay_ts[name]`` is when relay ``name`` first held an object of it, ``receiver_ts[rid]``
+    when receiver ``rid`` answered it ok (applied); None: not seen (listed as missing).  Also
+    each receiver's lag behind the first receiver."""
+    def span(names, ts):
+        got = {n: ts.get(n) for n in names}
+        seen = [t for t in got.values() if t is not None]
+        return {"nodes": len(names), "first_s": round(min(seen) - t0, 3) if seen else None,
+                "last_s": round(max(seen) - t0, 3) if seen else None,
+                "missing": sorted(n for n, t in got.items() if t is None)}
+
+    out = [{"level": i + 1, **span(names, relay_ts)} for i, names in enumerate(levels)]
+    out.append({"level": "receivers", **span(sorted(receiver_ts), receiver_ts)})
+    seen = [t for t in receiver_ts.values() if t is not None]
+    lag = {rid: (round(t - min(seen), 3) if t is not None else None) for rid, t in receiver_ts.items()}
+    return {"levels": out, "receiver_lag_s": lag}
 
 
 # ------------------------------------------------------------------------- bit-exactness
@@ -427,38 +617,68 @@ def refit_record(row: dict, topology: str, cross: int, step_bytes: int, tc_bytes
     if relays:
         rec["relays"] = relays
         root = relays.get("r0") or {}
-        rec["origin_read_bytes"] = origin_chunk_bytes(root, origin)
+        rec["root_relay_origin_bytes"] = origin_chunk_bytes(root, origin)
     return rec
 
 
+def timeline_medians(refits: list[dict]) -> dict | None:
+    """Medians over refits of each level's first / last arrival and each receiver's lag
+    (:func:`level_times` per refit, its ``timeline``)."""
+    tls = [r["timeline"] for r in refits if r.get("timeline")]
+    if not tls:
+        return None
+    levels = [{"level": lv["level"], "nodes": lv["nodes"],
+               "first_s": _med([t["levels"][i]["first_s"] for t in tls]),
+               "last_s": _med([t["levels"][i]["last_s"] for t in tls]),
+               "missing": sorted({n for t in tls for n in t["levels"][i]["missing"]})}
+              for i, lv in enumerate(tls[0]["levels"])]
+    lag = {rid: _med([t["receiver_lag_s"].get(rid) for t in tls]) for rid in tls[0]["receiver_lag_s"]}
+    return {"levels": levels, "receiver_lag_s": lag}
+
+
 def case_entry(topology: str, mbit: float, receivers: int, refits: list[dict]) -> dict:
-    """One case: medians over its refits (bytes, walls), all refits kept."""
+    """One case: medians over its refits (bytes, walls, per-level arrivals), all refits kept."""
     wire = _med([r["wire_bytes"] for r in refits])
     cross = _med([r["cross_link_bytes"] for r in refits])
-    return {
-        "topology": topology, "receivers": receivers, "link_mbit": mbit, "refits_n": len(refits),
+    origin = _med([r.get("origin_read_bytes") for r in refits])
+    killed = next((r["relay_killed"] for r in refits if r.get("relay_killed")), None)
+    out = {
+        "topology": topology, "label": topology if killed is None else f"{topology}, {killed['name']} killed",
+        "receivers": receivers, "link_mbit": mbit, "refits_n": len(refits),
         "changed_pct": _med([r["changed_pct"] for r in refits]),
         "wire_bytes": wire, "cross_link_bytes": cross, "cross_link_ratio": cross / max(wire, 1),
         "wall_s": _med([r["wall_s"] for r in refits]),
         "rx_download_s": _med([r["rx_download_s"] for r in refits]),
-        "origin_read_bytes": _med([r.get("origin_read_bytes") for r in refits]),
+        "origin_read_bytes": origin, "origin_read_ratio": None if origin is None else origin / max(wire, 1),
+        "origin_chunk_gets": _med([r.get("origin_chunk_gets") for r in refits]),
+        "origin_chunks_read_twice": max((r.get("origin_chunks_read_twice") or 0 for r in refits), default=0),
+        "root_relay_origin_bytes": _med([r.get("root_relay_origin_bytes") for r in refits]),
         "link_goodput_mbit": _med([r.get("link_goodput_mbit") for r in refits]),
-        "bit_exact": all(r["bit_exact"] for r in refits),
+        "bit_exact": all(r["bit_exact"] for r in refits) and len(refits) > 0,
         "bit_exact_refits": f"{sum(r['bit_exact'] for r in refits)}/{len(refits)}",
         "committed": f"{sum(r['committed'] for r in refits)}/{len(refits)}",
-        "refits": refits,
+        "timeline": timeline_medians(refits),
     }
+    if topology == "relay" and origin is not None:
+        out["origin_read_le_1.1x_wire"] = origin <= 1.1 * wire
+    if killed is not None:
+        out["relay_killed"] = killed
+        out["reparented"] = all(r.get("reparented") for r in refits if r.get("relay_killed"))
+    out["refits"] = refits
+    return out
 
 
-def summarize_hops(probe: list[dict], chunk_bytes: int) -> dict:
+def summarize_hops(probe: list[dict], chunk_bytes: int, leaf_hops: int = 1) -> dict:
     """Per-hop rates from the hop probe rows ({link_mbit, path, bytes, seconds: [...]}, the
     i-th seconds of every path and size measured in the same round): the link's goodput
     (chunk-sized minus small GET from the origin), and what each relay hop adds (the leaf
     relay's path has one more hop than the root relay's, which has one more than the
     origin's): its fixed delay (small object) and the time of a chunk.  Differences are
     paired by round, then the median is taken (over the rounds, and over the rates for the
-    relay hops, which the link rate does not shape).  A hop whose chunk costs no more than
-    its fixed delay has no measurable goodput (None)."""
+    relay hops, which the link rate does not shape).  ``leaf_hops``: relay hops from the
+    root relay down to the leaf probed (2 in a tree of three levels); the leaf's difference
+    to the root is divided by it.  A hop whose chunk costs no more than its fixed delay has
+    no measurable goodput (None)."""
     by = {(r["link_mbit"], r["path"], r["bytes"]): r["seconds"] for r in probe}
     rates = sorted({r["link_mbit"] for r in probe})
     sizes = sorted({r["bytes"] for r in probe})
@@ -478,10 +698,11 @@ def summarize_hops(probe: list[dict], chunk_bytes: int) -> dict:
             links.append({"link_mbit": m, "goodput_mbit": g, "efficiency": g / m,
                           "get_small_s": statistics.median(t[("origin", small)]),
                           "get_chunk_s": statistics.median(t[("origin", big)])})
-        for a, b in (("origin", "root"), ("root", "leaf")):
-            hop_fixed += paired(t[(a, small)], t[(b, small)])
-            hop_chunk += paired(t[(a, big)], t[(b, big)])
-    out = {"probe_small_bytes": small, "probe_chunk_bytes": big, "chunk_bytes": chunk_bytes, "link": links}
+        for a, b, hops in (("origin", "root", 1), ("root", "leaf", leaf_hops)):
+            hop_fixed += [d / hops for d in paired(t[(a, small)], t[(b, small)])]
+            hop_chunk += [d / hops for d in paired(t[(a, big)], t[(b, big)])]
+    out = {"probe_small_bytes": small, "probe_chunk_bytes": big, "chunk_bytes": chunk_bytes, "leaf_hops": leaf_hops,
+           "link": links}
     if links:
         out["link_efficiency"] = statistics.median(x["efficiency"] for x in links)
     if hop_fixed and hop_chunk:
@@ -494,12 +715,12 @@ def summarize_hops(probe: list[dict], chunk_bytes: int) -> dict:
 
 
 def print_table(cases: list[dict]) -> None:
-    cols = [("topology", 8), ("receivers", 9), ("link Mbit/s", 11), ("changed %", 9), ("wire B", 10),
+    cols = [("case", 16), ("receivers", 9), ("link Mbit/s", 11), ("changed %", 9), ("wire B", 10),
             ("cross-link B", 12), ("cross/wire", 10), ("origin read B", 13), ("wall s", 7), ("rx download s", 13),
             ("bit-exact", 9)]
     print(" ".join(n.rjust(w) for n, w in cols), flush=True)
     for c in cases:
-        cells = [c["topology"], str(c["receivers"]), f"{c['link_mbit']:g}", f"{c['changed_pct']:.2f}",
+        cells = [c.get("label", c["topology"]), str(c["receivers"]), f"{c['link_mbit']:g}", f"{c['changed_pct']:.2f}",
                  f"{c['wire_bytes']:.0f}", f"{c['cross_link_bytes']:.0f}", f"{c['cross_link_ratio']:.2f}x",
                  "-" if c["origin_read_bytes"] is None else f"{c['origin_read_bytes']:.0f}",
                  f"{c['wall_s']:.2f}", "-" if c["rx_download_s"] is None else f"{c['rx_download_s']:.2f}",
@@ -508,29 +729,53 @@ def print_table(cases: list[dict]) -> None:
 
 
 def plot(cases: list[dict], path: str) -> None:
+    """Per case (a topology at a rate; the kill case apart): bytes on the link and read from
+    the origin over wire bytes, the refit wall, and when each level first / last had the
+    version (relay cases)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rates = sorted({c["link_mbit"] for c in cases})
-    tops = [t for t in ("store", "relay") if any(c["topology"] == t for c in cases)]
-    w = 0.8 / max(len(tops), 1)
-    for j, t in enumerate(tops):
-        cs = {c["link_mbit"]: c for c in cases if c["topology"] == t}
-        xs = [i + j * w for i in range(len(rates))]
-        a1.bar(xs, [cs[m]["cross_link_ratio"] if m in cs else 0 for m in rates], w, color=f"C{j}", label=t)
-        a2.bar(xs, [cs[m]["wall_s"] if m in cs else 0 for m in rates], w, color=f"C{j}", label=t)
+    timed = [c for c in cases if c.get("timeline") and len(c["timeline"]["levels"]) > 1]
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(17 if timed else 12, 4.8))
+    a1, a2 = axes[0], axes[1]
+    labels = [f"{c.get('label', c['topology'])}\n{c['link_mbit']:g} Mbit/s" for c in cases]
+    xs = range(len(cases))
+    a1.bar([x - 0.2 for x in xs], [c["cross_link_ratio"] for c in cases], 0.4, color="C0", label="on the link")
+    a1.bar([x + 0.2 for x in xs], [c.get("origin_read_ratio") or 0 for c in cases], 0.4, color="C1",
+           label="read from the origin")
+    a2.bar(list(xs), [c["wall_s"] for c in cases], 0.6, color=["C3" if c.get("relay_killed") else "C2" for c in cases])
     receivers = cases[0]["receivers"] if cases else 0
-    a1.axhline(1.2, color="k", ls="--", lw=0.8, label="1.2 x wire bytes")
+    a1.axhline(1.1, color="k", ls="--", lw=0.8, label="1.1 x wire bytes")
     a1.axhline(receivers, color="k", ls=":", lw=0.8, label=f"{receivers} x wire bytes")
     for ax in (a1, a2):
-        ax.set_xticks([i + w * (len(tops) - 1) / 2 for i in range(len(rates))], [f"{m:g} Mbit/s" for m in rates])
+        ax.set_xticks(list(xs), labels, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
-    a1.set(ylabel="bytes on the link / wire bytes", title=f"inter-cluster bytes per refit ({receivers} receivers)")
+    a1.legend(fontsize=8)
+    a1.set(ylabel="bytes / wire bytes", yscale="log", title=f"bytes per refit ({receivers} receivers)")
     a2.set(ylabel="seconds (optimizer step end -> joint commit)", title="refit wall (medians)")
+    if timed:
+        a3 = axes[2]
+        h = 0.8 / len(timed)
+        for j, c in enumerate(timed):
+            lv = c["timeline"]["levels"]
+            ys = [i + j * h for i in range(len(lv))]
+            lefts = [v["first_s"] or 0 for v in lv]
+            widths = [max((v["last_s"] or 0) - (v["first_s"] or 0), 0.02) for v in lv]
+            a3.barh(ys, widths, h, left=lefts, color=f"C{j}", label=labels[cases.index(c)].replace("\n", ", "))
+            if c.get("relay_killed"):
+                k = c["relay_killed"]
+                a3.axvline(k["at_s"], color=f"C{j}", ls="--", lw=1, label=f"{k['name']} killed")
+        n = len(timed[0]["timeline"]["levels"])
+        a3.set_yticks([i + h * (len(timed) - 1) / 2 for i in range(n)],
+                      [f"relay level {v['level']}" if v["level"] != "receivers" else "receivers (ack)"
+                       for v in timed[0]["timeline"]["levels"]])
+        a3.invert_yaxis()
+        a3.set_xlim(left=0)
+        a3.grid(alpha=0.3, axis="x")
+        a3.legend(fontsize=7)
+        a3.set(xlabel="seconds after the optimizer step's end", title="first .. last node of each level with the version")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -560,9 +805,9 @@ def trainer_main(argv: list[str]) -> int:
         cfg = DemoConfig.from_dict(json.load(f))
     trainer, hook = build_trainer(cfg)
     marks: dict[str, float] = {}
-    trainer.add_post_step_hook(lambda tr, step: marks.__setitem__("step_end", time.monotonic()))
+    trainer.add_post_step_hook(lambda tr, step: marks.update(step_end=time.monotonic(), step_end_wall=time.time()))
     trainer.add_post_step_hook(hook)
-    trainer.add_post_step_hook(lambda tr, step: marks.__setitem__("committed", time.monotonic()))
+    trainer.add_post_step_hook(lambda tr, step: marks.update(committed=time.monotonic(), committed_wall=time.time()))
     rank = dist.get_rank()
     os.makedirs(os.path.join(args.dir, "ref"), exist_ok=True)
     for step in range(1, cfg.steps + 1):
@@ -575,7 +820,8 @@ def trainer_main(argv: list[str]) -> int:
         result = trainer.train_step()
         stats = hook.last_stats
         dcr = {"wall_s": marks["committed"] - marks["step_end"], "t_start": marks["step_end"],
-               "t_committed": marks["committed"]}
+               "t_committed": marks["committed"], "t_start_wall": marks["step_end_wall"],
+               "t_committed_wall": marks["committed_wall"]}
         state = hook.dense_state()  # collective; rank 0 gets the canonical tensors
         if rank == 0:
             path = os.path.join(args.dir, "ref", f"v{step}.safetensors")
@@ -621,6 +867,47 @@ def probe_main(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------- the run
+class LogTail:
+    """The JSON event lines appended to a log since the last look."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset, self.rest = path, 0, ""
+
+    def new_events(self, match) -> list[dict]:
+        try:
+            with open(self.path) as f:
+                f.seek(self.offset)
+                text = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return []
+        text, self.rest = (self.rest + text).rsplit("\n", 1) if "\n" in self.rest + text else ("", self.rest + text)
+        return first_events(text, match)
+
+
+def proc_tree_status(pid: int, field: str) -> int:
+    """The sum of ``field`` (``VmRSS``, ``VmHWM``: kB in ``/proc/<pid>/status``) over ``pid``
+    and its descendants, in bytes; processes gone meanwhile count 0."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+            total += int(m.group(1)) * 1024 if m else 0
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
 class Run:
     def __init__(self, args, cfg, run_dir: str):
         from nemo_dcr_testbed.demo import _Children
@@ -630,7 +917,11 @@ class Run:
         self.link = Link()
         self.procs: dict[str, tuple[object, str]] = {}
         self.relay_addr: dict[str, str] = {}
+        self.killed: dict[str, str] = {}  # relay name -> the address it had
+        self.tree: Tree = build_tree(args)
         self.sampler: Sampler | None = None
+        self.memory: Sampler | None = None
+        self.hwm: dict[str, int] = {}  # receiver -> its processes' peak RSS (VmHWM), bytes
         self._cleaned = False
 
     def cleanup(self) -> None:
@@ -638,8 +929,9 @@ class Run:
             return
         self._cleaned = True
         try:
-            if self.sampler:
-                self.sampler.stop()
+            for sampler in (self.sampler, self.memory):
+                if sampler:
+                    sampler.stop()
             self.children.stop(grace_s=5.0)
         finally:
             self.link.down()
@@ -718,14 +1010,96 @@ class Run:
                 time.sleep(0.2)
 
     def stop_receivers(self) -> None:
+        self.note_receiver_peaks()
         for rid in self.cfg.refit.receivers:
             self._stop(f"receiver-{rid}")
+
+    # -- memory
+    def receivers_rss(self) -> int:
+        """RSS of every receiver process (and its children) now, bytes."""
+        return sum(proc_tree_status(p.pid, "VmRSS") for name, (p, _) in list(self.procs.items())
+                   if name.startswith("receiver-"))
+
+    def note_receiver_peaks(self) -> None:
+        for name, (p, _) in list(self.procs.items()):
+            if name.startswith("receiver-"):
+                rid = name[len("receiver-"):]
+                self.hwm[rid] = max(self.hwm.get(rid, 0), proc_tree_status(p.pid, "VmHWM"))
+
+    # -- the relay killed during a version
+    def kill_relay(self, name: str, stats0: dict) -> dict:
+        """SIGKILL relay ``name`` now; what it had read of the version (its stats just before)."""
+        addr = self.relay_addr[name]
+        held = None
+        try:
+            with urllib.request.urlopen(f"http://{addr}/v1/stats", timeout=2) as r:
+                now = json.loads(r.read())
+            held = now["upstream_chunk_bytes"] - (stats0.get(name) or {}).get("upstream_chunk_bytes", 0)
+        except (OSError, ValueError, KeyError):
+            pass
+        p, _ = self.procs.pop(f"relay-{name}")
+        t = time.time()
+        os.killpg(p.pid, 9)
+        p.wait(timeout=30)
+        self.killed[name] = self.relay_addr.pop(name)
+        _progress(f"killed relay {name} (SIGKILL) holding {held} chunk bytes of the version")
+        return {"name": name, "level": len(self.tree.ancestors(name)) + 1, "signal": "SIGKILL", "t_wall": t,
+                "held_chunk_bytes": held,
+                "trigger": "its log's first 'version' event of the version (the first object it held)"}
+
+    def reparenting(self, name: str, relays: dict[str, dict[str, float]], verdicts: list[dict],
+                    committed: bool) -> tuple[bool, dict]:
+        """Whether the subtree of the killed relay ``name`` got the version through the
+        remaining upstreams: each child relay read chunk bytes of it from an upstream that is
+        not ``name``, and every receiver below ``name`` is bit-exact (for a killed leaf relay,
+        whose children are receivers, the latter alone)."""
+        gone = f"relay://{self.killed[name]}"
+        node = next(n for n in self.tree.relays if n.name == name)
+        detail = {}
+        for c in node.children:
+            if c not in relays:
+                continue
+            d = relays[c]
+            rest = sum(v for k, v in d.items() if k.startswith("upstreams.") and k.endswith(".chunk_bytes_read")
+                       and not k.startswith(f"upstreams.{gone}."))
+            detail[c] = {"chunk_bytes_from_remaining": rest,
+                         "chunk_bytes_from_killed": d.get(f"upstreams.{gone}.chunk_bytes_read", 0),
+                         "failures_on_killed": d.get(f"upstreams.{gone}.failures", 0)}
+        below = set(self.tree.below(name))
+        rx = [v for v in verdicts if v["receiver"] in below]
+        ok = committed and bool(rx) and all(v["bit_exact"] for v in rx) and all(
+            d["chunk_bytes_from_remaining"] > 0 for d in detail.values())
+        return ok, {"child_relays": detail, "receivers_below": len(rx),
+                    "receivers_below_bit_exact": sum(v["bit_exact"] for v in rx)}
+
+    def timeline(self, n: int, topology: str, t0: float) -> dict:
+        """Per level, when its first / last node had version ``n`` (seconds after ``t0``):
+        relays from their logs' ``version`` events, receivers from their ok acks."""
+        def first_ts(log: str, match) -> float | None:
+            try:
+                with open(log) as f:
+                    hits = first_events(f.read(), match)
+            except OSError:
+                return None
+            return hits[0]["ts"] if hits and "ts" in hits[0] else None
+
+        relay_ts = {}
+        if topology == "relay":
+            for node in self.tree.relays:
+                relay_ts[node.name] = first_ts(os.path.join(self.run_dir, f"relay-{node.name}.log"),
+                                               lambda e: e.get("relay") == "version" and e.get("version") == n)
+        rx_ts = {rid: first_ts(os.path.join(self.run_dir, f"receiver-{rid}.log"),
+                               lambda e: e.get("version") == n and e.get("ok") is True and "receiver" in e)
+                 for rid in self.cfg.refit.receivers}
+        return level_times(self.tree.levels() if topology == "relay" else [], relay_ts, rx_ts, t0)
 
     # -- one step
     def step(self, n: int, plan: dict, topology: str, verify_all: bool, first_check: bool) -> dict:
         self.link.set_rate(plan["link_mbit"])
         time.sleep(0.3)  # let the shaper's queue drain at the new rate
         stats0 = self.relay_stats() if topology == "relay" else {}
+        victim, killed = plan.get("kill"), None
+        watch = LogTail(self.procs[f"relay-{victim}"][1]) if victim else None
         tc0, t_go = self.link.tc_sent(), time.monotonic()
         _write_json_atomic(os.path.join(self.go_dir, f"{n}.json"), plan)
         t0 = time.monotonic()
@@ -733,11 +1107,17 @@ class Run:
             rows = _read_rows(self.steps_path)
             if len(rows) >= n:
                 break
+            if watch is not None and killed is None and watch.new_events(
+                    lambda e: e.get("relay") == "version" and e.get("version") == n):
+                killed = self.kill_relay(victim, stats0)
             self._check_alive()
             self.children.refresh()
             if time.monotonic() - t0 > self.args.step_timeout_s:
                 raise BenchError(f"step {n} not finished after {self.args.step_timeout_s:g}s -- logs in {self.run_dir}")
-            time.sleep(0.1)
+            time.sleep(0.02 if watch is not None and killed is None else 0.1)
+        if victim and killed is None:
+            raise BenchError(f"step {n}: relay {victim} never held an object of version {n} before the commit, so it "
+                             f"was not killed during the version -- log: {self.procs[f'relay-{victim}'][1]}")
         row = rows[n - 1]
         t_row = time.monotonic()
         time.sleep(2 * SAMPLE_S)
@@ -759,7 +1139,18 @@ class Run:
             del reference
         os.unlink(row["reference"])
         relays = {k: stats_delta(stats0.get(k), stats1.get(k)) for k in stats1}
-        return refit_record(row, topology, cross, step_bytes, tc1 - tc0, busy, verdicts, relays, self.origin)
+        rec = refit_record(row, topology, cross, step_bytes, tc1 - tc0, busy, verdicts, relays, self.origin)
+        from nemo_dcr.protocol.keys import version_prefix
+        from nemo_dcr.transport.store.base import list_sizes
+
+        rec["version"] = row["stats"]["version"]
+        rec["timeline"] = self.timeline(rec["version"], topology, row["dcr"]["t_start_wall"])
+        rec["_chunk_sizes"] = dict(list_sizes(self.store, f"{version_prefix(rec['version'])}/chunks/"))
+        if killed:
+            killed["at_s"] = round(killed.pop("t_wall") - row["dcr"]["t_start_wall"], 3)
+            rec["relay_killed"] = killed
+            rec["reparented"], rec["reparent_detail"] = self.reparenting(victim, relays, verdicts, rec["committed"])
+        return rec
 
     # -- the hop probe
     def hop_probe(self, env: dict, tree: Tree) -> list[dict]:
@@ -769,7 +1160,7 @@ class Run:
         sizes = [4096, int(self.cfg.refit.chunk_bytes)]
         for s in sizes:
             store.put(f"{PROBE_PREFIX}/{s}", os.urandom(s))
-        leaf = tree.relays[-1].name
+        leaf = probe_leaf(tree, set(self.killed))
         paths = {"origin": self.origin, "root": f"relay://{self.relay_addr[tree.relays[0].name]}"}
         if leaf != tree.relays[0].name:
             paths["leaf"] = f"relay://{self.relay_addr[leaf]}"
@@ -818,6 +1209,8 @@ class Run:
         self.sampler = Sampler({"tx": file_counter(f"/sys/class/net/{self.link.host_if}/statistics/tx_bytes")},
                                SAMPLE_S)
         self.sampler.start()
+        self.memory = Sampler({"receivers_rss": self.receivers_rss, "mem_available": mem_available}, 0.5)
+        self.memory.start()
 
         cfg_path = os.path.join(self.run_dir, "config.json")
         with open(cfg_path, "w") as f:
@@ -831,7 +1224,7 @@ class Run:
         self._start("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc-per-node={cfg.parallel.world_size}", os.path.abspath(__file__), "trainer",
                                 "--config", cfg_path, "--dir", self.run_dir, "--driver-pid", str(os.getpid())], env)
-        store = open_store(self.origin)
+        store = self.store = open_store(self.origin)
         deadline = time.monotonic() + args.step_timeout_s
         while not store.exists(WEIGHTS_KEY):
             self._check_alive()
@@ -842,7 +1235,7 @@ class Run:
         time.sleep(2.0)
         self.init_dir = download_checkpoint(store, os.path.join(self.run_dir, "init"))  # near side, not the link
         self.state_dirs = {rid: os.path.join(self.run_dir, f"receiver-{rid}") for rid in cfg.refit.receivers}
-        tree = relay_tree(list(cfg.refit.receivers), args.fanout)
+        tree = self.tree
         _progress(f"version 0 written ({time.monotonic() - t_start:.0f}s); receivers starting")
 
         records, n = [], 0
@@ -862,6 +1255,8 @@ class Run:
                       + "; ".join(f"{k}={v}" for k, v in uris.items()))
             plan = [{"lr": args.lr, "link_mbit": args.setup_mbit, "warmup": True}]
             plan += [{"lr": args.lr, "link_mbit": m, "warmup": False} for m in args.rates for _ in range(args.steps)]
+            if topology == "relay" and args.kill_relay:  # last: the tree is one relay short afterwards
+                plan.append({"lr": args.lr, "link_mbit": args.rates[-1], "warmup": False, "kill": args.kill_relay})
             for p in plan:
                 n += 1
                 r = self.step(n, {**p, "topology": topology}, topology, verify_all=True, first_check=first_check)
@@ -885,7 +1280,23 @@ class Run:
         except subprocess.TimeoutExpired:
             raise BenchError(f"trainer still running 120s after its last step -- log: {log}") from None
         self._check_alive(["trainer"])
-        return {"records": records, "probe": probe, "tree": tree, "wall_s": time.monotonic() - t_start}
+        self.note_receiver_peaks()
+        with open(os.path.join(self.run_dir, "moto.log"), errors="replace") as f:
+            gets = origin_chunk_gets(f.read(), BUCKET, RUN_PREFIX)
+        for r in records:
+            r.update(origin_reads(gets, r.pop("_chunk_sizes")))
+        rss, avail = self.memory.logs["receivers_rss"], self.memory.logs["mem_available"]
+        memory = {"receivers_rss_peak_bytes": max(rss.v, default=None),
+                  "receivers_hwm_sum_bytes": sum(self.hwm.values()),
+                  "receiver_hwm_max_bytes": max(self.hwm.values(), default=None),
+                  "receiver_hwm_bytes": self.hwm, "mem_available_min_bytes": min(avail.v, default=None),
+                  "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+        _progress(f"memory: receivers' RSS peaked at {(memory['receivers_rss_peak_bytes'] or 0) / 2**30:.2f} GiB "
+                  f"together (sampled every 0.5 s), the largest receiver at "
+                  f"{(memory['receiver_hwm_max_bytes'] or 0) / 2**30:.2f} GiB; MemAvailable fell to "
+                  f"{(memory['mem_available_min_bytes'] or 0) / 2**30:.2f} GiB")
+        return {"records": records, "probe": probe, "tree": tree, "memory": memory,
+                "wall_s": time.monotonic() - t_start}
 
 
 def _main(args) -> int:
@@ -893,8 +1304,8 @@ def _main(args) -> int:
     run_dir = fresh_run_dir(args.run_dir, os.path.join(ROOT, "runs", "relay-link", time.strftime("%Y%m%d-%H%M%S")))
     from nemo_dcr_testbed.config import describe_config_error, load_demo_config
 
-    rids = [f"rx{i}" for i in range(args.receivers)]
-    total = len(args.topologies) * (1 + args.steps * len(args.rates))
+    rids = receiver_ids(args.receivers)
+    total = len(args.topologies) * (1 + args.steps * len(args.rates)) + (1 if args.kill_relay else 0)
     try:
         cfg = load_demo_config([*MODELS[args.model], f"run_dir={run_dir}", f"store.uri=s3://{BUCKET}/{RUN_PREFIX}",
                                 f"steps={total}", "refit.model_id=relay-link", "refit.verify_dense=false",
@@ -918,10 +1329,16 @@ def _main(args) -> int:
     cases = []
     for t in args.topologies:
         for m in args.rates:
-            mine = [r for r in records if not r["warmup"] and r["topology"] == t and r["link_mbit"] == m]
+            mine = [r for r in records if not r["warmup"] and r["topology"] == t and r["link_mbit"] == m
+                    and not r.get("relay_killed")]
             cases.append(case_entry(t, m, args.receivers, mine))
-    hops = summarize_hops(out["probe"], int(cfg.refit.chunk_bytes)) if out["probe"] else None
+    killed = [r for r in records if r.get("relay_killed")]
+    if killed:
+        cases.append(case_entry("relay", killed[0]["link_mbit"], args.receivers, killed))
     tree: Tree = out["tree"]
+    leaf = probe_leaf(tree, {args.kill_relay} if args.kill_relay else set())
+    hops = summarize_hops(out["probe"], int(cfg.refit.chunk_bytes), leaf_hops=max(len(tree.ancestors(leaf)), 1)) \
+        if out["probe"] else None
     m = cfg.model
     expected = {}
     for mbit in args.rates:
@@ -933,6 +1350,12 @@ def _main(args) -> int:
                 "store_cross_link_over_wire": s["cross_link_ratio"],
                 "relay_wall_le_store_wall": r["wall_s"] <= s["wall_s"],
                 "relay_over_store_wall": r["wall_s"] / s["wall_s"]}
+    for c in cases:
+        if c["topology"] == "relay":
+            key = f"{c['link_mbit']:g}" + (" killed" if c.get("relay_killed") else "")
+            expected.setdefault(key, {})["relay_origin_read_le_1.1x_wire"] = c.get("origin_read_le_1.1x_wire")
+            if c.get("relay_killed"):
+                expected[key].update(bit_exact=c["bit_exact"], reparented=c["reparented"])
     result = {
         "meta": {
             "command": shlex.join([sys.executable, *sys.argv]),
@@ -945,8 +1368,13 @@ def _main(args) -> int:
                          "(unshaped); one veth pair between them, htb egress shaping on both ends at the case's "
                          "rate" % (cfg.parallel.tensor_model_parallel_size, run.link.host_addr, args.receivers,
                                    run.link.ns, run.link.ns_addr)),
+            "receivers": args.receivers,
+            "levels": len(tree.levels()),
+            "relay_levels": tree.levels(),
             "relay_tree": [{"name": n.name, "parent": n.parent, "children": list(n.children)} for n in tree.relays],
-            "fanout": args.fanout,
+            "fanout": None if args.fanouts else args.fanout, "fanouts": args.fanouts,
+            "kill_relay": args.kill_relay,
+            "memory": out["memory"],
             "model": {"preset": args.model, **cfg.to_dict()["model"],
                       "canonical_params": records[0]["canonical_numel"]},
             "lr": args.lr, "rates_mbit": args.rates, "steps_per_case": args.steps,
@@ -968,8 +1396,28 @@ def _main(args) -> int:
                                          "receivers' and relays' polling included)",
                 "tc_class_bytes_step": "the htb class's Sent counter over the same window as cross_link_bytes_step",
                 "wall_s": "end of optimizer.step() -> the trainer's joint commit decision recorded (rank 0)",
-                "origin_read_bytes": "relay: the root relay's chunk bytes read from the origin upstream "
-                                     "(its /v1/stats, delta over the step)",
+                "origin_read_bytes": "bytes of the version's chunk objects read from the origin store by anyone "
+                                     "(relays, receivers): moto_server's request log, each GET of a chunk key "
+                                     "(200/206) counted as the whole object; origin_chunk_gets the GETs, "
+                                     "origin_chunks_read_twice the chunks fetched more than once",
+                "root_relay_origin_bytes": "relay: the root relay's chunk bytes read from the origin upstream "
+                                           "(its /v1/stats, delta over the step), a cross-check",
+                "levels": "meta.levels: the number of relay levels (the root relay is level 1, its child relays "
+                          "level 2, ...); the receivers sit below the last level",
+                "timeline": "per refit (medians per case): for each relay level, when its first and its last "
+                            "relay first held an object of the version (the relay's 'version' log event, its "
+                            "'ts'), and for the receivers when the first and the last answered it ok (the ack "
+                            "event's 'ts': fetched, applied, acknowledged); seconds after the END OF THE "
+                            "OPTIMIZER STEP (the trainer's wall clock, same machine). receiver_lag_s: each "
+                            "receiver's ack after the first receiver's",
+                "relay_killed": "the kill case: the relay SIGKILLed once its log showed the version (at_s: "
+                                "seconds after the end of the optimizer step; held_chunk_bytes: chunk bytes of the "
+                                "version it had read, from its stats just before)",
+                "reparented": "every child relay of the killed one read chunk bytes of the version from a "
+                              "remaining upstream (its grandparent or the origin: reparent_detail), and every "
+                              "receiver below it is bit-exact; for a killed leaf relay the receivers alone",
+                "memory": "receivers_rss_peak_bytes: the receivers' RSS summed, sampled every 0.5 s, its peak; "
+                          "receiver_hwm_bytes: each receiver's VmHWM (its own peak)",
                 "link_goodput_mbit": "bytes over the span in which the link counter grew (>= 16 KiB per 20 ms)",
             },
         },
@@ -980,14 +1428,14 @@ def _main(args) -> int:
         "warmup": [r for r in records if r["warmup"]],
     }
     os.makedirs(args.out_dir, exist_ok=True)
-    json_path = os.path.join(args.out_dir, "relay_link.json")
+    json_path = os.path.join(args.out_dir, f"{args.out_name}.json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     print_table(cases)
     if hops:
         print(json.dumps({k: v for k, v in hops.items() if k != "link"}), flush=True)
-    plot(cases, os.path.join(args.out_dir, "relay_link.png"))
-    _progress(f"wrote {json_path} and relay_link.png ({out['wall_s']:.0f}s)")
+    plot(cases, os.path.join(args.out_dir, f"{args.out_name}.png"))
+    _progress(f"wrote {json_path} and {args.out_name}.png ({out['wall_s']:.0f}s)")
     return 0
 
 

@@ -21,13 +21,28 @@ def bench():
 # ---------------------------------------------------------------- arguments
 def test_defaults(bench):
     a = bench.parse_args([])
-    assert a.rates == [50.0, 200.0] and a.receivers == 4 and a.fanout == 2
+    assert a.rates == [50.0, 200.0] and a.receivers == 4 and a.fanout == 2 and a.fanouts is None
     assert a.topologies == ["store", "relay"] and a.steps == 2 and a.model == "link"
+    assert a.kill_relay is None and a.out_name == "relay_link"
+
+
+def test_fanouts_set_the_receivers(bench):
+    a = bench.parse_args(["--fanouts", "2,2,4", "--kill-relay", "r1", "--out-name", "scale_tree"])
+    assert a.fanouts == [2, 2, 4] and a.receivers == 16 and a.kill_relay == "r1" and a.out_name == "scale_tree"
+    assert bench.parse_args(["--fanouts", "2,2,1", "--receivers", "4"]).receivers == 4
+    assert bench.parse_args(["--fanouts", "1,3"]).receivers == 3  # a chain above a fanout is a tree too
+    tree = bench.build_tree(a)
+    assert len(tree.relays) == 7 and tree.levels() == [["r0"], ["r1", "r2"], ["r3", "r4", "r5", "r6"]]
+    assert bench.build_tree(bench.parse_args([])).levels() == [["r0"], ["r1", "r2"]]  # --fanout as before
 
 
 @pytest.mark.parametrize("argv", [["--rates", "0,50"], ["--rates", "x"], ["--receivers", "0"],
                                   ["--topologies", "store,mesh"], ["--topologies", "store,store"],
-                                  ["--fanout", "1"], ["--steps", "0"], ["--model", "huge"], ["--lr", "-1"]])
+                                  ["--fanout", "1"], ["--steps", "0"], ["--model", "huge"], ["--lr", "-1"],
+                                  ["--fanouts", "2,2,4", "--receivers", "4"], ["--fanouts", "2,x"], ["--fanouts", "2,0"],
+                                  ["--fanouts", ""], ["--kill-relay", "r0"], ["--kill-relay", "rx0"],
+                                  ["--kill-relay", "r1", "--topologies", "store"], ["--fanouts", "4", "--kill-relay", "r1"],
+                                  ["--out-name", "../relay_link"], ["--out-name", ""]])
 def test_bad_arguments_are_exit_2(bench, argv):
     with pytest.raises(bench.BenchError) as e:
         bench.parse_args(argv)
@@ -65,6 +80,44 @@ def test_tree_shape(bench, n, fanout):
         seen.add(r.name)
     for x in rx:  # every receiver's chain ends at the root
         assert t.ancestors(x)[-1] == "r0"
+
+
+def test_tree_per_level_2_2_4(bench):
+    rx = [f"rx{i}" for i in range(16)]
+    t = bench.relay_tree_levels(rx, [2, 2, 4])
+    assert [(n.name, n.parent, n.children) for n in t.relays[:4]] == [
+        ("r0", None, ("r1", "r2")), ("r1", "r0", ("r3", "r4")), ("r2", "r0", ("r5", "r6")),
+        ("r3", "r1", ("rx0", "rx1", "rx2", "rx3"))]
+    assert t.relays[-1].children == ("rx12", "rx13", "rx14", "rx15")
+    assert t.levels() == [["r0"], ["r1", "r2"], ["r3", "r4", "r5", "r6"]]
+    assert t.receiver_parent["rx5"] == "r4" and t.ancestors("rx5") == ["r4", "r1", "r0"]
+    addr = {n.name: f"h:{7000 + i}" for i, n in enumerate(t.relays)}
+    assert t.upstreams("rx5", addr, "s3://b/run") == "relay://h:7004,relay://h:7001,relay://h:7000,s3://b/run"
+    assert t.upstreams("r4", addr, "s3://b/run") == "relay://h:7001,relay://h:7000,s3://b/run"
+    assert t.below("r1") == ["r3", "rx0", "rx1", "rx2", "rx3", "r4", "rx4", "rx5", "rx6", "rx7"]
+    assert bench.probe_leaf(t, set()) == "r6" and bench.probe_leaf(t, {"r2"}) == "r4"
+
+
+@pytest.mark.parametrize("fanouts", [[1], [4], [2, 2], [3, 1], [1, 1, 5], [2, 3, 2]])
+def test_tree_per_level_shape(bench, fanouts):
+    import math
+
+    rx = [f"rx{i}" for i in range(math.prod(fanouts))]
+    t = bench.relay_tree_levels(rx, fanouts)
+    assert [len(level) for level in t.levels()] == [math.prod(fanouts[:i]) for i in range(len(fanouts))]
+    assert sorted(t.receiver_parent) == sorted(rx) and all(len(t.ancestors(x)) == len(fanouts) for x in rx)
+    assert [n.name for n in t.relays] == [f"r{i}" for i in range(len(t.relays))]  # a parent starts first
+    for depth, level in enumerate(t.levels()):
+        for name in level:
+            node = next(n for n in t.relays if n.name == name)
+            assert len(node.children) == fanouts[depth]
+
+
+def test_tree_per_level_refuses_a_mismatch(bench):
+    with pytest.raises(ValueError, match="seat 16 receivers, not 15"):
+        bench.relay_tree_levels([f"rx{i}" for i in range(15)], [2, 2, 4])
+    with pytest.raises(ValueError):
+        bench.relay_tree_levels(["rx0"], [0, 1])
 
 
 def test_tree_refuses_fanout_one_over_many(bench):
@@ -134,6 +187,62 @@ def test_summarize_hops_pairs_rounds_and_admits_no_goodput(bench):
     assert h["relay_hop_fixed_s"] == pytest.approx(0.05) and h["relay_hop_chunk_s"] == pytest.approx(0.05)
     assert h["relay_hop_goodput_gbps"] is None  # a chunk costs the hop no more than a small object
     assert h["link"][0]["goodput_mbit"] == pytest.approx(((1 << 20) - 4096) * 8 / 0.19 / 1e6)
+
+
+def test_summarize_hops_divides_by_the_leaf_hops(bench):
+    rows = [{"link_mbit": 50.0, "path": p, "bytes": b, "seconds": [t + d] * 3}
+            for p, d in (("origin", 0.0), ("root", 0.01), ("leaf", 0.03))  # the leaf: two hops below the root
+            for b, t in ((4096, 0.001), (1 << 20, 0.2))]
+    assert bench.summarize_hops(rows, 1 << 20, leaf_hops=2)["relay_hop_fixed_s"] == pytest.approx(0.01)
+    assert bench.summarize_hops(rows, 1 << 20)["relay_hop_fixed_s"] == pytest.approx(0.015)  # control: taken as one
+
+
+# ---------------------------------------------------------------- origin reads, timelines
+MOTO = (
+    '10.0.0.2 - - [07/Dec/2026 03:31:27] "\x1b[35m\x1b[1mGET /relay-link/run/v/00000003/chunks/r000-00001.dcr '
+    'HTTP/1.1\x1b[0m" 206 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:27] "GET /relay-link/run/v/00000003/chunks/r000-00002.dcr HTTP/1.1" 200 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:28] "GET /relay-link/run/v/00000003/chunks/r000-00002.dcr HTTP/1.1" 200 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:28] "HEAD /relay-link/run/v/00000003/chunks/r000-00003.dcr HTTP/1.1" 200 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:28] "GET /relay-link/run/v/00000003/chunks/r000-00003.dcr HTTP/1.1" 404 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:28] "GET /relay-link?list-type=2&prefix=run/v/00000003/chunks/ HTTP/1.1" 200 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:29] "GET /relay-link/run/v/00000003/MANIFEST.json HTTP/1.1" 200 -\n'
+    '10.0.0.2 - - [07/Dec/2026 03:31:29] "GET /other/run/v/00000003/chunks/r000-00001.dcr HTTP/1.1" 200 -\n')
+
+
+def test_origin_reads_from_the_moto_log(bench):
+    gets = bench.origin_chunk_gets(MOTO, "relay-link", "run")
+    assert gets == {"v/00000003/chunks/r000-00001.dcr": 1, "v/00000003/chunks/r000-00002.dcr": 2}
+    sizes = {"v/00000003/chunks/r000-00001.dcr": 100, "v/00000003/chunks/r000-00002.dcr": 10,
+             "v/00000003/chunks/r000-00003.dcr": 7}
+    assert bench.origin_reads(gets, sizes) == {
+        "origin_read_bytes": 100 + 2 * 10, "origin_chunk_gets": 3, "origin_chunks": 3,
+        "origin_chunks_read_twice": 1, "origin_chunks_never_read": 1}
+
+
+def test_level_times_and_lags(bench):
+    levels = [["r0"], ["r1", "r2"]]
+    tl = bench.level_times(levels, {"r0": 100.5, "r1": 100.75, "r2": None}, {"rx0": 102.0, "rx1": 101.5, "rx2": None},
+                           100.0)
+    assert tl["levels"] == [
+        {"level": 1, "nodes": 1, "first_s": 0.5, "last_s": 0.5, "missing": []},
+        {"level": 2, "nodes": 2, "first_s": 0.75, "last_s": 0.75, "missing": ["r2"]},
+        {"level": "receivers", "nodes": 3, "first_s": 1.5, "last_s": 2.0, "missing": ["rx2"]}]
+    assert tl["receiver_lag_s"] == {"rx0": 0.5, "rx1": 0.0, "rx2": None}
+    med = bench.timeline_medians([{"timeline": tl}, {"timeline": tl}, {}])
+    assert med["levels"][2]["last_s"] == 2.0 and med["receiver_lag_s"]["rx0"] == 0.5
+
+
+def test_log_tail_hands_out_each_complete_line_once(bench, tmp_path):
+    log = tmp_path / "relay-r1.log"
+    log.write_text('{"relay": "listening", "ts": 1.0}\nnot json\n{"relay": "version", "vers')
+    tail = bench.LogTail(str(log))
+    is_v2 = lambda e: e.get("relay") == "version" and e.get("version") == 2  # noqa: E731
+    assert tail.new_events(is_v2) == []  # the last line is not complete yet
+    with open(log, "a") as f:
+        f.write('ion": 2, "held": [2], "ts": 2.0}\n')
+    assert tail.new_events(is_v2) == [{"relay": "version", "version": 2, "held": [2], "ts": 2.0}]
+    assert tail.new_events(is_v2) == []
 
 
 # ---------------------------------------------------------------- bit-exactness
