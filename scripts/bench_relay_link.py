@@ -28,7 +28,7 @@ The trainer's puts to the origin stay on the near side; everything a receiver or
 reads from the origin crosses the link.  ``cross_link_bytes`` is counted on the link: the
 ``tx_bytes`` of the near end's veth (the direction origin -> far side; IP and TCP headers
 included), sampled every 20 ms, taken between the trainer's two timestamps of the refit
-(end of the optimizer step, joint commit recorded).  The htb class counter of the same
+(end of the optimizer step on the first rank to end it, joint commit recorded).  The htb class counter of the same
 interface is read around each step as a cross-check.
 
 Cases, per link rate: ``store`` (every receiver's store URI is the origin) and ``relay``
@@ -184,9 +184,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise BenchError("--kill-relay needs the relay topology", 2)
         tree = build_tree(args)
         if args.kill_relay not in {n.name for n in tree.relays[1:]}:
-            raise BenchError(f"--kill-relay must name a relay below the root ({', '.join(n.name for n in tree.relays[1:])}"
-                             f"), got {args.kill_relay!r}" if len(tree.relays) > 1 else
-                             "--kill-relay needs a tree with relays below the root", 2)
+            below = ", ".join(n.name for n in tree.relays[1:])
+            raise BenchError(f"--kill-relay must name a relay below the root ({below}), got {args.kill_relay!r}"
+                             if below else "--kill-relay needs a tree with relays below the root", 2)
     return args
 
 
@@ -322,7 +322,8 @@ def relay_tree_levels(receivers: list[str], fanouts: list[int]) -> Tree:
     for i, name in enumerate(level):
         children[name] = tuple(receivers[i * f:(i + 1) * f])
     parent = {c: p for p, cs in children.items() for c in cs}
-    relays = tuple(RelayNode(name, parent.get(name), children[name]) for name in sorted(children, key=lambda n: int(n[1:])))
+    order = sorted(children, key=lambda n: int(n[1:]))
+    relays = tuple(RelayNode(name, parent.get(name), children[name]) for name in order)
     return Tree(relays, {rx: parent[rx] for rx in receivers})
 
 
@@ -606,6 +607,7 @@ def refit_record(row: dict, topology: str, cross: int, step_bytes: int, tc_bytes
         "wire_bytes": st["wire_bytes"], "committed": st["committed"], "wall_s": row["dcr"]["wall_s"],
         "cross_link_bytes": cross, "cross_link_ratio": cross / max(st["wire_bytes"], 1),
         "cross_link_bytes_step": step_bytes, "tc_class_bytes_step": tc_bytes,
+        "rank0_wall_s": row["dcr"].get("rank0_wall_s"),
         "upload_s": st.get("upload_s"), "commit_wait_s": st.get("commit_wait_s"),
         "rx_download_s": max((a["stats"].get("download_s", 0.0) for a in acks), default=None),
         "bit_exact": all(v["bit_exact"] for v in verdicts) and len(verdicts) > 0,
@@ -772,10 +774,12 @@ def plot(cases: list[dict], path: str) -> None:
                       [f"relay level {v['level']}" if v["level"] != "receivers" else "receivers (ack)"
                        for v in timed[0]["timeline"]["levels"]])
         a3.invert_yaxis()
-        a3.set_xlim(left=0)
+        a3.set_xlim(left=min([0.0] + [v["first_s"] for c in timed for v in c["timeline"]["levels"]
+                                      if v["first_s"] is not None]))
         a3.grid(alpha=0.3, axis="x")
         a3.legend(fontsize=7)
-        a3.set(xlabel="seconds after the optimizer step's end", title="first .. last node of each level with the version")
+        a3.set(xlabel="seconds after the optimizer step's end (first rank)",
+               title="first .. last node of each level with the version")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -794,6 +798,7 @@ def trainer_main(argv: list[str]) -> int:
 
     from dataclasses import asdict
 
+    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -819,9 +824,14 @@ def trainer_main(argv: list[str]) -> int:
             group["lr"] = float(plan["lr"])
         result = trainer.train_step()
         stats = hook.last_stats
-        dcr = {"wall_s": marks["committed"] - marks["step_end"], "t_start": marks["step_end"],
-               "t_committed": marks["committed"], "t_start_wall": marks["step_end_wall"],
-               "t_committed_wall": marks["committed_wall"]}
+        # the refit starts when the FIRST rank ends its step: a rank ahead of rank 0 (a loaded
+        # machine) uploads its chunks before rank 0's mark; CLOCK_MONOTONIC is one clock per machine
+        first = torch.tensor([marks["step_end"], marks["step_end_wall"]], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        t_start, t_start_wall = first.tolist()
+        dcr = {"wall_s": marks["committed"] - t_start, "t_start": t_start, "t_committed": marks["committed"],
+               "t_start_wall": t_start_wall, "t_committed_wall": marks["committed_wall"],
+               "rank0_wall_s": marks["committed"] - marks["step_end"]}
         state = hook.dense_state()  # collective; rank 0 gets the canonical tensors
         if rank == 0:
             path = os.path.join(args.dir, "ref", f"v{step}.safetensors")
@@ -1390,12 +1400,13 @@ def _main(args) -> int:
             },
             "definitions": {
                 "cross_link_bytes": "tx_bytes of the near end's veth (origin -> far side, headers included) between "
-                                    "the end of the optimizer step and the joint commit (20 ms samples, "
+                                    "the end of the optimizer step (first rank) and the joint commit (20 ms samples, "
                                     "interpolated)",
                 "cross_link_bytes_step": "the same from the driver's go to the trainer's row (training step, "
                                          "receivers' and relays' polling included)",
                 "tc_class_bytes_step": "the htb class's Sent counter over the same window as cross_link_bytes_step",
-                "wall_s": "end of optimizer.step() -> the trainer's joint commit decision recorded (rank 0)",
+                "wall_s": "end of optimizer.step() on the first rank to end it -> the trainer's joint commit "
+                          "decision recorded (rank 0); rank0_wall_s from rank 0's own end of step",
                 "origin_read_bytes": "bytes of the version's chunk objects read from the origin store by anyone "
                                      "(relays, receivers): moto_server's request log, each GET of a chunk key "
                                      "(200/206) counted as the whole object; origin_chunk_gets the GETs, "
@@ -1408,8 +1419,8 @@ def _main(args) -> int:
                             "relay first held an object of the version (the relay's 'version' log event, its "
                             "'ts'), and for the receivers when the first and the last answered it ok (the ack "
                             "event's 'ts': fetched, applied, acknowledged); seconds after the END OF THE "
-                            "OPTIMIZER STEP (the trainer's wall clock, same machine). receiver_lag_s: each "
-                            "receiver's ack after the first receiver's",
+                            "OPTIMIZER STEP on the first rank to end it (the trainer's wall clock, same "
+                            "machine). receiver_lag_s: each receiver's ack after the first receiver's",
                 "relay_killed": "the kill case: the relay SIGKILLed once its log showed the version (at_s: "
                                 "seconds after the end of the optimizer step; held_chunk_bytes: chunk bytes of the "
                                 "version it had read, from its stats just before)",
