@@ -31,6 +31,7 @@ intermediates; a plain ``load_state_dict`` creates no shadows at all.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,17 +76,24 @@ class OriginTable:
         return cls(names, bases, numels)
 
     def base(self, name: str) -> int:
-        return int(self.bases[self.names.index(name)])
+        return int(self.bases[self._index[name]])
+
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
 
     def split(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Origin ids -> {name: boolean mask over ``ids`` of that name's elements}."""
+        """Origin ids -> {name: positions in ``ids`` of that name's elements, ascending}.
+
+        One stable sort of the ids' table rows, O(len(ids) log len(ids)) whatever the number
+        of names: a probe of a 256-expert layer feeds hundreds of tensors at once."""
         which = np.searchsorted(self.bases, ids, side="right") - 1
-        out = {}
-        for i in np.unique(which):
-            mask = which == i
-            assert bool(np.all(ids[mask] < self.bases[i] + self.numels[i])), "origin id in a gap"
-            out[self.names[int(i)]] = mask
-        return out
+        if which.size and (int(which.min()) < 0 or bool(np.any(ids >= self.bases[which] + self.numels[which]))):
+            raise ValidationError("OriginTable: origin id in a gap or below the first tensor")
+        order = np.argsort(which, kind="stable")
+        rows, starts = np.unique(which[order], return_index=True)
+        pieces = np.split(order, starts[1:])
+        return {self.names[int(r)]: piece for r, piece in zip(rows, pieces)}
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,8 @@ def traced_pieces(w: CapturedWrite, table: OriginTable) -> dict[str, Runs]:
     ids = w.origins.numpy()
     dest = storage_positions(w.dest)
     out = {}
-    for name, mask in table.split(ids).items():
-        out[name] = Runs.compress(w.dest_owner.name, ids[mask] - table.base(name), dest[mask])
+    for name, at in table.split(ids).items():
+        out[name] = Runs.compress(w.dest_owner.name, ids[at] - table.base(name), dest[at])
     return out
 
 
