@@ -134,7 +134,8 @@ def fetch_chunks(store, refs: Sequence, *, held: Mapping, specs: Mapping, budget
             raise RefitRefused(f"chunk {ref.key}: {reasons[-1] if reasons else e}") from None
         arrived = time.perf_counter()
         try:
-            got = {k: read_chunk_index(blob, expect=specs).meta.get(k) for k in want}
+            meta = read_chunk_index(blob, expect=specs).meta  # once: it parses the whole directory
+            got = {k: meta.get(k) for k in want}
             if got != dict(want):
                 raise RefitRefused(f"chunk {ref.key}: header {got} disagrees with manifest {dict(want)}")
             t = time.perf_counter()
