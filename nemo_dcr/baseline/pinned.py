@@ -8,13 +8,21 @@ the receivers hold.  Advancing the baseline replays only the staged XOR masks
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.kernels import XorDiff, bits_view_np, xor_diff
+
+
+class Change(NamedTuple):
+    """One parameter's staged change: flat positions (sorted) and the XOR at each."""
+
+    positions: np.ndarray
+    xor_values: np.ndarray
 
 
 class Baseline:
@@ -25,7 +33,7 @@ class Baseline:
             host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
             host.copy_(p.detach())
             self._bits[name] = host
-        self._staged: dict[str, XorDiff] = {}
+        self._staged: dict[str, Change] = {}
         self.version = version
 
     def reset(self, params: Mapping[str, torch.Tensor], *, version: int) -> None:
@@ -51,8 +59,38 @@ class Baseline:
         if current.dtype != base.dtype or current.shape != base.shape:
             raise ValidationError(f"{name}: {current.dtype}{tuple(current.shape)} vs baseline {base.dtype}{tuple(base.shape)}")
         d = xor_diff(current.detach(), base)
-        self._staged[name] = d
+        self._staged[name] = Change(d.positions, d.xor_values)
         return d
+
+    def diff_many(self, params: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, Change]]:
+        """``diff`` of several parameters of one dtype in one XOR pass over their
+        concatenation; returns the changed ones only, in the order given, each staged.
+
+        For the many small parameters of an MoE model (3 per expert in each layer: tens of
+        thousands), where a pass per parameter costs more in calls than in bytes.  Copies
+        the parameters and their baselines once (the bytes one ``diff`` reads anyway)."""
+        if not params:
+            return []
+        dtype = params[0][1].dtype
+        bases = []
+        for name, current in params:
+            base = self._bits[name]
+            if current.dtype != dtype or current.dtype != base.dtype or current.shape != base.shape:
+                raise ValidationError(f"{name}: {current.dtype}{tuple(current.shape)} vs baseline "
+                                      f"{base.dtype}{tuple(base.shape)} (one batch holds one dtype)")
+            bases.append(base.reshape(-1))
+        current = torch.cat([p.detach().reshape(-1) for _, p in params])
+        d = xor_diff(current, torch.cat(bases))
+        sizes = np.fromiter((p.numel() for _, p in params), dtype=np.int64, count=len(params))
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        cut = np.searchsorted(d.positions, starts)
+        out = []
+        for i in np.flatnonzero(cut[1:] > cut[:-1]).tolist():
+            lo, hi = int(cut[i]), int(cut[i + 1])
+            change = Change(d.positions[lo:hi] - starts[i], d.xor_values[lo:hi])
+            self._staged[params[i][0]] = change
+            out.append((params[i][0], change))
+        return out
 
     def commit(self, version: int) -> None:
         """Advance to ``version``: the staged masks become part of the baseline."""

@@ -2,7 +2,9 @@
 
 Per local parameter, in model order (this thread; the workers encode and put meanwhile)::
 
-    Baseline.diff(param)        one read of param + baseline: 2 x numel x 2 B (BF16), O(numel)
+    Baseline.diff(param)        one read of param + baseline: 2 x numel x 2 B (BF16), O(numel);
+                                consecutive small parameters (MoE experts) in one pass over their
+                                concatenation (``Baseline.diff_many``), not a call each
     deltas_for_param            O(changed): per main-replica view, its changed positions
                                 (searchsorted), projected to canonical coordinates (unravel,
                                 shard offsets, fused-layout math); a stable sort only where
@@ -38,6 +40,11 @@ from nemo_dcr.sender.collectives import rank
 from nemo_dcr.sender.stats import PublishStats, Upload
 from nemo_dcr.transport.store import ObjectStore
 
+SMALL_PARAM_NUMEL = 1 << 16
+"""Parameters of at most this many elements are diffed in batches (``Chunker._batches``)."""
+DIFF_BATCH_NUMEL = 1 << 22
+"""Elements per batched diff: bounds the two concatenated copies it makes (16 MiB in BF16)."""
+
 Record = tuple[TensorDelta, str]
 """A canonical record and the local parameter it came from (whose baseline holds its base)."""
 
@@ -71,6 +78,8 @@ class Chunker:
         self.baseline, self.store = baseline, store
         # context coding: where this rank can rebuild a record's canonical base bits (built
         # whatever refit.coding says: auto may choose context, and a test bed may switch codings)
+        self._main_views = {name: [(v, v.spec.numel) for v in vs if v.spec.is_main_replica]
+                            for name, vs in views.items()}
         self.runs: dict[tuple[str, str], CanonicalRuns] = {}
         for pname, vs in views.items():
             for v in vs:
@@ -84,14 +93,15 @@ class Chunker:
         """The canonical records of one local parameter's changed ``positions`` (flat, sorted)."""
         t0 = time.perf_counter()
         per_name: dict[str, tuple[CanonicalSpec, list[np.ndarray], list[np.ndarray]]] = {}
-        for v in self.views[name]:
-            if not v.spec.is_main_replica:
-                continue
-            lo, hi = np.searchsorted(positions, [v.start, v.start + v.spec.numel])
-            if lo == hi:
-                continue
-            local = positions[lo:hi] - v.start
-            vals = xor[lo:hi]
+        for v, numel in self._main_views[name]:
+            if v.start == 0 and numel >= int(positions[-1]) + 1:
+                local, vals = positions, xor  # the view holds every changed position (one view per parameter)
+            else:
+                lo, hi = np.searchsorted(positions, [v.start, v.start + numel])
+                if lo == hi:
+                    continue
+                local = positions[lo:hi] - v.start
+                vals = xor[lo:hi]
             for cspec, cflat, sel in self.projector.project(v.spec, local):
                 entry = per_name.setdefault(cspec.name, (cspec, [], []))
                 entry[1].append(cflat)
@@ -146,19 +156,46 @@ class Chunker:
         ``auto`` chooser's probe sample)."""
         queue = _ChunkQueue(self, stats, meta, pool, chunk_bytes=chunk_bytes, max_staged_bytes=max_staged_bytes,
                             keep_sample=keep_sample)
-        for name, p in self.params.items():
+        for batch in self._batches():
             t0 = time.perf_counter()
-            d = self.baseline.diff(name, p)
+            if len(batch) == 1:
+                name, p = batch[0]
+                d = self.baseline.diff(name, p)
+                changes = [(name, d)] if d.positions.size else []
+            else:
+                changes = self.baseline.diff_many(batch)
             stats.diff_s += time.perf_counter() - t0
-            stats.numel += d.numel
-            if d.positions.size == 0:
-                continue
-            for delta in self.deltas_for_param(name, d.positions, d.xor_values, stats):
-                stats.changed += delta.nnz
-                for piece in split(delta, chunk_bytes):
-                    queue.add(piece, name)
+            stats.numel += sum(p.numel() for _, p in batch)
+            for name, d in changes:
+                for delta in self.deltas_for_param(name, d.positions, d.xor_values, stats):
+                    stats.changed += delta.nnz
+                    for piece in split(delta, chunk_bytes):
+                        queue.add(piece, name)
         queue.flush()
         return queue.futures, queue.sample
+
+    def _batches(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The parameters in model order, consecutive small ones of one dtype and device
+        grouped (up to ``DIFF_BATCH_NUMEL`` elements) for one ``Baseline.diff_many`` pass;
+        a parameter larger than ``SMALL_PARAM_NUMEL`` is a batch of its own."""
+        batch: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, p in self.params.items():
+            n = p.numel()
+            if n > SMALL_PARAM_NUMEL:
+                if batch:
+                    yield batch
+                    batch, size = [], 0
+                yield [(name, p)]
+                continue
+            if batch and (size + n > DIFF_BATCH_NUMEL or p.dtype != batch[0][1].dtype
+                          or p.device != batch[0][1].device):
+                yield batch
+                batch, size = [], 0
+            batch.append((name, p))
+            size += n
+        if batch:
+            yield batch
 
     @staticmethod
     def finish_uploads(futures: list[Future], stats: PublishStats) -> list[ChunkRef]:
