@@ -91,8 +91,8 @@ class TensorDelta:
 
     @property
     def numel(self) -> int:
-        return shape_numel(self.shape)
+        return math.prod(self.shape)  # Python ints (``__post_init__`` made them so): no overflow
 
     @property
     def nnz(self) -> int:
-        return int(self.positions.size)
+        return self.positions.size

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import math
 import string
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
@@ -82,10 +83,19 @@ class Transform(abc.ABC):
     def dense(self, src: torch.Tensor, dims: ModelDims) -> dict[str, torch.Tensor]:
         """Whole canonical parts of a whole global tensor (views where possible)."""
 
+    def project_whole(self, flat: np.ndarray, src_shape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """``project`` for a shard that is the whole source tensor, from flat indices into it
+        (no multi-indices): (part numbers, None when all are part 0; canonical flat
+        indices).  None: this transform has no such shortcut."""
+        return None
+
 
 class Identity(Transform):
     def parts(self, src_shape, dims):
         return {"": tuple(src_shape)}
+
+    def project_whole(self, flat, src_shape):
+        return None, flat
 
     def project(self, idx, src_shape, dims):
         flat = np.ravel_multi_index(tuple(idx.T), src_shape) if len(src_shape) else np.zeros(len(idx), np.int64)
@@ -128,6 +138,11 @@ class RowHalves(Transform):
             raise LayoutError(f"GLU weight with odd row count {src_shape[0]}")
         half = (src_shape[0] // 2, *src_shape[1:])
         return {self.names[0]: half, self.names[1]: half}
+
+    def project_whole(self, flat, src_shape):
+        half = math.prod(src_shape) // 2  # row-major: the first half of the rows is the first half of the elements
+        part = (flat >= half).astype(np.int64)
+        return part, flat - part * half
 
     def project(self, idx, src_shape, dims):
         half = src_shape[0] // 2
@@ -235,6 +250,27 @@ class CanonicalProjector:
             if r.megatron_key in self._rules:
                 raise ValidationError(f"duplicate rule for {r.megatron_key}")
             self._rules[r.megatron_key] = r
+        # per shard: its rule, source shape and canonical specs, checked once.  A projection
+        # runs for every changed parameter of every version, and an MoE model has tens of
+        # thousands of small ones: re-deriving (and re-formatting the names of) the same
+        # specs each time was most of its cost.
+        self._geometry: dict[ShardSpec, tuple[Rule, tuple[int, ...], tuple[CanonicalSpec, ...], bool]] = {}
+
+    def _shard(self, spec: ShardSpec) -> tuple[Rule, tuple[int, ...], tuple[CanonicalSpec, ...], bool]:
+        """(rule, source shape, canonical specs, whether the shard is the whole source tensor)."""
+        got = self._geometry.get(spec)
+        if got is None:
+            rule = self.rule(spec.key)
+            self.check(spec)
+            src = self._src_shape(rule, spec.global_shape)
+            parts = rule.transform.parts(src, self.dims)
+            index = tuple(spec.global_offset[: len(rule.axes)])
+            specs = tuple(CanonicalSpec(n, spec.dtype, shape)
+                          for n, shape in zip(self._names(rule, index, parts), parts.values()))
+            p = spec.prepend_axis_num
+            whole = tuple(spec.local_shape) == src and not any(spec.global_offset[p:])
+            got = self._geometry[spec] = (rule, src, specs, whole)
+        return got
 
     def rule(self, key: str) -> Rule:
         try:
@@ -264,15 +300,7 @@ class CanonicalProjector:
 
     def canonical_specs(self, spec: ShardSpec) -> list[CanonicalSpec]:
         """The canonical tensors a shard contributes to."""
-        rule = self.rule(spec.key)
-        self.check(spec)
-        src = self._src_shape(rule, spec.global_shape)
-        parts = rule.transform.parts(src, self.dims)
-        index = tuple(spec.global_offset[: len(rule.axes)])
-        return [
-            CanonicalSpec(n, spec.dtype, shape)
-            for n, shape in zip(self._names(rule, index, parts), parts.values())
-        ]
+        return list(self._shard(spec)[2])
 
     def project(
         self, spec: ShardSpec, local_flat: np.ndarray
@@ -280,12 +308,20 @@ class CanonicalProjector:
         """Yield ``(canonical tensor, canonical flat indices, selection into local_flat)``
         for the shard-local flat indices ``local_flat``; dropped elements (vocab padding)
         are not yielded."""
-        rule = self.rule(spec.key)
-        self.check(spec)
-        gidx = spec.global_index(local_flat)[:, len(rule.axes):]
-        src = self._src_shape(rule, spec.global_shape)
-        part, flat = rule.transform.project(gidx, src, self.dims)
-        for p_no, cspec in enumerate(self.canonical_specs(spec)):
+        rule, src, cspecs, whole = self._shard(spec)
+        # a shard that is its whole source tensor (an expert, any weight without tensor
+        # parallelism) projects from its flat indices: no multi-indices
+        fast = rule.transform.project_whole(np.asarray(local_flat, dtype=np.int64), src) if whole else None
+        if fast is not None:
+            part, flat = fast
+        else:
+            gidx = spec.global_index(local_flat)[:, len(rule.axes):]
+            part, flat = rule.transform.project(gidx, src, self.dims)
+        if part is None:
+            if flat.size:
+                yield cspecs[0], flat, slice(None)
+            return
+        for p_no, cspec in enumerate(cspecs):
             sel = np.flatnonzero(part == p_no)
             if sel.size:
                 yield cspec, flat[sel], sel

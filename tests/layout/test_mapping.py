@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_dcr.layout.llama import LLAMA_RULES
-from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, UnmappedKeyError
+from nemo_dcr.layout.mapping import CanonicalProjector, Identity, ModelDims, RowHalves, UnmappedKeyError
 from nemo_dcr.layout.shards import ShardSpec
 
 
@@ -159,3 +159,20 @@ def test_canonical_runs_invert_the_projection(heads, groups, d, tp, block):
     assert contiguous["model.embed_tokens.weight"] and contiguous["model.norm.weight"]
     assert contiguous["model.layers.0.self_attn.o_proj.weight"] == (tp == 1)
     assert contiguous["model.layers.0.mlp.down_proj.weight"] == (tp == 1)
+
+
+@pytest.mark.parametrize("transform,shape", [(Identity(), (6, 5)), (RowHalves(), (8, 3)), (Identity(), (7,))])
+def test_whole_shard_shortcut_matches_the_multi_index_projection(transform, shape):
+    """A shard that is its whole source tensor projects from flat indices
+    (``Transform.project_whole``); it must agree with ``project`` on multi-indices.
+    Negative control: a shortcut that splits by rows instead of elements is seen."""
+    dims = _dims(4, 2, 8)
+    flat = np.array([0, 1, int(np.prod(shape)) // 2 - 1, int(np.prod(shape)) // 2, int(np.prod(shape)) - 1])
+    idx = np.stack(np.unravel_index(flat, shape), axis=1)
+    part, cflat = transform.project(idx, shape, dims)
+    fast_part, fast_flat = transform.project_whole(flat, shape)
+    np.testing.assert_array_equal(np.zeros_like(part) if fast_part is None else fast_part, part)
+    np.testing.assert_array_equal(fast_flat, cflat)
+    if fast_part is not None:
+        wrong = (flat >= shape[0] // 2).astype(np.int64)  # rows, not elements: wrong
+        assert not np.array_equal(wrong, part)
