@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,3 +97,62 @@ class TensorDelta:
     @property
     def nnz(self) -> int:
         return self.positions.size
+
+
+def check_records(deltas: Sequence[TensorDelta]) -> None:
+    """Every record's own invariants (those ``TensorDelta.__post_init__`` establishes),
+    checked again for records that may not have run their constructor (unpickled in
+    another process, altered with ``object.__setattr__``); raises ``ValidationError`` naming
+    the first bad record.
+
+    One batch at once: per record only its fields are checked in Python; "positions
+    strictly increasing, inside ``element_range``" is a few numpy passes over the
+    concatenated positions.  A version of an MoE model has tens of thousands of small
+    records, and per-record numpy calls were most of its validation.  Stricter than the
+    constructor in one way: fields must already have the constructor's normal form (a
+    tuple of ints for ``shape``, ints for ``element_range``), not be convertible to it."""
+    kept: list[int] = []
+    arrays: list[np.ndarray] = []
+    bounds: list[tuple[int, int]] = []
+    for i, d in enumerate(deltas):
+        name = d.name
+        if d.dtype not in BITS_DTYPE:
+            raise ValidationError(f"{name}: unsupported dtype {d.dtype!r}")
+        shape = d.shape
+        if type(shape) is not tuple or not all(type(s) is int and s >= 0 for s in shape):
+            raise ValidationError(f"{name}: shape {shape!r} is not a tuple of non-negative ints")
+        if not isinstance(d.op, DeltaOp):
+            raise ValidationError(f"{name}: op {d.op!r} is not a DeltaOp")
+        pos, val = d.positions, d.values
+        if not (isinstance(pos, np.ndarray) and isinstance(val, np.ndarray)):
+            raise ValidationError(f"{name}: positions and values must be numpy arrays")
+        if pos.ndim != 1 or val.ndim != 1 or pos.shape != val.shape:
+            raise ValidationError(f"{name}: positions {pos.shape} and values {val.shape} must be 1-D and equal")
+        if pos.dtype != np.int64:
+            raise ValidationError(f"{name}: positions must be int64, got {pos.dtype}")
+        if val.dtype != BITS_DTYPE[d.dtype]:
+            raise ValidationError(f"{name}: values for {d.dtype} must be {BITS_DTYPE[d.dtype]}, got {val.dtype}")
+        numel = math.prod(shape)
+        er = d.element_range
+        lo, hi = (0, numel) if er is None else er
+        if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= numel:
+            raise ValidationError(f"{name}: element_range {er!r} outside [0, {numel}]")
+        if pos.size:
+            kept.append(i)
+            arrays.append(pos)
+            bounds.append((lo, hi))
+    if not kept:
+        return
+    flat = np.concatenate(arrays)
+    ends = np.cumsum([a.size for a in arrays])
+    starts = ends - np.array([a.size for a in arrays])
+    lo_hi = np.array(bounds, dtype=np.int64)
+    outside = (flat[starts] < lo_hi[:, 0]) | (flat[ends - 1] >= lo_hi[:, 1])
+    if outside.any():
+        d = deltas[kept[int(np.argmax(outside))]]
+        raise ValidationError(f"{d.name}: positions outside element_range {d.element_range}")
+    rising = flat[1:] > flat[:-1]
+    rising[ends[:-1] - 1] = True  # from one record's last position to the next record's first
+    if not rising.all():
+        d = deltas[kept[int(np.searchsorted(ends, int(np.argmin(rising)), side="right"))]]
+        raise ValidationError(f"{d.name}: positions must be strictly increasing")

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from nemo_dcr.codec.types import TensorDelta
+from nemo_dcr.codec.types import TensorDelta, check_records
 from nemo_dcr.errors import ValidationError
 from nemo_dcr.receiver.errors import DeltaValidationError
 from nemo_dcr.receiver.runtime import RuntimeAdapter, TensorSpec
@@ -34,11 +33,10 @@ def validate_version(specs: Mapping[str, TensorSpec], deltas: Sequence[TensorDel
 
     A record's own invariants (1-D int64 positions, strictly increasing, inside
     ``element_range`` inside the tensor; values of the dtype's bit width) are
-    ``TensorDelta.__post_init__``'s.  They are not restated here but re-run through it
-    (``dataclasses.replace``): a record can arrive without its constructor having run
+    ``TensorDelta.__post_init__``'s.  They are checked again for the whole batch by
+    ``codec.types.check_records``: a record can arrive without its constructor having run
     (unpickled from another process, or altered with ``object.__setattr__``).
-    Returns those re-made records grouped by name, in batch order; raises
-    ``DeltaValidationError``."""
+    Returns the records grouped by name, in batch order; raises ``DeltaValidationError``."""
     grouped: dict[str, list[TensorDelta]] = defaultdict(list)
     for d in deltas:
         if not isinstance(d, TensorDelta):
@@ -48,13 +46,11 @@ def validate_version(specs: Mapping[str, TensorSpec], deltas: Sequence[TensorDel
             raise DeltaValidationError(f"{d.name}: not a canonical tensor of this runtime")
         if d.dtype != spec.dtype or tuple(d.shape) != spec.shape:
             raise DeltaValidationError(f"{d.name}: delta is {d.dtype}{d.shape}, runtime has {spec.dtype}{spec.shape}")
-        if not (isinstance(d.positions, np.ndarray) and isinstance(d.values, np.ndarray)):
-            raise DeltaValidationError(f"{d.name}: positions and values must be numpy arrays")
-        try:
-            checked = replace(d)  # the record's own checks, whether or not its constructor ran
-        except ValidationError as e:  # TensorDelta's checks
-            raise DeltaValidationError(str(e)) from None
-        grouped[d.name].append(checked)
+        grouped[d.name].append(d)
+    try:
+        check_records(deltas)  # the records' own checks, whether or not their constructors ran
+    except ValidationError as e:
+        raise DeltaValidationError(str(e)) from None
     for name, records in grouped.items():
         # Records of one tensor may interleave (row-parallel shards split columns, so each
         # rank's range spans nearly the whole tensor), but no element may be named twice:
@@ -112,6 +108,9 @@ class InProcessModel:
 
     def canonical_bits(self, name: str) -> np.ndarray:
         return self.applier.canonical_bits(name)
+
+    def canonical_bits_at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        return self.applier.canonical_bits_at(name, positions)
 
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         self.applier.validate(deltas)
