@@ -390,6 +390,28 @@ class DeltaApplier:
             return np.empty(0, dtype=bits_dtype)
         raise LoaderError(f"{name}: the loader drops this tensor; it has no canonical bits here")
 
+    def canonical_bits_at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """``canonical_bits(name)[positions]`` (a copy), reading only those elements where
+        the placement allows (DIRECT, TRACED): the journal's undo values of a version cost
+        O(changed), not O(numel) per changed tensor."""
+        placement = self._plan.placements.get(name) if self.placements else None
+        if placement is None:  # canonical_bits says why
+            return np.asarray(self.canonical_bits(name))[positions]
+        kind, bits_dtype = placement.kind, BITS_DTYPE[self._specs[name].dtype]
+        if kind is PlacementKind.DIRECT:
+            return self._plan.direct[name].numpy().view(bits_dtype).take(positions)
+        if kind is PlacementKind.TRACED:
+            target = self._plan.traced[name]
+            owner, dest = target.runs.locate(positions)
+            if len(target.flats) == 1:
+                return target.flats[0].take(dest).view(bits_dtype)
+            out = np.empty(owner.size, dtype=target.flats[0].dtype)
+            for i, flat in enumerate(target.flats):
+                sel = owner == i
+                out[sel] = flat.take(dest[sel])
+            return out.view(bits_dtype)
+        return np.asarray(self.canonical_bits(name))[positions]
+
     def _read_view_bits(self, name: str) -> np.ndarray:
         """Current canonical bits of a VIEW tensor, gathered back through its copies.
 

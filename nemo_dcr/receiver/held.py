@@ -33,6 +33,19 @@ class HeldBits(Mapping):
                     got = self._cache[name] = self._load(name)
         return got
 
+    def at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """``self[name][positions]`` (a copy).  A tensor not read yet is read only at those
+        positions where the model offers it (``canonical_bits_at``), and not cached."""
+        got = self._cache.get(name)
+        if got is not None:
+            return got[positions]
+        if name not in self._names:
+            raise KeyError(name)
+        read_at = getattr(self._served, "canonical_bits_at", None)
+        if read_at is None or type(self) is not HeldBits:  # a mirror keeps what it reads
+            return self[name][positions]
+        return read_at(name, positions)
+
     def __contains__(self, name: object) -> bool:
         return name in self._names
 

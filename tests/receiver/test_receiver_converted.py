@@ -97,6 +97,41 @@ def test_prewarm_traces_experts_and_writes_nothing(checkpoint):
     assert {placements[n].kind for n in set(placements) - experts} == {PlacementKind.DIRECT}
 
 
+def test_canonical_bits_at_reads_what_canonical_bits_holds(checkpoint):
+    """The journal's undo values come from ``canonical_bits_at``: for TRACED experts and
+    DIRECT tensors alike it equals the whole read at those positions (integer views).
+    Negative control: after one stored bit of a fused expert parameter flips, both reads
+    see it at that expert element, and the earlier read no longer matches."""
+    path, _ = checkpoint
+    adapter = HFTransformersAdapter.from_pretrained(path)
+    applier = DeltaApplier(adapter)
+    placements = applier.prewarm()
+    rng = np.random.default_rng(3)
+    kinds = set()
+    for name, p in placements.items():
+        numel = adapter.tensor_specs()[name].numel
+        pos = np.unique(rng.integers(0, numel, size=min(numel, 7))).astype(np.int64)
+        np.testing.assert_array_equal(applier.canonical_bits_at(name, pos), applier.canonical_bits(name)[pos])
+        kinds.add(p.kind)
+    assert {PlacementKind.TRACED, PlacementKind.DIRECT} <= kinds
+    name = _expert(1, 2, "up_proj")
+    before = applier.canonical_bits_at(name, np.array([5], np.int64))
+    fused = adapter.module.model.layers[1].mlp.experts.gate_up_proj
+    with torch.no_grad():
+        flat = fused.data.view(torch.int16).view(-1)
+        whole = applier.canonical_bits(name)
+        # find the stored element behind canonical element 5 of this expert: flip bits until it moves
+        for i in range(flat.numel()):
+            flat[i] ^= 1
+            if applier.canonical_bits(name)[5] != whole[5]:
+                break
+            flat[i] ^= 1
+        else:
+            raise AssertionError("no stored element reaches canonical element 5")
+    after = applier.canonical_bits_at(name, np.array([5], np.int64))
+    assert after[0] == applier.canonical_bits(name)[5] and after[0] != before[0]
+
+
 def test_incomplete_converter_group_is_refused(checkpoint):
     path, state = checkpoint
     adapter = HFTransformersAdapter.from_pretrained(path)
