@@ -135,6 +135,10 @@ class GatedModel:
     def canonical_bits(self, name: str) -> np.ndarray:
         return self.inner.canonical_bits(name)
 
+    def canonical_bits_at_many(self, requests) -> list[np.ndarray]:
+        many = getattr(self.inner, "canonical_bits_at_many", None)
+        return many(requests) if many else [self.canonical_bits_at(n, p) for n, p in requests]
+
     def canonical_bits_at(self, name: str, positions: np.ndarray) -> np.ndarray:
         read_at = getattr(self.inner, "canonical_bits_at", None)
         return read_at(name, positions) if read_at else np.asarray(self.inner.canonical_bits(name))[positions]

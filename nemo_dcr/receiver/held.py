@@ -46,6 +46,27 @@ class HeldBits(Mapping):
             return self[name][positions]
         return read_at(name, positions)
 
+    def at_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """``at`` of every ``(name, positions)``; the ones not cached in one call to the model
+        where it offers ``canonical_bits_at_many`` (a vLLM engine: one round trip to its
+        workers, not one per tensor)."""
+        many = getattr(self._served, "canonical_bits_at_many", None)
+        if many is None or type(self) is not HeldBits:
+            return [self.at(name, pos) for name, pos in requests]
+        out: list[np.ndarray | None] = [None] * len(requests)
+        ask = []
+        for i, (name, pos) in enumerate(requests):
+            got = self._cache.get(name)
+            if got is not None:
+                out[i] = got[pos]
+            elif name not in self._names:
+                raise KeyError(name)
+            else:
+                ask.append(i)
+        for i, bits in zip(ask, many([requests[i] for i in ask]) if ask else []):
+            out[i] = bits
+        return out
+
     def __contains__(self, name: object) -> bool:
         return name in self._names
 

@@ -64,11 +64,11 @@ class ApplyJournal:
         if self.active:
             raise ProtocolError(f"journal already holds version {self.version}")
         entries = []
-        read_at = getattr(base_bits, "at", None)  # HeldBits: reads only the changed elements
-        for d in deltas:
-            if d.nnz == 0:
-                continue
-            old = read_at(d.name, d.positions) if read_at else np.asarray(base_bits[d.name])[d.positions]  # a copy
+        changed = [d for d in deltas if d.nnz]
+        at_many = getattr(base_bits, "at_many", None)  # HeldBits: only the changed elements, in one read
+        olds = at_many([(d.name, d.positions) for d in changed]) if at_many else \
+            [np.asarray(base_bits[d.name])[d.positions] for d in changed]  # copies
+        for d, old in zip(changed, olds):
             new = old ^ d.values if d.op is DeltaOp.XOR else d.values.copy()
             entries.append(_Entry(d.name, d.dtype, tuple(d.shape), d.element_range, d.positions, old, new))
         self._entries = entries

@@ -112,6 +112,9 @@ class InProcessModel:
     def canonical_bits_at(self, name: str, positions: np.ndarray) -> np.ndarray:
         return self.applier.canonical_bits_at(name, positions)
 
+    def canonical_bits_at_many(self, requests) -> list[np.ndarray]:
+        return [self.applier.canonical_bits_at(name, pos) for name, pos in requests]
+
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         self.applier.validate(deltas)
 

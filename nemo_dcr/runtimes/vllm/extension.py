@@ -43,6 +43,14 @@ def worker_bits(applier: DeltaApplier, name: str) -> np.ndarray | dict:
         return _refusal(e)
 
 
+def worker_bits_at(applier: DeltaApplier, requests: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray] | dict:
+    """One worker's view of each ``(name, positions)`` (0 outside its shard), or its refusal."""
+    try:
+        return [np.asarray(applier.canonical_bits_at(name, pos)) for name, pos in requests]
+    except (DeltaValidationError, LoaderError) as e:
+        return _refusal(e)
+
+
 def worker_validate(applier: DeltaApplier, deltas: Sequence[TensorDelta]) -> dict | None:
     """None when this worker accepts ``deltas``, else its refusal."""
     try:
@@ -129,6 +137,10 @@ def rpc_apply(worker, deltas: Sequence[TensorDelta]) -> dict:
 
 def rpc_canonical_bits(worker, name: str) -> np.ndarray | dict:
     return worker_bits(_local(worker), name)
+
+
+def rpc_canonical_bits_at(worker, requests: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray] | dict:
+    return worker_bits_at(_local(worker), requests)
 
 
 def rpc_state(worker) -> dict[str, torch.Tensor]:

@@ -115,6 +115,18 @@ class VLLMRuntime:
         assert out.dtype == BITS_DTYPE[self._specs[name].dtype]
         return out
 
+    def canonical_bits_at_many(self, requests: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """``canonical_bits(name)[positions]`` for every request, in ONE round trip to the
+        workers (a version of an MoE model changes tens of thousands of tensors: a call per
+        tensor would cost a round trip each)."""
+        requests = [(name, np.asarray(pos, dtype=np.int64)) for name, pos in requests]
+        parts = _checked(self._llm.collective_rpc(rpc.rpc_canonical_bits_at, args=(requests,)))
+        out = [np.array(a, copy=True) for a in parts[0]]
+        for worker in parts[1:]:
+            for o, a in zip(out, worker):
+                np.bitwise_or(o, a, out=o)
+        return out
+
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         """Every worker's pre-write checks, without writing."""
         _checked(self._llm.collective_rpc(rpc.rpc_validate, args=(list(deltas),)))

@@ -75,6 +75,9 @@ class VLLMServedModel:
     def canonical_bits(self, name: str) -> np.ndarray:
         return self.runtime.canonical_bits(name)
 
+    def canonical_bits_at_many(self, requests) -> list[np.ndarray]:
+        return self.runtime.canonical_bits_at_many(requests)
+
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         self.runtime.validate(deltas)
 
