@@ -99,6 +99,15 @@ NEMORL_S, NEMORL_BYTES = 20.2, 247e9  # NeMo-RL: 247 GB at 3% over S3
 DCR_KEYS = {"nemo_dcr": "dcr_free", "nemo_dcr context": "dcr_context"}  # codec.json flat-key prefixes
 
 
+MODEL_FIXES = (
+    "Terms added after the check against scale_tree.json (issue 33): the model once priced a refit by "
+    "its bytes alone.  It now adds (1) the fixed cost of every version (manifest, the receivers' polls, "
+    "acks, the decision: the intercept of scale_tensors.json's fitted line), (2) per-tensor costs on the "
+    "trainer and on each replica (its slopes; --tensors), and (3) for a one-machine measurement, CPU "
+    "stages that share the machine's cores (--shared-cores) instead of overlapping."
+)
+
+
 class InputError(ValueError):
     """A result file the projection needs is missing or lacks what it needs."""
 
@@ -137,6 +146,17 @@ class Deployment:
     """Raw record bytes per chunk (RefitOptions.chunk_bytes): sets the pipeline depth."""
     format: str = "nemo_dcr context"
     """Codec format whose bytes and speeds are used (a format name in codec.json)."""
+    tensors: int = 70_000
+    """Canonical (Hugging Face) tensors of the model: each costs the per-tensor times of
+    scale_tensors.json on the trainer (split over its GPUs' ranks) and on every replica
+    (split over its nodes).  Kimi-K2 (1T): about 70 k; Qwen3-235B-A22B: about 36 k."""
+    fanouts: str = ""
+    """Relay tree shape per level from the root, e.g. "2,2,4" (overrides --fanout): hop i
+    sends to fanouts[i-1] children; the last level's children are the receivers."""
+    shared_cores: int = 0
+    """All processes on ONE machine with this many cores (the measured check of a one-VM
+    benchmark): the CPU stages of the trainer, the relays and every replica compete for
+    them, so their work adds up instead of running on separate cores.  0: separate machines."""
 
     def __post_init__(self) -> None:
         if not (self.params > 0 and 0 < self.changed <= 1 and self.elem_bytes > 0):
@@ -148,6 +168,21 @@ class Deployment:
             raise ValueError("link bandwidths must be positive (s3_egress_gbps: 0 = unlimited)")
         if self.diff_on not in ("gpu", "cpu"):
             raise ValueError(f"diff_on must be gpu or cpu, not {self.diff_on!r}")
+        if self.tensors < 0 or self.shared_cores < 0:
+            raise ValueError("tensors and shared_cores must be >= 0")
+        self.tree_fanouts()  # checked
+
+    def tree_fanouts(self) -> tuple[int, ...] | None:
+        """``fanouts`` parsed (None: a complete tree of ``fanout``)."""
+        if not self.fanouts:
+            return None
+        try:
+            out = tuple(int(x) for x in self.fanouts.split(","))
+        except ValueError:
+            raise ValueError(f"fanouts must be comma-separated ints, got {self.fanouts!r}") from None
+        if not out or min(out) < 1:
+            raise ValueError(f"fanouts must be >= 1 each, got {self.fanouts!r}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -174,6 +209,12 @@ class Rates:
     """GB/s one relay process forwards (0: no cap, link arithmetic only)."""
     relay_latency: Rate
     """Seconds one relay hop adds to an object, whatever its size."""
+    per_tensor_trainer: Rate
+    """Seconds per canonical tensor per trainer rank and version (diff, projection, encode)."""
+    per_tensor_receiver: Rate
+    """Seconds per canonical tensor per receiver process and version (fetch, decode, apply)."""
+    version_overhead: Rate
+    """Seconds every version costs whatever its size: manifest, polls, acks, decision."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +352,25 @@ def relay_rates(relay: dict | None) -> tuple[Rate, Rate, Rate]:
     return eff, fwd, lat
 
 
+def scale_rates(scale: dict | None, runtime: str = "hf") -> tuple[Rate, Rate, Rate]:
+    """Per-tensor costs and the fixed per-version cost from scale_tensors.json
+    (scripts/bench_scale_tensors.py): the tensor sweep's per-stage slopes and the fitted
+    line's intercept; each an ASSUMPTION of 0 when not measured."""
+    fits = ((scale or {}).get("stage_fits") or {}).get(runtime) or {}
+    line = ((scale or {}).get("fits") or {}).get(runtime) or {}
+    where = f"scale_tensors.json ({runtime} runtime, qwen3_moe sweep at fixed parameters)"
+    if not fits or not line:
+        zero = "ASSUMPTION (no scale_tensors.json): {} costs nothing"
+        return (Rate(0.0, zero.format("a tensor"), assumed=True), Rate(0.0, zero.format("a tensor"), assumed=True),
+                Rate(0.0, zero.format("a version's fixed work"), assumed=True))
+    ranks = 2  # the sweep's trainer ranks: rank stage times are the slowest rank's, each held 1/2 the tensors
+    trainer = sum(max(fits[k]["per_tensor_us"], 0.0) for k in ("diff_s", "project_s", "encode_s")) * 1e-6 * ranks
+    receiver = sum(max(fits[k]["per_tensor_us"], 0.0) for k in ("download_s", "decode_s", "apply_s")) * 1e-6
+    return (Rate(trainer, f"{where}: slopes of diff + project + encode x {ranks} ranks"),
+            Rate(receiver, f"{where}: slopes of download + decode + apply"),
+            Rate(max(line["a_s"], 0.0), f"{where}: intercept a of wall = a + b tensors + c changed"))
+
+
 def load_rates(results: pathlib.Path, dep: Deployment, overrides: dict[str, float | None]) -> tuple[Rates, list[str]]:
     codec = _load(results / "codec.json")
     if codec is None:
@@ -326,11 +386,14 @@ def load_rates(results: pathlib.Path, dep: Deployment, overrides: dict[str, floa
     eff, fwd, lat = relay_rates(_load(results / "relay_link.json"))
     rates = Rates(bytes_per_changed=b, encode=enc, decode=dec, diff_cpu=diff_cpu, diff_gpu=diff_gpu, d2h=d2h,
                   apply=apply_rate(_load(results / "vllm_apply.json"), _load(results / "refit.json")),
-                  link_efficiency=eff, relay_hop=fwd, relay_latency=lat)
+                  link_efficiency=eff, relay_hop=fwd, relay_latency=lat,
+                  **dict(zip(("per_tensor_trainer", "per_tensor_receiver", "version_overhead"),
+                             scale_rates(_load(results / "scale_tensors.json")))))
     for name, v in overrides.items():
         if v is not None:
             flag = RATE_FLAGS[name]
-            if v < 0 or (v == 0 and name != "relay_latency"):
+            if v < 0 or (v == 0 and name not in ("relay_latency", "per_tensor_trainer", "per_tensor_receiver",
+                                                 "version_overhead")):
                 raise ValueError(f"{flag} must be positive")
             if name == "link_efficiency" and v > 1:
                 raise ValueError(f"{flag} must be at most 1")
@@ -378,25 +441,102 @@ def project(dep: Deployment, r: Rates, transport: str) -> Projection:
             eq = "W / (e min(n_r B_down, B_s3 / R))"
         stages.append(Stage("download", W / (e * down), eq))
     elif transport == "relay":
-        levels = tree_levels(dep.receivers, dep.fanout)
+        shape = dep.tree_fanouts()
+        levels = len(shape) if shape else tree_levels(dep.receivers, dep.fanout)
+        # a complete tree of replicas: L - 1 hops of `fanout` children; a given shape: relays
+        # above the receivers, one hop per level (the last one to the receivers)
+        hops = list(shape) if shape else [dep.fanout] * (levels - 1)
         stages.append(Stage("upload to root", W / (e * min(dep.trainer_uplink_gbps * gb, node_bw)),
                             "W / (e min(B_up, n_r B_down))"))
         out_bw, eq = e * node_bw, "W f / (e n_r B_down)"
         if r.relay_hop.value and dep.receiver_nodes * r.relay_hop.value * gb < out_bw:
             out_bw, eq = dep.receiver_nodes * r.relay_hop.value * gb, "W f / (n_r r_relay)"
-        hop = W * dep.fanout / out_bw
-        for i in range(1, levels):
-            stages.append(Stage(f"relay hop {i}", hop, eq))
+        for i, f in enumerate(hops, 1):
+            stages.append(Stage(f"relay hop {i}", W * f / out_bw, eq))
         latency = levels * r.relay_latency.value
     else:
         raise ValueError(f"unknown transport {transport!r}")
-    parts = {"decode": D / (Cr * r.decode.value * gb), "apply": D / (Cr * r.apply.value * gb)}
-    stages.append(Stage("decode + apply", sum(parts.values()), "D / C_r (1/r_dec + 1/r_apply)", parts))
+    T = dep.tensors
+    if dep.shared_cores:
+        # one machine: every CPU stage draws on the same cores, so their work adds up
+        trainer_work = D * (1 / r.diff_cpu.value + 1 / r.encode.value) if dep.diff_on == "cpu" else D / r.encode.value
+        work = {
+            "diff + encode (trainer)": trainer_work / gb,
+            f"decode + apply (x{dep.receivers})": dep.receivers * D * (1 / r.decode.value + 1 / r.apply.value) / gb,
+            "per-tensor (trainer)": T * r.per_tensor_trainer.value,
+            f"per-tensor (x{dep.receivers})": dep.receivers * T * r.per_tensor_receiver.value,
+        }
+        stages = [st for st in stages if st.name in ("upload", "download", "upload to root")
+                  or st.name.startswith("relay hop")]
+        stages.append(Stage(f"CPU ({dep.shared_cores} shared cores)", sum(work.values()) / dep.shared_cores,
+                            "sum of every process's CPU work / C", {k: v / dep.shared_cores for k, v in work.items()}))
+    else:
+        parts = {"decode": D / (Cr * r.decode.value * gb), "apply": D / (Cr * r.apply.value * gb)}
+        stages.append(Stage("decode + apply", sum(parts.values()), "D / C_r (1/r_dec + 1/r_apply)", parts))
+        if T:
+            stages.append(Stage("per-tensor (trainer)", T * r.per_tensor_trainer.value / G, "T t_trainer / G"))
+            stages.append(Stage("per-tensor (receiver)", T * r.per_tensor_receiver.value / dep.receiver_nodes,
+                                "T t_receiver / n_r"))
+    latency += r.version_overhead.value
     waves = max(1.0, raw / (G * dep.chunk_bytes))
     slow = max(stages, key=lambda s: s.seconds)
     fill = (sum(s.seconds for s in stages) - slow.seconds) / waves
     return Projection(transport=transport, stages=stages, wall_s=slow.seconds + fill + latency, fill_s=fill,
                       dominating=slow.name, wire_bytes=W, waves=waves, tree_levels=levels, latency_s=latency)
+
+
+# ---- the model against a measurement --------------------------------------------------------------
+
+def tree_deployment(meta: dict, case: dict) -> tuple[Deployment, str]:
+    """The deployment of one case of scripts/bench_relay_link.py's tree benchmark
+    (scale_tree.json), as this model sees it: every process on one machine
+    (``shared_cores``), the shaped link at the cluster boundary, the relays' own network
+    unshaped.  Store case: the trainer's puts stay on its side, every receiver's reads share
+    the link (the store's egress cap is the link).  Relay case: only the root relay's reads
+    cross it (the "upload to root")."""
+    model = meta["model"]
+    per_layer = 11 if model.get("family") in ("qwen3", "qwen3_moe") else 9  # + q/k norms
+    link_gbps = case["link_mbit"] / 8 / 1000
+    far_side = 10.0  # GB/s: the namespace's own addresses; the relays' measured hop rate is the cap
+    common = dict(params=float(model["canonical_params"]), changed=case["changed_pct"] / 100, elem_bytes=2,
+                  trainer_gpus=2, diff_on="cpu",  # the benchmark's trainer: 2 ranks (TP=2)
+                  trainer_cores=meta["machine"]["cpus"], receivers=meta["receivers"], receiver_nodes=1,
+                  receiver_cores=1, receiver_downlink_gbps=far_side, chunk_bytes=meta["chunk_bytes"],
+                  tensors=per_layer * model["num_layers"] + 3, shared_cores=meta["machine"]["cpus"])
+    if case["topology"] == "store":
+        return Deployment(**common, trainer_uplink_gbps=far_side, s3_egress_gbps=link_gbps), "s3"
+    fanouts = ",".join(str(f) for f in meta["fanouts"]) if meta.get("fanouts") else ""
+    return Deployment(**common, trainer_uplink_gbps=link_gbps, fanout=meta.get("fanout") or 2,
+                      fanouts=fanouts), "relay"
+
+
+def measured_check(tree: dict, rates: Rates) -> dict:
+    """Each case of the tree benchmark (the relay-kill case aside) projected with its own
+    inputs and compared with its measured median wall.  The link and relay rates are the
+    tree run's own hop probe where it has one."""
+    if (tree.get("hops") or {}).get("link_efficiency"):
+        eff, fwd, lat = relay_rates(tree)
+        rates = replace(rates, link_efficiency=replace(eff, source=eff.source.replace("relay_link", "scale_tree")),
+                        relay_hop=replace(fwd, source=fwd.source.replace("relay_link", "scale_tree")),
+                        relay_latency=replace(lat, source=lat.source.replace("relay_link", "scale_tree")))
+    rows = []
+    for case in tree["cases"]:
+        if case.get("relay_killed"):
+            continue
+        dep, transport = tree_deployment(tree["meta"], case)
+        b = case["wire_bytes"] / (dep.changed * dep.params)  # the case's own coding and bytes
+        p = project(dep, replace(rates, bytes_per_changed=Rate(b, "scale_tree.json: the case's wire bytes / "
+                                                                  "changed elements")), transport)
+        rows.append({"topology": case["topology"], "link_mbit": case["link_mbit"], "receivers": dep.receivers,
+                     "fanouts": dep.fanouts, "measured_wall_s": case["wall_s"], "projected_wall_s": p.wall_s,
+                     "projected_over_measured": p.wall_s / case["wall_s"], "dominating": p.dominating,
+                     "stages": {st.name: st.seconds for st in p.stages}, "latency_s": p.latency_s,
+                     "deployment": asdict(dep)})
+    ratios = [r["projected_over_measured"] for r in rows]
+    return {"source": "scale_tree.json (scripts/bench_relay_link.py --fanouts ... --out-name scale_tree)",
+            "rates": {f.name: asdict(getattr(rates, f.name)) for f in fields(rates)},
+            "cases": rows, "projected_over_measured": statistics.median(ratios) if ratios else None,
+            "within_20pct": bool(ratios) and all(0.8 <= x <= 1.2 for x in ratios)}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -546,13 +686,23 @@ def main(argv: list[str] | None = None) -> int:
                             "s3_wall_s": s3.wall_s, "relay_wall_s": relay.wall_s,
                             "s3_dominating": s3.dominating, "relay_dominating": relay.dominating})
     print_report(dep, rates, projs, formats_cmp, published)
+    check = None
+    tree = _load(args.results / "scale_tree.json")
+    if tree is not None:
+        check = measured_check(tree, rates)
+        check["explained"] = MODEL_FIXES
+        print("\nthe model against a measurement (scale_tree.json: this VM, one process per node, 2 shared cores):")
+        print(f"  {'case':16s} {'measured s':>10s} {'projected s':>11s} {'ratio':>6s}  dominating")
+        for r in check["cases"]:
+            print(f"  {r['topology'] + ' ' + format(r['link_mbit'], 'g') + ' Mbit/s':16s} {r['measured_wall_s']:10.2f} "
+                  f"{r['projected_wall_s']:11.2f} {r['projected_over_measured']:6.2f}  {r['dominating']}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"command": "scripts/project_1t.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": "wall = max_s T_s + (sum_s T_s - max_s T_s) / m + latency; see the script's docstring",
            "deployment": asdict(dep), "rates": {f.name: asdict(getattr(rates, f.name)) for f in fields(rates)},
            "projections": {t: asdict(p) for t, p in projs.items()}, "published": published,
-           "formats": formats_cmp}
+           "formats": formats_cmp, "measured_check": check}
     (args.out / "project_1t.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(projs, dep, args.out / "project_1t.png")
     print(f"\nwrote {args.out / 'project_1t.json'} and {args.out / 'project_1t.png'}")

@@ -157,3 +157,59 @@ def test_relay_rows_use_the_measured_hop_rates(p1t, tmp_path):
     assert res["rates"]["relay_hop"]["source"].startswith("--relay-hop-gbps")
     assert p1t.main(["--results", str(tmp_path / "res"), "--out", str(tmp_path / "out"),
                      "--link-efficiency", "1.5"]) == 2
+
+
+def _scale_tensors(d, *, trainer_us: float, receiver_us: float, a_s: float) -> None:
+    fits = {k: {"per_tensor_us": trainer_us / 3, "intercept_s": 0.0} for k in ("diff_s", "project_s", "encode_s")}
+    fits.update({k: {"per_tensor_us": receiver_us / 3, "intercept_s": 0.0}
+                 for k in ("download_s", "decode_s", "apply_s")})
+    (d / "scale_tensors.json").write_text(json.dumps({
+        "stage_fits": {"hf": fits},
+        "fits": {"hf": {"a_s": a_s, "b_s_per_tensor": 1e-6, "c_s_per_changed": 1e-9, "r2": 0.9, "n": 9}}}))
+
+
+def test_per_tensor_and_per_version_costs_come_from_scale_tensors(p1t, tmp_path):
+    """Per-tensor stages: T x slope (trainer: x 2 sweep ranks, over G ranks; receiver: over
+    its nodes); the fitted intercept is a fixed latency.  Without the file they are 0 and
+    labelled assumptions; with a huge receiver slope that stage dominates."""
+    write_results(tmp_path / "res")
+    base = run(p1t, tmp_path, "--tensors", "70000")
+    assert base["rates"]["per_tensor_receiver"]["assumed"] is True
+    _scale_tensors(tmp_path / "res", trainer_us=30.0, receiver_us=60.0, a_s=1.5)
+    res = run(p1t, tmp_path, "--tensors", "70000", "--trainer-gpus", "100", "--receiver-nodes", "4")
+    s3 = {s["name"]: s["seconds"] for s in res["projections"]["s3"]["stages"]}
+    assert s3["per-tensor (trainer)"] == pytest.approx(70000 * 30e-6 * 2 / 100)
+    assert s3["per-tensor (receiver)"] == pytest.approx(70000 * 60e-6 / 4)
+    assert res["projections"]["s3"]["latency_s"] == pytest.approx(1.5)
+    _scale_tensors(tmp_path / "res", trainer_us=30.0, receiver_us=6e6, a_s=0.0)
+    res = run(p1t, tmp_path, "--tensors", "70000")
+    assert res["projections"]["relay"]["dominating"] == "per-tensor (receiver)"
+
+
+def _scale_tree(d, *, wall_s: float) -> None:
+    meta = {"receivers": 4, "fanouts": [2, 2], "fanout": None, "chunk_bytes": 1 << 20, "machine": {"cpus": 2},
+            "model": {"family": "llama", "num_layers": 4, "canonical_params": 20_000_000}}
+    case = {"topology": "relay", "link_mbit": 8.0, "changed_pct": 3.0, "wall_s": wall_s, "wire_bytes": 0.7 * 0.03 * 20e6}
+    cases = [case, dict(case, topology="store"), dict(case, relay_killed={"name": "r1"})]
+    (d / "scale_tree.json").write_text(json.dumps({"meta": meta, "cases": cases}))
+
+
+def test_measured_check_projects_each_tree_case_with_its_own_inputs(p1t, tmp_path):
+    """One machine: the CPU stages of every process add up on its cores; the link is the
+    case's rate (relay: the root's reads; store: every receiver's, so the store's egress).
+    The relay-kill case is not projected.  A wall far from the model is reported as such."""
+    write_results(tmp_path / "res")
+    _scale_tree(tmp_path / "res", wall_s=1.0)
+    res = run(p1t, tmp_path)
+    check = res["measured_check"]
+    assert [c["topology"] for c in check["cases"]] == ["relay", "store"]
+    relay, store = check["cases"]
+    assert relay["deployment"]["shared_cores"] == 2 and relay["deployment"]["fanouts"] == "2,2"
+    assert "CPU (2 shared cores)" in relay["stages"] and "relay hop 2" in relay["stages"]
+    assert "relay hop 3" not in relay["stages"]
+    wire = 0.7 * 0.03 * 20e6  # bytes per changed x changed elements
+    assert relay["stages"]["upload to root"] == pytest.approx(wire / (1e6 * 1.0), rel=1e-6)  # 8 Mbit/s = 1 MB/s
+    assert store["deployment"]["s3_egress_gbps"] == pytest.approx(0.001)
+    assert relay["projected_over_measured"] == pytest.approx(relay["projected_wall_s"] / 1.0)
+    _scale_tree(tmp_path / "res", wall_s=1e4)  # negative control: a wall the model cannot explain
+    assert run(p1t, tmp_path)["measured_check"]["within_20pct"] is False
