@@ -18,6 +18,8 @@ from nemo_dcr.codec.format import (
     HEADER,
     MAGIC,
     OP_CODES,
+    DIR_ZSTD_FAST_ABOVE,
+    DIR_ZSTD_FAST_LEVEL,
     DIR_ZSTD_LEVEL,
     ENTRY_FIXED,
     TRAILER,
@@ -105,7 +107,8 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
         entries.append(e)
         payloads.append(p)
     dir_raw = b"".join(entries)
-    directory = zstandard.ZstdCompressor(level=DIR_ZSTD_LEVEL).compress(dir_raw) if dir_raw else b""
+    level = DIR_ZSTD_LEVEL if len(dir_raw) <= DIR_ZSTD_FAST_ABOVE else DIR_ZSTD_FAST_LEVEL
+    directory = zstandard.ZstdCompressor(level=level).compress(dir_raw) if dir_raw else b""
     payload_bytes = b"".join(payloads)
     body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
             + payload_bytes + U32.pack(crc32(payload_bytes)))

@@ -43,6 +43,11 @@ TRAILER = struct.Struct("<I4s")
 ENTRY_FIXED = struct.Struct("<HBBBBBBQQQQI")
 U32 = struct.Struct("<I")
 DIR_ZSTD_LEVEL = 19
+#: Directories larger than this (raw bytes: thousands of small records, e.g. the experts of
+#: an MoE layer) are compressed at ``DIR_ZSTD_FAST_LEVEL``: at level 19, zstd took half of
+#: such a chunk's encode time, for 1.6% fewer chunk bytes.  Any level decodes the same.
+DIR_ZSTD_FAST_ABOVE = 16 << 10
+DIR_ZSTD_FAST_LEVEL = 3
 
 #: Record flag: the payload was coded in context mode; decoding needs the base bits.
 FLAG_CONTEXT = 0x01
