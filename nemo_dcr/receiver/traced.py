@@ -99,7 +99,11 @@ class Runs:
         return None
 
     def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Canonical flat positions -> (owner index, storage element), O(len(pos) log runs)."""
+        """Canonical flat positions -> (owner index, storage element), O(len(pos) log runs).
+        One run (a stacked expert slice: the common case) is a shift (the owner indices a
+        read-only broadcast)."""
+        if self.canon.size == 1:
+            return np.broadcast_to(self.owner[:1], pos.shape), pos + int(self.dest[0] - self.canon[0])
         r = np.searchsorted(self.canon, pos, side="right") - 1
         return self.owner[r], self.dest[r] + (pos - self.canon[r])
 
