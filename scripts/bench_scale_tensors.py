@@ -17,9 +17,11 @@ Per version (the first is left out: it carries the receiver's start) the trainer
 gives diff / project / encode / upload / publish, the refit wall ``refit_s`` (end of the
 optimizer step's hook to the joint decision), its changed elements, chunk and record
 counts; the receiver's ack gives download / decode / apply and the manifest's bytes.
-``wall_s`` is ``refit_s`` less the two verification aids inside it (the trainer's dense
-reference upload and the receiver's dense comparison), so it is what a run without
-``verify_dense`` pays; every version is still compared bit for bit (``bit_exact``).
+``wall_s`` is ``refit_s`` less the receiver's dense comparison (``verify_s``, inside the
+commit wait), so about what a run without ``verify_dense`` pays (the trainer's dense gather
+runs before the clock starts; its upload, one local file, stays in); every version is still
+compared bit for bit (``bit_exact``).  ``--refit-from FILE`` recomputes the medians, fits
+and plot of a saved run without running it again.
 Peak RSS of the trainer ranks and of the receiver (its process tree) are sampled every
 0.25 s.
 
@@ -123,6 +125,13 @@ class RssSampler:
                 self.peak[k] = max(self.peak[k], v)
 
 
+def wall_of(refit_s: float, verify_s: float) -> float:
+    """The refit's wall without the receiver's dense comparison (inside the commit wait: it
+    runs before the ack).  The trainer's dense gather (``reference_s``) runs before the
+    refit's clock starts; the put of the reference (one local file) stays inside."""
+    return refit_s - verify_s
+
+
 def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, overrides: list[str]) -> dict:
     from nemo_dcr_testbed.config import load_demo_config
     from nemo_dcr_testbed.demo import run
@@ -150,7 +159,7 @@ def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, ove
             "chunks": r["chunks"], "wire_bytes": r["wire_bytes"], "coding": r["coding"],
             "records": r.get("records"),
             "refit_s": r["refit_s"], "reference_s": r.get("reference_s", 0.0), "verify_s": verify,
-            "wall_s": r["refit_s"] - r.get("reference_s", 0.0) - verify,
+            "wall_s": wall_of(r["refit_s"], verify),
             **{k: r[k] for k in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s", "commit_wait_s",
                                  "pause_s")},
             **{k: max((s.get(k, 0.0) for s in stats), default=0.0) for k in ("download_s", "decode_s", "apply_s")},
@@ -282,7 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="refits per case (the first is warm-up)")
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for the demo config")
+    ap.add_argument("--refit-from", default=None, help="a saved scale_tensors.json: recompute, do not run")
     args = ap.parse_args(argv)
+    if args.refit_from:
+        with open(args.refit_from) as f:
+            out = json.load(f)
+        for c in out["cases"]:
+            for v in c["versions"]:
+                v["wall_s"] = wall_of(v["refit_s"], v["verify_s"])
+            steady = c["versions"][1:] or c["versions"]
+            c["median"]["wall_s"] = statistics.median(v["wall_s"] for v in steady)
+        return finish(out, args.out_dir)
     runtimes = [r for r in args.runtimes.split(",") if r]
     points = [parse_point(p) for p in args.points.split(",") if p]
     lrs = [float(x) for x in args.changed_lrs.split(",") if x]
@@ -317,18 +336,24 @@ def main(argv: list[str] | None = None) -> int:
              f"{m['encode_s']:.2f} download {m['download_s']:.2f} decode {m['decode_s']:.2f} apply {m['apply_s']:.2f}), "
              f"changed {m['changed']:.0f}, bit_exact {case['bit_exact']}, rss trainer "
              f"{case['trainer_peak_rss'] / 2**30:.2f} GiB receiver {case['receiver_peak_rss'] / 2**30:.2f} GiB")
+    return finish(out, args.out_dir)
+
+
+def finish(out: dict, out_dir: str) -> int:
+    """Fits, the JSON, the plot and the table of a run's cases."""
+    runtimes = out["meta"]["runtimes"]
     out["fits"] = {rt: fit([c for c in out["cases"] if c["runtime"] == rt]) for rt in runtimes}
     out["stage_fits"] = {rt: stage_fits([c for c in out["cases"] if c["runtime"] == rt]) for rt in runtimes}
     for c in out["cases"]:
         f = out["fits"].get(c["runtime"]) or {}
         c["wall_s"] = c["median"]["wall_s"]
         c["per_tensor_share"] = (f["b_s_per_tensor"] * c["tensors"] / c["wall_s"]) if f and c["wall_s"] > 0 else None
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "scale_tensors.json")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "scale_tensors.json")
     with open(path + ".tmp", "w") as f:
         json.dump(out, f, indent=1)
     os.replace(path + ".tmp", path)
-    plot(out, os.path.join(args.out_dir, "scale_tensors.png"))
+    plot(out, os.path.join(out_dir, "scale_tensors.png"))
     print("| runtime | sweep | layers x experts | tensors | changed | chunks | wall s | diff | project | encode "
           "| download | decode | apply | per-tensor share | bit-exact |")
     print("|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|:--|")
