@@ -23,13 +23,16 @@ def bma():
 
 
 def test_every_apply_path_is_bit_exact_and_a_flipped_bit_is_seen(bma, tmp_path):
-    assert bma.main(["--experts", "8", "--layers", "2", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
+    assert bma.main(["--experts", "8", "--layers", "2", "--repeats", "1", "--sizes", "64x32,64x16",
+                     "--out-dir", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "moe_apply.json").read_text())
-    assert out["meta"]["expert_tensors"] == 2 * 8 * 3
-    assert out["meta"]["expert_placements"] == {"TRACED": 48}  # in place, no loader call
-    assert set(out["methods"]) == {"nemo_dcr", "loader per layer", "per-expert copy"}
-    assert all(m["bit_exact"] for m in out["methods"].values())
-    assert out["negative_control_detected"] is True
+    assert [s["moe_intermediate"] for s in out["sizes"]] == [32, 16]
+    for size in out["sizes"]:
+        assert size["expert_tensors"] == 2 * 8 * 3
+        assert size["expert_placements"] == {"TRACED": 48}  # in place, no loader call
+        assert set(size["methods"]) == {"nemo_dcr", "loader per layer", "per-expert copy"}
+        assert all(m["bit_exact"] for m in size["methods"].values())
+        assert size["negative_control_detected"] is True
     assert (tmp_path / "moe_apply.png").stat().st_size > 0
 
 
