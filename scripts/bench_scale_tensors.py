@@ -4,23 +4,26 @@ receiver) over models whose expert count grows while the experts shrink, so the 
 tensor count goes from ~150 to ~37 k with the parameters (~20 M) about fixed.
 
     .venv/bin/python scripts/bench_scale_tensors.py [--runtimes hf,vllm] [--points 4x8,4x64,12x128,24x256,48x256]
-        [--changed-lrs 5e-7,2e-6,8e-6] [--changed-point 12x128] [--steps 5] [--out-dir benchmarks/results]
-        [hydra overrides ...]
+        [--vllm-layers 4,16,48,128] [--changed-lrs 5e-7,2e-6,8e-6] [--changed-point 12x128] [--steps 5]
+        [--out-dir benchmarks/results] [--refit-from FILE] [hydra overrides ...]
 
-A point ``LxE`` is a model of L layers with E experts each; every expert is
-``3 x hidden(64) x F`` with ``L * E * F`` held at 48*256*8 (the expert parameters are fixed).
-Canonical (Hugging Face) tensors: 3 per expert plus 11 per layer plus 3 (embeddings, final
-norm, head).  ``--changed-lrs`` adds a sweep of the learning rate (and so of the changed
-fraction) at one point.
+A point ``LxE`` (the ``hf`` runtime) is a model of L layers with E experts each; every expert
+is ``3 x hidden(64) x F`` with ``L * E * F`` held at 48*256*8 (the expert parameters are
+fixed).  Canonical (Hugging Face) tensors: 3 per expert plus 9 per layer plus 3
+(embeddings, final norm, head).  The ``vllm`` runtime takes dense Llama only (``VLLM_BASE``
+says why), so its sweep grows the layers of a small dense Llama (``--vllm-layers``; 9 tensors
+per layer, parameters growing with them: the fit separates the two).  ``--changed-lrs``
+adds a sweep of the learning rate (and so of the changed fraction) at one point.
 
 Per version (the first is left out: it carries the receiver's start) the trainer's row
 gives diff / project / encode / upload / publish, the refit wall ``refit_s`` (end of the
 optimizer step's hook to the joint decision), its changed elements, chunk and record
 counts; the receiver's ack gives download / decode / apply and the manifest's bytes.
-``wall_s`` is ``refit_s`` less the receiver's dense comparison (``verify_s``, inside the
-commit wait), so about what a run without ``verify_dense`` pays (the trainer's dense gather
-runs before the clock starts; its upload, one local file, stays in); every version is still
-compared bit for bit (``bit_exact``).  ``--refit-from FILE`` recomputes the medians, fits
+The timed runs leave ``refit.verify_dense`` off: its trainer-side dense gather of version N+1
+runs while version N is still being encoded and applied, and at 37 k tensors took 6-8 s of the
+two cores (``reference_s``).  ``--verify`` turns it on (every version compared bit for bit with
+the trainer's dense export: ``bit_exact``; ``wall_s`` is then ``refit_s`` less the receiver's
+comparison, ``verify_s``, but still carries the contention).  ``--refit-from FILE`` recomputes the medians, fits
 and plot of a saved run without running it again.
 Peak RSS of the trainer ranks and of the receiver (its process tree) are sampled every
 0.25 s.
@@ -49,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 HIDDEN = 64
 EXPERT_UNITS = 48 * 256 * 8  # L * E * F, fixed
-COMMON = ["model.vocab_size=1000", "refit.verify_dense=true", "refit.coding=plain"]
+COMMON = ["model.vocab_size=1000", "refit.coding=plain"]
 BASE = ["model.family=qwen3_moe", f"model.hidden_size={HIDDEN}", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.moe_router_topk=2",
         "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2",
@@ -132,7 +135,8 @@ def wall_of(refit_s: float, verify_s: float) -> float:
     return refit_s - verify_s
 
 
-def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, overrides: list[str]) -> dict:
+def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, overrides: list[str],
+             verify: bool = False) -> dict:
     from nemo_dcr_testbed.config import load_demo_config
     from nemo_dcr_testbed.demo import run
 
@@ -143,7 +147,8 @@ def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, ove
         ffn, model = 0, list(VLLM_BASE)
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         cfg = load_demo_config([f"run_dir={tmp}/run", f"steps={steps}", f"train.lr={lr}", *model,
-                                f"model.num_layers={layers}", f"receiver.runtime={runtime}", *overrides])
+                                f"model.num_layers={layers}", f"receiver.runtime={runtime}",
+                                f"refit.verify_dense={str(verify).lower()}", *overrides])
         t0 = time.perf_counter()
         with RssSampler() as rss:
             summary = run(cfg)
@@ -152,19 +157,19 @@ def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, ove
     versions = []
     for r in rows:
         stats = [a["stats"] for a in r["acks"]]
-        verify = max((s.get("verify_s", 0.0) for s in stats), default=0.0)
+        verify_s = max((s.get("verify_s", 0.0) for s in stats), default=0.0)
         calls = [s.get("requests", {}).get("calls", {}) for s in stats]
         versions.append({
             "version": r["version"], "changed": r["changed"], "canonical_numel": r["canonical_numel"],
             "chunks": r["chunks"], "wire_bytes": r["wire_bytes"], "coding": r["coding"],
             "records": r.get("records"),
-            "refit_s": r["refit_s"], "reference_s": r.get("reference_s", 0.0), "verify_s": verify,
-            "wall_s": wall_of(r["refit_s"], verify),
+            "refit_s": r["refit_s"], "reference_s": r.get("reference_s", 0.0), "verify_s": verify_s,
+            "wall_s": wall_of(r["refit_s"], verify_s),
             **{k: r[k] for k in ("diff_s", "project_s", "encode_s", "upload_s", "publish_s", "commit_wait_s",
                                  "pause_s")},
             **{k: max((s.get(k, 0.0) for s in stats), default=0.0) for k in ("download_s", "decode_s", "apply_s")},
             "manifest_bytes": max((c.get("get:manifest", {}).get("bytes", 0) for c in calls), default=0),
-            "bit_exact": all(s.get("bit_exact") is True for s in stats) and bool(stats),
+            "bit_exact": (all(s.get("bit_exact") is True for s in stats) and bool(stats)) if verify else None,
         })
     steady = versions[1:] or versions
     med = {k: statistics.median(v[k] for v in steady)
@@ -172,7 +177,8 @@ def run_case(runtime: str, layers: int, experts: int, lr: float, steps: int, ove
                      "apply_s", "changed", "chunks", "wire_bytes", "manifest_bytes")}
     return {"runtime": runtime, "layers": layers, "experts": experts, "moe_ffn": ffn, "lr": lr,
             "tensors": canonical_tensors(layers, experts), "params": rows[0]["canonical_numel"] if rows else 0,
-            "bit_exact": summary["bit_exact"] == len(rows) == steps and all(v["bit_exact"] for v in versions),
+            "bit_exact": (summary["bit_exact"] == len(rows) == steps and all(v["bit_exact"] for v in versions))
+            if verify else None, "verified": verify,
             "run_s": round(time.perf_counter() - t0, 1), "trainer_peak_rss": rss.peak["trainer"],
             "receiver_peak_rss": rss.peak["receiver"], "median": med, "versions": versions}
 
@@ -292,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for the demo config")
     ap.add_argument("--refit-from", default=None, help="a saved scale_tensors.json: recompute, do not run")
+    ap.add_argument("--verify", action="store_true",
+                    help="refit.verify_dense on: every version compared bit for bit with the trainer's dense export "
+                         "(the dense gathers then compete with the refit for the cores: walls are not comparable)")
+    ap.add_argument("--out-name", default="scale_tensors", help="<out-dir>/<out-name>.{json,png}")
     args = ap.parse_args(argv)
     if args.refit_from:
         with open(args.refit_from) as f:
@@ -301,13 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                 v["wall_s"] = wall_of(v["refit_s"], v["verify_s"])
             steady = c["versions"][1:] or c["versions"]
             c["median"]["wall_s"] = statistics.median(v["wall_s"] for v in steady)
-        return finish(out, args.out_dir)
+        return finish(out, args.out_dir, args.out_name)
     runtimes = [r for r in args.runtimes.split(",") if r]
     points = [parse_point(p) for p in args.points.split(",") if p]
     lrs = [float(x) for x in args.changed_lrs.split(",") if x]
     if args.steps < 3:
         raise SystemExit("bench_scale_tensors: --steps must be >= 3 (the first refit is warm-up)")
     out = {"meta": {"runtimes": runtimes, "points": args.points, "steps": args.steps, "lr": args.lr,
+                    "verify_dense": args.verify,
                     "changed_lrs": lrs, "changed_point": args.changed_point, "base": BASE,
                     "overrides": args.overrides, "loadavg_start": os.getloadavg(), "hidden": HIDDEN,
                     "expert_units": EXPERT_UNITS, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
@@ -315,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from nemo_dcr_testbed.linkbench import git_state
 
-        out["meta"]["git"] = git_state()
+        out["meta"]["git"] = git_state(ROOT)
     except Exception as e:  # noqa: BLE001 - provenance only
         out["meta"]["git"] = f"unknown ({e})"
     out["manifest"] = manifest_parse()
@@ -328,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, (rt, (layers, experts), lr, sweep) in enumerate(plan, 1):
         _say(f"case {n}/{len(plan)}: {rt}, {layers} layers x {experts} experts "
              f"({canonical_tensors(layers, experts)} tensors), lr {lr:g}")
-        case = run_case(rt, layers, experts, lr, args.steps, args.overrides)
+        case = run_case(rt, layers, experts, lr, args.steps, args.overrides, verify=args.verify)
         case["sweep"] = sweep
         out["cases"].append(case)
         m = case["median"]
@@ -336,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{m['encode_s']:.2f} download {m['download_s']:.2f} decode {m['decode_s']:.2f} apply {m['apply_s']:.2f}), "
              f"changed {m['changed']:.0f}, bit_exact {case['bit_exact']}, rss trainer "
              f"{case['trainer_peak_rss'] / 2**30:.2f} GiB receiver {case['receiver_peak_rss'] / 2**30:.2f} GiB")
-    return finish(out, args.out_dir)
+    return finish(out, args.out_dir, args.out_name)
 
 
-def finish(out: dict, out_dir: str) -> int:
+def finish(out: dict, out_dir: str, name: str = "scale_tensors") -> int:
     """Fits, the JSON, the plot and the table of a run's cases."""
     runtimes = out["meta"]["runtimes"]
     out["fits"] = {rt: fit([c for c in out["cases"] if c["runtime"] == rt]) for rt in runtimes}
@@ -349,11 +360,11 @@ def finish(out: dict, out_dir: str) -> int:
         c["wall_s"] = c["median"]["wall_s"]
         c["per_tensor_share"] = (f["b_s_per_tensor"] * c["tensors"] / c["wall_s"]) if f and c["wall_s"] > 0 else None
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "scale_tensors.json")
+    path = os.path.join(out_dir, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(out, f, indent=1)
     os.replace(path + ".tmp", path)
-    plot(out, os.path.join(out_dir, "scale_tensors.png"))
+    plot(out, os.path.join(out_dir, f"{name}.png"))
     print("| runtime | sweep | layers x experts | tensors | changed | chunks | wall s | diff | project | encode "
           "| download | decode | apply | per-tensor share | bit-exact |")
     print("|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|:--|")
@@ -367,8 +378,8 @@ def finish(out: dict, out_dir: str) -> int:
         if f:
             print(f"fit {rt}: wall = {f['a_s']:.3f} s + {f['b_s_per_tensor'] * 1e6:.1f} us x tensors + "
                   f"{f['c_s_per_changed'] * 1e9:.1f} ns x changed (R^2 {f['r2']:.3f}, {f['n']} versions)")
-    print(f"wrote {path} and scale_tensors.png")
-    return 0 if all(c["bit_exact"] for c in out["cases"]) else 1
+    print(f"wrote {path} and {name}.png")
+    return 0 if all(c["bit_exact"] is not False for c in out["cases"]) else 1
 
 
 if __name__ == "__main__":
