@@ -28,6 +28,9 @@ class ShardApplier:
     def canonical_bits(self, name):
         return self.view
 
+    def canonical_bits_at(self, name, positions):
+        return self.view[positions]
+
     def validate(self, deltas):
         from nemo_dcr.receiver.errors import DeltaValidationError
 
@@ -64,6 +67,9 @@ def _worker(rank: int, init: str, out) -> None:
         model = ShardedModel(applier, channel)
         report["bits_whole"] = np.array_equal(model.canonical_bits("w"), full)
         report["local_alone_whole"] = np.array_equal(applier.view, full)  # control: a shard is not the tensor
+        at = np.array([3, 31, 32, 60], np.int64)  # both shards, in one call to the workers
+        report["bits_at_whole"] = np.array_equal(model.canonical_bits_at_many([("w", at), ("w", at[:1])])[0], full[at])
+        report["local_at_whole"] = np.array_equal(applier.canonical_bits_at("w", at), full[at])  # control
         dist.barrier()  # 1: rank 1 has not opened its window
         done = {}
         writer = threading.Thread(target=lambda: done.setdefault("r", model.apply([("w", positions, xor)])))
@@ -120,6 +126,7 @@ def test_rank0_reads_and_writes_every_shard_through_the_channel_and_the_gate(tmp
         assert p.exitcode == 0
     r0, r1 = reports[0], reports[1]
     assert r0["bits_whole"] and not r0["local_alone_whole"]
+    assert r0["bits_at_whole"] and not r0["local_at_whole"]
     # a write waits for the worker's own window: rank 0 wrote its shard, rank 1 did not until it opened
     assert r0["rank0_wrote_alone"] and not r1["rank1_wrote_while_closed"]
     assert r1["rank1_after_window"] and r0["after_apply_whole"]

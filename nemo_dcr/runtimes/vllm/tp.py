@@ -7,7 +7,8 @@ two roles:
 
 * **rank 0 leads.**  It runs the protocol (the background follower, acks, the status file) over
   :class:`ShardedModel`, a ``ServedModel`` that reaches the other workers through a
-  :class:`WorkerChannel`: ``canonical_bits`` is the OR of every worker's view (each reads 0
+  :class:`WorkerChannel`: ``canonical_bits`` (and ``canonical_bits_at_many``, the journal's
+  undo values of a version in one call) is the OR of every worker's view (each reads 0
   outside the shard it holds; shards are disjoint, replicas equal), ``apply`` validates the
   batch in every worker before any worker writes, then writes in every worker (each feeds the
   full canonical tensors to its own vLLM loader, which selects its shard), as ``VLLMRuntime``
@@ -37,7 +38,7 @@ from nemo_dcr.errors import ProtocolError
 from nemo_dcr.receiver.errors import IncompleteApplyError
 from nemo_dcr.receiver.gated import UpdateRefused, WriteGate
 from nemo_dcr.receiver.runtime import TensorSpec
-from nemo_dcr.runtimes.vllm.extension import worker_apply, worker_bits, worker_stage, worker_validate
+from nemo_dcr.runtimes.vllm.extension import worker_apply, worker_bits, worker_bits_at, worker_stage, worker_validate
 from nemo_dcr.runtimes.vllm.runtime import _checked
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -122,6 +123,17 @@ class ShardedModel:
             np.bitwise_or(out, p, out=out)
         return out
 
+    def canonical_bits_at_many(self, requests) -> list[np.ndarray]:
+        """``canonical_bits(name)[positions]`` of every request in ONE call to the workers
+        (the journal's undo values of a version: not a call per changed tensor)."""
+        requests = [(name, np.asarray(pos, dtype=np.int64)) for name, pos in requests]
+        parts = _checked(self.channel.call("bits_at", requests, lambda: worker_bits_at(self.applier, requests)))
+        out = [np.array(a, copy=True) for a in parts[0]]
+        for worker in parts[1:]:
+            for o, a in zip(out, worker):
+                np.bitwise_or(o, a, out=o)
+        return out
+
     def validate(self, deltas: Sequence[TensorDelta]) -> None:
         deltas = list(deltas)
         _checked(self.channel.call("validate", deltas, lambda: worker_validate(self.applier, deltas)))
@@ -188,6 +200,8 @@ class Serving:
                 op, arg = self.channel.broadcast()
                 if op == "bits":
                     answer = worker_bits(self.applier, arg)
+                elif op == "bits_at":
+                    answer = worker_bits_at(self.applier, arg)
                 elif op == "validate":
                     answer = worker_validate(self.applier, arg)
                 elif op == "stage":  # unserved writes only: no window needed
