@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nemo_dcr.sender.collectives import log, rank
-from nemo_dcr.sender.stats import PublishStats, RankOutcome, Verdict
+from nemo_dcr.sender.stats import PublishStats, RankOutcome, Verdict, decided_line
 
 if TYPE_CHECKING:
     from nemo_dcr.sender.engine import RefitSender
@@ -104,10 +104,17 @@ class InFlight:
             return True
 
     def mark_recorded(self, outcome: Verdict | str | None = None) -> None:
+        """The background work is past the decision; rank 0 passes it (``outcome``) and logs
+        the version's one line (:func:`~nemo_dcr.sender.stats.decided_line`)."""
         with self.cond:
-            if not self.recorded:
+            first = not self.recorded
+            if first:
                 self.recorded, self.outcome = True, outcome
+            published = self.publishing_at
             self.cond.notify_all()
+        if first and isinstance(outcome, Verdict):
+            seconds = None if published is None else time.monotonic() - published
+            log(decided_line(self.stats, outcome.commit, outcome.reason, seconds))
 
 
 def settle_on_exit(flight: InFlight | None, *, ack_timeout_s: float, committed_version: int,

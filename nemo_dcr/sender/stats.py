@@ -133,3 +133,41 @@ class Claim:
     floor: int = 0
     """The highest version number already in use."""
     error: str | None = None
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes for people: ``512 B``, ``33.7 kB``, ``5.1 MB``, ``2.3 GB`` (powers of 1000)."""
+    n = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # (unreachable)
+
+
+def decided_line(stats: PublishStats, commit: bool, reason: str, seconds: float | None) -> str:
+    """The trainer's one line per decided version (rank 0), e.g.
+    ``nemo_dcr: v3 committed by r0,r1 in 1.2 s, 5.1 MB`` or
+    ``nemo_dcr: v3 aborted: r1 refused (wrong model id) in 0.4 s, 5.1 MB``.
+
+    ``seconds``: from the start of the manifest's publication to the decision record (None:
+    not published); the bytes are the version's chunk bytes on the wire (every rank's).
+    Refusals are named from the receivers' own acks; the rest of ``reason`` (a receiver
+    without a valid ack, a failed trainer rank, too few members) follows as the coordinator
+    wrote it."""
+    took = "" if seconds is None else f" in {seconds:.1f} s"
+    size = size_text(stats.wire_bytes)
+    change = "".join(f"; {what} {','.join(rids)}" for what, rids in (("joined", stats.joined),
+                                                                      ("evicted", stats.evicted)) if rids)
+    if commit:
+        members = ",".join(stats.members) or "no receiver"
+        return f"nemo_dcr: v{stats.version} committed by {members}{took}, {size}{change}"
+    refused, rest = [], reason
+    for a in stats.acks:
+        if not a.get("ok"):
+            error = a.get("error") or "not ok"
+            refused.append(f"{a.get('receiver')} refused ({error})")
+            rest = rest.replace(f"{a.get('receiver')}: {error}", "", 1)
+    rest = "; ".join(p.strip() for p in rest.split("; ") if p.strip())
+    why = "; ".join([*refused, *([rest] if rest else [])]) or "no reason recorded"
+    return f"nemo_dcr: v{stats.version} aborted: {why}{took}, {size}{change}"
