@@ -35,12 +35,19 @@ class LocalDirStore(BoundedStore):
     relative to the parent's descriptor, so a symbolic link anywhere below the root
     (say ``v -> /etc``) is refused rather than followed, with no window between a check
     and the use.  The root itself may be a link.
+
+    ``create=False`` (a reader: a receiver, ``nemo-dcr status``): the root is never created,
+    here or by a later ``put`` (which then fails), so a mistyped path leaves nothing behind;
+    whether it exists is ``transport/preflight.check_store``'s question.
     """
 
-    def __init__(self, root: str, *, policy: StorePolicy | None = None):
+    def __init__(self, root: str, *, policy: StorePolicy | None = None, create: bool = True):
         self._init_policy(policy)
         self.uri = root
         self.root = os.path.abspath(root.removeprefix("file://"))
+        self.create = create
+        if not create:
+            return
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:

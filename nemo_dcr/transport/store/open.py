@@ -40,14 +40,16 @@ FSSPEC = Scheme("nemo_dcr.transport.store.fsspec_store:FsspecStore", storage_opt
 FAILOVER = "nemo_dcr.transport.failover:FailoverStore"
 
 
-def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> ObjectStore:
+def open_store(uri: str, *, policy: StorePolicy | None = None, create: bool = True, **options) -> ObjectStore:
     """Open ``uri``: a directory (the embedded default), ``relay://host:port`` /
     ``http(s)://host:port`` (a relay, ``transport/relay_client.py``), any other fsspec URI,
     or a comma-separated ordered list of these (a ``FailoverStore``: the node re-parents
     down the list, ``transport/failover.py``).  ``options`` named like :class:`StorePolicy`
     fields (``timeout_s``, ``retries``, ``backoff_s``, ``backoff_max_s``, ``min_bytes_per_s``)
     set the store's call policy (or pass ``policy=``); the rest are fsspec storage options.
-    A URI that cannot be opened raises :class:`StoreError` naming it."""
+    A URI that cannot be opened raises :class:`StoreError` naming it.  ``create=False``
+    (readers): a local directory is not created (``LocalDirStore``); whether the store is
+    there and usable is ``transport/preflight.check_store``."""
     given = {k: options.pop(k) for k in list(options) if k in POLICY_FIELDS}
     if given:
         if policy is not None:
@@ -64,7 +66,7 @@ def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> Obj
         # it gets HOP_POLICY (a stalled relay is left in ~10 s, not the default's ~158 s)
         hop = policy or HOP_POLICY
         failover = Scheme(FAILOVER).load()
-        return failover([open_store(u, policy=hop if i < len(parts) - 1 else policy, **options)
+        return failover([open_store(u, policy=hop if i < len(parts) - 1 else policy, create=create, **options)
                          for i, u in enumerate(parts)], retry_after_s=retry_after_s)
     name = uri.split("://", 1)[0].lower() if "://" in uri else ""
     scheme = SCHEMES.get(name, FSSPEC)
@@ -72,4 +74,6 @@ def open_store(uri: str, *, policy: StorePolicy | None = None, **options) -> Obj
         return scheme.load()(uri, policy=policy, **options)
     if options:
         raise ValidationError(f"storage options {sorted(options)} apply to fsspec URIs only, not {uri!r}")
+    if scheme.target == SCHEMES[""].target:
+        return scheme.load()(uri, policy=policy, create=create)
     return scheme.load()(uri, policy=policy)
