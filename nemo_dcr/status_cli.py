@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -482,16 +481,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _open_store(uri: str):
+    """The store, as a reader opens it: checked first (``transport/preflight.py``: a directory
+    that exists, an S3 bucket that answers), never created."""
+    from nemo_dcr.transport.preflight import check_store
     from nemo_dcr.transport.store import open_store
 
-    if "," not in uri and ("://" not in uri or uri.startswith("file://")):
-        path = uri.removeprefix("file://")
-        if not os.path.isdir(path):  # (opening a directory store creates it: a typo must not)
-            raise StatusError(f"--store {uri}: no such directory", 2)
     try:
-        return open_store(uri)
+        check_store(uri, reader=True)
+        return open_store(uri, create=False)
     except DcrError as e:
-        raise StatusError(f"--store: {type(e).__name__}: {e}", 2) from None
+        raise StatusError(f"--store: {e}", 2) from None
 
 
 def run_status(args) -> tuple[dict, int]:

@@ -145,7 +145,7 @@ def test_bad_input_is_one_line_exit_2(run, key, tmp_path, capsys, case):
     args = ["--store", store.root, "--key-file", key]
     if case == "no-dir":
         args[1] = str(tmp_path / "nope")
-        needle = "no such directory"
+        needle = "no such directory"  # (transport/preflight.py's reader check)
     elif case == "no-run":
         (tmp_path / "empty").mkdir()
         args[1] = str(tmp_path / "empty")
