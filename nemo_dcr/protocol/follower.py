@@ -123,19 +123,30 @@ class _Broken(ProtocolError):
     """The chain from a manifest does not lead to what this receiver committed."""
 
 
+class RefusedTooOften(ProtocolError):
+    """This receiver refused ``max_refusals`` versions in a row for the same reason that
+    says it does not fit the run (``receiver/engine.Misfit``): it ends rather than refuse
+    every version of the run (the trainer aborts each) forever.  One line: the receiver, the
+    versions, the last refusal and its fix."""
+
+
 class Follower:
     """Drives a ``Receiver`` (``receiver/engine.py``: fetch, apply, rollback) through the
     protocol.  ``log(dict)`` gets one JSON-able event per acknowledged, refused, decided,
     rolled-back or replayed version, and per ignored object identity."""
 
     def __init__(self, receiver, store: ObjectStore, sealer: Sealer, run_id: str, *, receiver_id: str,
-                 committed: int = 0, committed_digest: str, compose_after: int = 4, log=None, join: bool = False):
+                 committed: int = 0, committed_digest: str, compose_after: int = 4, log=None, join: bool = False,
+                 max_refusals: int = 0):
         """``committed_digest``: the chain's link for ``committed`` (``init/INIT.json``'s
         digest for version 0: ``protocol.version0.verify_init_dir`` returns it).
         ``compose_after``: catching up through more committed versions than this applies
         them as one composed delta (``receiver/catchup.py``) instead of one by one.
         ``join``: ask to become a member (elastic membership) whenever the signed decisions
-        do not name this receiver as one (also settable later as ``follower.join``)."""
+        do not name this receiver as one (also settable later as ``follower.join``).
+        ``max_refusals``: after this many versions in a row refused for the same misfit cause
+        (the receiver's ``misfit``: another model, tensors its runtime does not have; never
+        a store fault), :meth:`run` raises :class:`RefusedTooOften`; 0: never."""
         self.rx = receiver
         self.store = store
         self.sealer = sealer
@@ -160,6 +171,15 @@ class Follower:
         self._head_moved = time.monotonic()  # when HEAD.json last named a version not answered yet
         self._acked: dict[int, str] = {}  # version -> uri of the upstream that took its ok ack (last 2)
         self._acks_everywhere_until = 0  # acks of versions up to this go through every upstream
+        self.max_refusals = max_refusals
+        self._misfits: list[int] = []  # versions refused in a row for self._misfit_cause
+        self._misfit_cause: str | None = None
+        self.applied = 0
+        """Versions this receiver applied: acknowledged ``ok``, or replayed on catch-up."""
+        self.refusals = 0
+        """Versions this receiver refused."""
+        self.refused: list[tuple[int, str]] = []
+        """The last 8 versions this receiver refused, with the refusal."""
 
     # ------------------------------------------------------------------ reads
     def _decision(self, version: int) -> tuple[Decision, str] | None:
@@ -363,6 +383,7 @@ class Follower:
             # so and keeps serving what it holds
             return self._refuse(head, f"cannot catch up from v{self.state.committed} to v{target} "
                                       f"({type(e).__name__}: {e}); reload from a newer checkpoint")
+        self.applied += len(manifests)
         st = self.state
         st.committed, st.committed_digest = target, digest
         st.handled = max(st.handled, target)
@@ -413,9 +434,35 @@ class Follower:
                           held_version=st.committed, error=error))
         st.handled = max(st.handled, manifest.version)
         st.awaiting = manifest.version  # its decision (an abort) is logged like any other
+        self._note_refusal(manifest.version, error)
         self._log({"receiver": self.receiver_id, "version": manifest.version, "ok": False, "held": st.committed,
                    "tentative": st.tentative, "error": error})
         return True
+
+    def _note_refusal(self, version: int, error: str) -> None:
+        self.refusals += 1
+        self.refused = [*self.refused[-7:], (version, error)]
+
+    def _count_misfit(self, version: int, ack: Ack) -> None:
+        """Count a version refused for a misfit cause (``rx.misfit``), after its refusal was
+        written and logged; :class:`RefusedTooOften` at the ``max_refusals``-th in a row of the
+        same cause.  An ``ok`` ack resets the count; a refusal of another kind (a store fault)
+        leaves it as it is."""
+        if ack.ok:
+            self._misfits, self._misfit_cause = [], None
+            return
+        misfit = getattr(self.rx, "misfit", None)
+        cause = getattr(misfit, "cause", None)
+        if cause is None:
+            return
+        if cause != self._misfit_cause:
+            self._misfits, self._misfit_cause = [], cause
+        self._misfits.append(version)
+        if self.max_refusals and len(self._misfits) >= self.max_refusals:
+            versions = ", ".join(f"v{v}" for v in self._misfits)
+            raise RefusedTooOften(f"receiver {self.receiver_id} refused {len(self._misfits)} versions in a row for "
+                                  f"the same reason ({versions}; max_refusals={self.max_refusals}): "
+                                  f"{' '.join(str(misfit).split())}")
 
     def _prefetch(self) -> bool:
         """Step 6 (streaming receive): list and submit new chunks, count those decoded since.
@@ -446,11 +493,15 @@ class Follower:
                       held_version=st.committed, error=f"store error: {e}")
         if ack.ok:
             st.tentative, st.tentative_digest = manifest.version, digest
+            self.applied += 1
+        else:
+            self._note_refusal(manifest.version, ack.error)
         self._put_ack(ack)
         st.handled = manifest.version
         st.awaiting = manifest.version
         self._log({"receiver": self.receiver_id, "version": manifest.version, "ok": ack.ok,
                    "held": st.committed, "tentative": st.tentative, "error": ack.error, **ack.stats})
+        self._count_misfit(manifest.version, ack)
         return True
 
     def step(self) -> bool:

@@ -5,7 +5,10 @@ test bed's fault and link receivers, benchmarks that follow a store):
 
 1. the runtime options are checked against the registry (``receiver/registry.py``) before
    anything is waited for, downloaded or loaded;
-2. the run: the store's signed ``RUN.json`` (waiting for it);
+2. the run: the store's signed ``RUN.json`` (waiting for it), checked against this receiver's
+   configuration before anything is downloaded: a record that does not open with its key
+   (or is signed while it has none), of another run than ``run_id``, or of another model than
+   ``cfg.model_id`` is a :class:`RunMismatch` (one line naming the fix; the CLI's exit 2);
 3. the starting point: a receiver starting fresh (no ``init_dir`` given, weights that die
    with the process) loads the newest committed-version snapshot that checks out
    (``protocol/snapshot.py``: signed record of this run, the signed commit decision it
@@ -31,8 +34,8 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError, ProtocolError, ValidationError
 from nemo_dcr.protocol.follower import Follower
-from nemo_dcr.protocol.run import wait_for_run
-from nemo_dcr.protocol.manifest import INIT_RECORD_KEY, InitRecord, Manifest
+from nemo_dcr.protocol.run import read_run, wait_for_run
+from nemo_dcr.protocol.manifest import DOC_LIMITS, INIT_RECORD_KEY, RUN_KEY, InitRecord, Manifest, RunRecord
 from nemo_dcr.protocol.version0 import (
     InitNotPublished, check_files, fetch_init_file, read_init_record, verify_init_dir,
 )
@@ -42,6 +45,50 @@ from nemo_dcr.receiver.engine import Receiver, ReceiverConfig
 from nemo_dcr.receiver.journal import read_committed
 from nemo_dcr.receiver.registry import RuntimeOptions, RuntimeRequest, ServedRuntime, check_options, start_runtime
 from nemo_dcr.transport.store import ObjectStore
+
+
+class RunMismatch(ValidationError):
+    """The store's run is not the one this receiver was configured for (another model,
+    another run id, another key): refused at start, before anything is downloaded or
+    written; the message names the fix."""
+
+
+def _claimed(store: ObjectStore) -> dict:
+    """What the store's ``RUN.json`` claims, NOT trusted (to name it in a refusal); {} when
+    there is none or it does not parse."""
+    try:
+        return RunRecord.from_json(store.get(RUN_KEY, max_bytes=DOC_LIMITS["run"]), None).__dict__
+    except (DcrError, OSError):
+        return {}
+
+
+def open_run_for(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, run_id: str | None,
+                 timeout_s: float | None, allow_unverified: bool = False) -> str:
+    """The run id of the store's ``RUN.json`` once it is there (``wait_for_run``), checked
+    against this receiver's configuration: ``RunMismatch`` (one line naming the fix) when it
+    does not open with the key (or is signed and no key was given), is another run than
+    ``run_id`` or serves another model than ``cfg.model_id``.  A store with no record within
+    ``timeout_s`` is the ``ProtocolError`` of ``wait_for_run`` (a failed run, not bad input)."""
+    try:
+        run_id = wait_for_run(store, sealer, run_id=run_id, timeout_s=timeout_s, allow_unverified=allow_unverified)
+    except ProtocolError as e:
+        claimed = _claimed(store)
+        if not claimed:  # no record at all (the wait timed out): not a mismatch
+            raise
+        if run_id and claimed.get("run_id") != run_id:
+            raise RunMismatch(f"the store {store.uri} holds run {claimed.get('run_id')} (model "
+                              f"{claimed.get('model_id')!r}), this receiver was given --run-id {run_id}: pass "
+                              f"--run-id {claimed.get('run_id')}, or leave --run-id out to follow the store's run"
+                              ) from None
+        raise RunMismatch(" ".join(str(e).split())) from None
+    try:
+        rec = read_run(store, sealer, allow_unverified=allow_unverified, run_id=run_id)
+    except DcrError:  # refused by the upstream read now (a lying relay): the manifests' check still holds
+        rec = None
+    if rec is not None and rec.model_id != cfg.model_id:
+        raise RunMismatch(f"the run at {store.uri} serves model {rec.model_id!r} (this receiver was given "
+                          f"--model-id {cfg.model_id!r}): pass --model-id {rec.model_id}")
+    return run_id
 
 
 def fetch_version_zero(store: ObjectStore, sealer: Sealer, run_id: str, *, state_dir: str,
@@ -198,7 +245,7 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
     check_options(runtime, options)
     if options.persistent and not state_dir:
         raise ValidationError("persistent weights need a state directory")
-    run_id = wait_for_run(store, sealer, run_id=run_id, timeout_s=timeout_s, allow_unverified=allow_unverified)
+    run_id = open_run_for(store, sealer, cfg, run_id=run_id, timeout_s=timeout_s, allow_unverified=allow_unverified)
     snap = None
     if snapshot and init_dir is None and not options.persistent:
         snap = fetch_snapshot_dir(store, sealer, run_id, state_dir=state_dir, timeout_s=timeout_s, log=log)
@@ -232,7 +279,7 @@ def build_receiver(store: ObjectStore, sealer: Sealer, cfg: ReceiverConfig, *, s
         else:  # weights loaded from version 0: a journal on disk belongs to weights that are gone
             rx.journal.clear_stale()
         follower = Follower(rx, store, sealer, run_id, receiver_id=cfg.receiver_id, committed=committed,
-                            committed_digest=digest)
+                            committed_digest=digest, max_refusals=cfg.max_refusals)
     except BaseException:
         built.close()
         raise

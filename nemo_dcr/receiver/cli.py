@@ -3,9 +3,15 @@ runtime (any name in ``receiver/registry.py``) at the versions a store publishes
 
 Exit status: 0 when the run ended as asked (``--until-version``); 2 with one line on
 stderr for bad input, found before anything is loaded (arguments, the receiver id, the
-store URI, the key file, options the runtime does not support); 1 with one line on stderr
-for a run that failed (``DcrError``, a timeout, a local file error such as a full
-``--state-dir``: ENOSPC).
+store URI, the key file, options the runtime does not support, a runtime whose engine is
+not installed), or before anything is downloaded (a store that does not exist or cannot be
+used: ``transport/preflight.check_store``; a run whose signed ``RUN.json`` serves another
+model, is another run than ``--run-id`` or does not open with the key:
+``bootstrap.RunMismatch``), nothing written to the store; 1 with one line on stderr for a
+run that failed (``DcrError``, a timeout, a local file error such as a full
+``--state-dir``: ENOSPC), for a receiver that refused ``--max-refusals`` versions in a row
+for the same reason that it does not fit the run (``follower.RefusedTooOften``), and for
+one that applied none of the versions it answered (each refused).
 """
 from __future__ import annotations
 
@@ -81,13 +87,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nemo_dcr.receiver.bootstrap import RunMismatch
+    from nemo_dcr.receiver.registry import RuntimeUnavailable
+
     try:
         args = parser().parse_args(argv)
         setup = check_input(args)
+        check_store_usable(args)
     except _BadInput as e:
         return _fail(str(e), 2)
     try:
         return _serve(args, *setup)
+    except (RunMismatch, RuntimeUnavailable) as e:  # bad input found once the run's record was read
+        return _fail(str(e), 2)
     except (DcrError, TimeoutError) as e:
         return _fail(f"{type(e).__name__}: {e}", 1)
     except OSError as e:  # the local disk: a full or unwritable --state-dir, a missing file
@@ -111,21 +123,35 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
+def check_store_usable(args) -> None:
+    """The store exists and answers (``transport/preflight.check_store``: a directory that
+    exists; for ``s3://``, the endpoint, credentials, region and bucket), before anything
+    waits on it: one line, exit status 2, nothing written."""
+    from nemo_dcr.transport.preflight import check_store
+
+    try:
+        check_store(args.store, reader=True)
+    except DcrError as e:
+        raise _BadInput(f"--store: {e}") from None
+
+
 def check_input(args):
     """Everything that can be refused before waiting for a run or loading a model."""
     from nemo_dcr.configs.check import check_number
     from nemo_dcr.protocol.signing import Sealer, load_key
     from nemo_dcr.receiver.engine import ReceiverConfig
+    from nemo_dcr.receiver.registry import check_installed
     from nemo_dcr.transport.store import open_store
 
     try:
-        store = open_store(args.store)
+        store = open_store(args.store, create=False)  # a receiver never creates its store
     except DcrError as e:  # StoreError, or a ValidationError for the URI
         raise _BadInput(f"--store: {type(e).__name__}: {e}") from None
     try:
         cfg = ReceiverConfig(**field_values(args, ReceiverConfig))
         options = RuntimeOptions(reference=args.verify_dense, **field_values(args, RuntimeOptions))
         check_options(args.runtime, options)
+        check_installed(args.runtime)
         if args.persistent_weights and not args.state_dir:
             raise ValidationError("--persistent-weights needs a --state-dir")
         check_number("--until-version", args.until_version, min=0, allow_none=True)
@@ -162,6 +188,11 @@ def _serve(args, store, sealer, cfg, options) -> int:
         # the version held now (session.committed is the one held at the start)
         print(event_line({"receiver": args.receiver_id, "done": True, "held": session.follower.state.committed,
                           "origin_chunk_bytes": origin_chunk_bytes(store)}), flush=True)  # the demo sums these
+    follower = session.follower
+    if follower.refusals and not follower.applied:  # e.g. a finished store it does not fit: not a success
+        version, why = follower.refused[-1]
+        return _fail(f"receiver {args.receiver_id} applied none of the versions it answered ({follower.refusals} "
+                     f"refused; the last, v{version}: {why})", 1)
     return 0
 
 

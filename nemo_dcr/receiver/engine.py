@@ -81,10 +81,21 @@ class ReceiverConfig:
     signed manifest lists them with the same size and digest.  False: fetch a version's
     chunks only once its manifest is there."""
 
+    max_refusals: int = field(default=3, metadata=flag(
+        "--max-refusals", "exit (status 1) after refusing this many versions in a row for the same reason that "
+        "says this receiver does not fit the run (another model, tensors its runtime does not have); 0: never"))
+    """After this many versions in a row refused for the same :class:`Misfit` cause (the run's
+    signed manifests name another model, or records its runtime has no tensor for), the
+    receiver ends (``Follower.run`` raises ``ReceiverMisfit``; ``nemo-dcr receive`` exits 1
+    with one line naming the fix) instead of refusing every version of the run forever.
+    Refusals a store or a network causes (a missing or corrupt chunk, a timeout) never count.
+    0: never end."""
+
     def __post_init__(self) -> None:
         check_receiver_id(self.receiver_id)
         check_number("poll_s", self.poll_s, kind=float, positive=True)
         check_number("fetch_threads", self.fetch_threads, min=0)
+        check_number("max_refusals", self.max_refusals, min=0)
 
     @property
     def threads(self) -> int:
@@ -94,6 +105,17 @@ class ReceiverConfig:
     def decode_cores(self) -> int:
         """Cores the decoding of ``threads`` fetches runs on at most."""
         return max(1, min(self.threads, os.cpu_count() or 1))
+
+
+class Misfit(RefitRefused):
+    """A refusal that says this receiver does not fit the run -- the signed manifest names
+    another model, or its records (chunks that match the signed digests) change tensors this
+    runtime does not have -- not that the store or the network failed.  ``cause`` groups
+    repeats (``ReceiverConfig.max_refusals``); the message ends with the fix."""
+
+    def __init__(self, message: str, *, cause: str):
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass
@@ -153,6 +175,9 @@ class Receiver:
         """``stream.StreamState`` of the held version, while idle (see :meth:`prefetch`)."""
         self._store_mark = snapshot_of(store)
         """The store's request counters at the previous answer (``meter.snapshot_of``)."""
+        self.misfit: Misfit | None = None
+        """Why the last version answered (:meth:`apply_tentative`) was refused, when the
+        reason is a :class:`Misfit`; None otherwise (the follower counts repeats)."""
 
     # --------------------------------------------------------------- streaming receive
     def prefetch(self, run_id: str, *, handled: int, stride: int = 1) -> int:
@@ -190,8 +215,9 @@ class Receiver:
             self.before_fetch(manifest)
         expect = self.held_version if base_version is None else base_version
         if manifest.model_id != self.cfg.model_id:
-            raise RefitRefused(f"manifest v{manifest.version} is for model {manifest.model_id!r}, "
-                               f"this receiver serves {self.cfg.model_id!r}")
+            raise Misfit(f"manifest v{manifest.version} is for model {manifest.model_id!r}, this receiver serves "
+                         f"{self.cfg.model_id!r}: restart it with --model-id {manifest.model_id}",
+                         cause=f"model {manifest.model_id!r}")
         if manifest.base_version != expect:
             raise RefitRefused(f"manifest v{manifest.version} has base version {manifest.base_version}, "
                                f"this receiver holds version {expect}")
@@ -255,7 +281,11 @@ class Receiver:
         try:
             self.served.validate(deltas)
         except (FormatError, ValidationError) as e:  # DeltaValidationError and friends: nothing written
-            raise RefitRefused(str(e)) from None
+            # the records came in chunks that match the signed manifest's digests: the trainer's
+            # model and this runtime's disagree (a misconfiguration), not a store fault
+            raise Misfit(f"{' '.join(str(e).split())}: this receiver's runtime does not hold the run's tensors; "
+                         "start it from the run's own checkpoint (no --init-dir, or the trainer's init/) with "
+                         "the runtime options the run was made for", cause=f"tensors: {type(e).__name__}") from None
         self.journal.begin(version, base_version, deltas, held)
         self._writes += 1
         self._drop_stream()
@@ -287,9 +317,11 @@ class Receiver:
             return Ack(run_id=run_id, receiver=self.cfg.receiver_id, version=manifest.version, ok=False,
                        held_version=self.held_version, error=error)
 
+        self.misfit = None
         try:
             stats = self.apply_version(manifest)
         except RefitRefused as e:
+            self.misfit = e if isinstance(e, Misfit) else None
             return refusal(str(e))
         if self.cfg.verify_dense:
             try:

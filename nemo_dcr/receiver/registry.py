@@ -32,8 +32,45 @@ _RUNTIMES: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 
+_REQUIRES: dict[str, tuple[str, str]] = {
+    "hf": ("transformers", "hf"),
+    "vllm": ("vllm", "vllm"),
+}
+"""Runtime name -> (the module its engine needs, the ``nemo-dcr`` extra that installs it)."""
+
+
 class UnknownRuntimeError(ValidationError):
     """A runtime name that is not in the registry."""
+
+
+class RuntimeUnavailable(ValidationError):
+    """A registered runtime whose engine is not installed (or does not import): one line
+    naming the extra to install."""
+
+
+def _unavailable(name: str, why: str) -> RuntimeUnavailable:
+    module, extra = _REQUIRES.get(name, (name, name))
+    return RuntimeUnavailable(f"runtime {name!r} needs the {module} package, which {why}: "
+                              f"pip install 'nemo-dcr[{extra}]'")
+
+
+def check_installed(name: str) -> None:
+    """Refuse (``RuntimeUnavailable``) runtime ``name`` when the package its engine needs
+    cannot be found, without importing it (``importlib.util.find_spec``: milliseconds, where
+    importing vllm takes seconds).  A package that is found but fails to import is caught
+    when the runtime starts (:func:`runtime_factory`)."""
+    import importlib.util
+
+    _row(name)
+    module = _REQUIRES.get(name, (None, None))[0]
+    if module is None:
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise _unavailable(name, "is not installed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,10 +175,21 @@ def runtime_factory(name: str) -> RuntimeFactory:
     """The factory registered as ``name`` (its module is imported now, not before)."""
     target, _ = _row(name)
     module_name, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # the engine is missing or broken: one line, not the import's traceback
+        raise _unavailable(name, f"does not import ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    return getattr(module, attr)
 
 
 def start_runtime(name: str, request: RuntimeRequest) -> ServedRuntime:
     """Check ``request.options`` against runtime ``name``'s row, then run its factory."""
     check_options(name, request.options)
-    return runtime_factory(name)(request)
+    factory = runtime_factory(name)
+    module = _REQUIRES.get(name, ("", ""))[0]
+    try:
+        return factory(request)
+    except ModuleNotFoundError as e:  # the engine, imported by the factory itself
+        if not module or not (e.name == module or (e.name or "").startswith(module + ".")):
+            raise
+        raise _unavailable(name, f"does not import ({' '.join(str(e).split())})") from None

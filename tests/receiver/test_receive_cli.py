@@ -66,8 +66,11 @@ def test_good_input_passes_the_checks_for_every_runtime(tmp_path, monkeypatch):
 
 
 def test_a_run_that_fails_is_exit_1(tmp_path, capsys, monkeypatch):
-    """Good input, but no run appears in the store within the timeout: a failure, not bad input."""
+    """Good input, but no run appears in the store within the timeout: a failure, not bad input.
+    (The store's directory exists: a receiver refuses a missing one as bad input,
+    test_receiver_misconfig.py.)"""
     monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
+    (tmp_path / "store").mkdir()
     assert cli.main(["receive", *_base(tmp_path), "--timeout-s", "0.3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("nemo-dcr receive: ProtocolError: ") and "no run record" in err[-1], err
