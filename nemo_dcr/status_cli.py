@@ -474,8 +474,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--key-file", default=None,
                     help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE); without it a signed run's "
                          "documents are shown UNVERIFIED and no ack is counted")
-    ap.add_argument("--relay", action="append", default=[], metavar="URL",
-                    help="a relay of the tree (http://HOST:PORT); its /v1/stats are shown (repeat for each)")
+    ap.add_argument("--relay", action="extend", nargs="+", default=[], metavar="URL",
+                    help="relays of the tree (http://HOST:PORT ...; or --relay once per relay): each one's "
+                         "/v1/stats are shown")
     ap.add_argument("--json", action="store_true", help="one JSON document instead of lines")
     return ap
 
@@ -533,9 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     if report["run"]["signed"] and not report["run"]["verified"]:
         print(f"{PROG}: run {report['run']['run_id']} is signed and no key was given (--key-file): documents are "
               "shown UNVERIFIED and no ack is counted", file=sys.stderr, flush=True)
-    for rel in report.get("relays", []):
-        if "error" in rel:
-            print(f"{PROG}: relay {rel['relay']}: {rel['error']}", file=sys.stderr, flush=True)
+    failed = [f"relay {rel['relay']}: {rel['error']}" for rel in report.get("relays", []) if "error" in rel]
+    if failed:  # one line for all of them
+        print(f"{PROG}: {'; '.join(failed)}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=1) if args.json else render(report), flush=True)
     return status
 
