@@ -118,6 +118,22 @@ class Misfit(RefitRefused):
         self.cause = cause
 
 
+_TENSORS_FIX = ("this receiver's runtime does not hold the run's tensors: start it from the run's own checkpoint "
+                "(no --init-dir, or the trainer's init/) with the runtime the run was made for")
+
+
+def _misfit_of(refused: RefitRefused) -> RefitRefused:
+    """A chunk refused for its records (a tensor name, dtype or shape this runtime does not
+    have, more changes than its tensors hold: ``ChunkValidationError``) after its bytes
+    matched the signed manifest's digest is the trainer's own content: a :class:`Misfit`.
+    Anything else (missing, corrupt, a header that disagrees) is the store's, left as is."""
+    from nemo_dcr.codec.format import ChunkValidationError
+
+    if not isinstance(refused.__context__, ChunkValidationError):
+        return refused
+    return Misfit(f"{' '.join(str(refused).split())}: {_TENSORS_FIX}", cause="tensors")
+
+
 @dataclass
 class FetchedVersion:
     """One version's records, downloaded, verified and decoded; nothing written yet."""
@@ -248,8 +264,11 @@ class Receiver:
             stream.close()
         t0 = time.perf_counter()
         manifest_at = time.monotonic()
-        got = fetch_chunks(self.store, manifest.chunks, held=held, specs=specs, budget=budget, want=want,
-                           threads=self.cfg.threads, prefetched=prefetched)
+        try:
+            got = fetch_chunks(self.store, manifest.chunks, held=held, specs=specs, budget=budget, want=want,
+                               threads=self.cfg.threads, prefetched=prefetched)
+        except RefitRefused as e:
+            raise _misfit_of(e) from None
         deltas = [d for chunk in got.chunks for d in chunk.deltas]
         # download_s: the receiver's download stage, i.e. the time during which at least one
         # chunk of the version was downloading, before the manifest (streaming) or after it;
@@ -283,9 +302,7 @@ class Receiver:
         except (FormatError, ValidationError) as e:  # DeltaValidationError and friends: nothing written
             # the records came in chunks that match the signed manifest's digests: the trainer's
             # model and this runtime's disagree (a misconfiguration), not a store fault
-            raise Misfit(f"{' '.join(str(e).split())}: this receiver's runtime does not hold the run's tensors; "
-                         "start it from the run's own checkpoint (no --init-dir, or the trainer's init/) with "
-                         "the runtime options the run was made for", cause=f"tensors: {type(e).__name__}") from None
+            raise Misfit(f"{' '.join(str(e).split())}: {_TENSORS_FIX}", cause="tensors") from None
         self.journal.begin(version, base_version, deltas, held)
         self._writes += 1
         self._drop_stream()

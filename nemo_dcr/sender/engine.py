@@ -42,7 +42,20 @@ from nemo_dcr.transport.store.meter import combined, diff, snapshot_of
 
 class ReceiverRefused(ProtocolError):
     """Training must stop: versions were aborted (refused, unacknowledged, or failed on a
-    trainer rank) more often in a row than ``RefitOptions.on_refusal`` allows."""
+    trainer rank) more often in a row than ``RefitOptions.on_refusal`` allows.  ``str(e)`` is
+    one line naming each receiver and its reason (:meth:`of`)."""
+
+    @classmethod
+    def of(cls, version: int, in_a_row: int, on_refusal: str, reason: str) -> ReceiverRefused:
+        """The error for ``version``'s abort: ``reason`` is the decision's ``"; "``-joined
+        ``"<receiver>: <why>"`` list (``CommitCoordinator.collect_acks``), each part named
+        ``receiver <id>: ...`` on one line."""
+        import re
+
+        parts = [" ".join(p.split()) for p in reason.split("; ") if p.strip()]
+        named = [f"receiver {p}" if re.match(r"^[A-Za-z0-9_\-]{1,64}: ", p) else p for p in parts]
+        return cls(f"refit stopped: version {version} not committed ({in_a_row} in a row, on_refusal={on_refusal}): "
+                   + ("; ".join(named) or "no reason given"))
 
 
 class RefitSender:
@@ -291,8 +304,7 @@ class RefitSender:
         stats.next_coding = verdict.next_coding or stats.coding
         stats.committed, stats.reason = verdict.commit, verdict.reason
         if verdict.stop:
-            raise ReceiverRefused(f"version {flight.version} not committed ({self._failures.consecutive} in a row, "
-                                  f"on_refusal={self.cfg.on_refusal}): {verdict.reason}")
+            raise ReceiverRefused.of(flight.version, self._failures.consecutive, self.cfg.on_refusal, verdict.reason)
         if not verdict.commit and rank() == 0:
             log(f"nemo_dcr: version {flight.version} aborted, training continues and the next version is diffed "
                 f"against version {self.baseline.version}: {verdict.reason}")

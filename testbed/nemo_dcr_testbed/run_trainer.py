@@ -96,5 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """``main``, with a refit failure (``DcrError``: a receiver refused, the store failed, a
+    setting the refit refuses) as one line on stderr and exit status 1, not a traceback in
+    torchrun's log (the demo reports the last error line of ``trainer.log``)."""
+    from nemo_dcr.errors import DcrError
+
+    try:
+        return main(argv)
+    except DcrError as e:
+        who = f"rank {dist.get_rank()}" if dist.is_initialized() else "trainer"
+        print(f"nemo_dcr demo trainer ({who}): {type(e).__name__}: {' '.join(str(e).split())}",
+              file=sys.stderr, flush=True)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
