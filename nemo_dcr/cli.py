@@ -20,8 +20,15 @@ store URI that cannot be opened), 1 for a run that failed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import entry_points
+
+if os.environ.get("_NEMO_DCR_HIDDEN_PACKAGES"):
+    # a vLLM worker spawned by a receiver that hid a torchvision / torchaudio / torchcodec that
+    # cannot load (nemo_dcr/runtimes/_vision_guard.py): spawn imports this module (the parent's
+    # __main__) before vLLM, which imports transformers' image utilities, hence torchvision
+    import nemo_dcr.runtimes  # noqa: F401  (hides them again, silently)
 
 PLUGIN_GROUP = "nemo_dcr.cli"
 """Entry-point group of sub-commands that other distributions add (name -> ``main(argv)``)."""
