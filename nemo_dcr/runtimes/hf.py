@@ -27,9 +27,13 @@ Consequences, stated rather than hidden:
   source name and writing it updates both.
 * Nothing is derived from the weights after loading (rotary ``inv_freq`` comes from the
   config), so ``post_load`` is a no-op.
+
+Loading shows no progress bar (transformers' "Loading weights": a receiver's logs carry
+lines, not bars).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -153,7 +157,8 @@ class HFTransformersAdapter:
         """Load ``directory`` (no hub access) and adapt it; specs come from its headers."""
         if model_class is None:
             from transformers import AutoModelForCausalLM as model_class  # noqa: N813
-        model = model_class.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+        with _no_progress_bars():
+            model = model_class.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
         model.eval()
         return cls(model, specs=checkpoint_specs(directory), checkpoint_dir=directory)
 
@@ -186,6 +191,20 @@ class HFTransformersAdapter:
     def initial_tensor(self, name: str) -> torch.Tensor | None:
         path = self._files.get(name)
         return None if path is None else read_checkpoint_tensor(path, self._specs[name])
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' tqdm bars off for the block (its switch is process-wide: restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def serve(request):

@@ -14,6 +14,9 @@ Engine settings (set here, before vLLM reads them): ``VLLM_CPU_KVCACHE_SPACE=1``
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core runs in this process; at TP=1 so does
 the worker), ``VLLM_CPU_OMP_THREADS_BIND`` one core per TP rank (``0|1`` at TP=2) unless
 the caller set it.  ``enforce_eager``, prompts as token ids (no tokenizer), bfloat16.
+Logs: vLLM's log lines go to stderr, or to ``engine_log`` (``logs.py``), never to stdout
+(the receiver's JSON lines); no progress bars (``use_tqdm_on_load=False``; ``generate``
+passes ``use_tqdm=False``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from nemo_dcr.receiver.runtime import TensorSpec
 from nemo_dcr.runtimes.hf import checkpoint_specs
 from nemo_dcr.runtimes.vllm import extension as rpc
 from nemo_dcr.runtimes.vllm.extension import _ERRORS  # the refusals workers return (extension._refusal)
+from nemo_dcr.runtimes.vllm.logs import route_engine_logs
 
 BACKEND = {"backend": "nemo_dcr"}
 """Every worker runs the weight-transfer backend's engine; this facade drives it in local mode."""
@@ -64,11 +68,15 @@ class VLLMRuntime:
 
     @classmethod
     def start(
-        cls, checkpoint_dir: str, *, tensor_parallel_size: int = 1, max_model_len: int | None = None
+        cls, checkpoint_dir: str, *, tensor_parallel_size: int = 1, max_model_len: int | None = None,
+        engine_log: str | None = None,
     ) -> VLLMRuntime:
+        """``engine_log``: a file for the engine's log lines (default ``$NEMO_DCR_ENGINE_LOG``,
+        else stderr)."""
         if tensor_parallel_size < 1:
             raise ValidationError("tensor_parallel_size must be >= 1")
         os.environ.update(_engine_env(tensor_parallel_size))
+        route_engine_logs(engine_log)  # before vLLM configures its logging, here and in its workers
         from vllm import LLM
 
         llm = LLM(
@@ -79,6 +87,7 @@ class VLLMRuntime:
             enforce_eager=True,
             skip_tokenizer_init=True,
             weight_transfer_config=BACKEND,
+            use_tqdm_on_load=False,  # "Loading safetensors checkpoint shards" bars
         )
         try:
             setup = _checked(llm.collective_rpc(rpc.rpc_setup, args=(str(checkpoint_dir),)))
