@@ -130,7 +130,8 @@ class Status:
         except DcrError as e:
             return self._suspect(Judged(key, MALFORMED, error=f"{type(e).__name__}: {e}"))
         if doc.run_id != self.run_id:
-            return self._suspect(Judged(key, REJECTED, doc, doc_digest(data), f"of run {doc.run_id}, not {self.run_id}"))
+            why = f"of run {doc.run_id}, not {self.run_id}"
+            return self._suspect(Judged(key, REJECTED, doc, doc_digest(data), why))
         if self.unverified:
             trust = FORGED if signature_of(data) == UNSIGNED else UNVERIFIED  # unsigned on a signed run: forged
             judged = Judged(key, trust, doc, doc_digest(data),
@@ -402,23 +403,24 @@ def render(r: dict) -> str:
     c = r["committed"]
     if c["version"]:
         extra = f"  {_size(c['wire_bytes'])} on the wire" if "wire_bytes" in c else ""
-        rows.append(("committed", f"v{c['version']} (base v{c['base_version']}) by {','.join(c['receivers']) or '-'}"
-                                  f"{extra}"))
+        by = ",".join(c["receivers"]) or "-"
+        rows.append(("committed", f"v{c['version']} (base v{c['base_version']}) by {by}{extra}"))
     else:
-        rows.append(("committed", "v0 (no trusted commit decision)"
-                     + (f"; the store claims v{c['unverified_claim']} (UNVERIFIED)" if "unverified_claim" in c else "")))
+        claim = f"; the store claims v{c['unverified_claim']} (UNVERIFIED)" if "unverified_claim" in c else ""
+        rows.append(("committed", f"v0 (no trusted commit decision){claim}"))
     f = r["in_flight"]
     if f is None:
         rows.append(("in flight", "none"))
     else:
-        rows.append(("in flight", f"v{f['version']} (base v{f['base_version']}, {_size(f['wire_bytes'])}): acked by "
-                                  f"{','.join(f['acks']) or 'nobody'}; waiting for {','.join(f['waiting_for']) or 'nobody'}"))
+        acked, waiting = ",".join(f["acks"]) or "nobody", ",".join(f["waiting_for"]) or "nobody"
+        rows.append(("in flight", f"v{f['version']} (base v{f['base_version']}, {_size(f['wire_bytes'])}): "
+                                  f"acked by {acked}; waiting for {waiting}"))
     if r["aborted"]:
         shown = ", ".join(f"v{v}" for v in r["aborted"][-8:])
         rows.append(("aborted", shown + (f" (+{len(r['aborted']) - 8} older)" if len(r["aborted"]) > 8 else "")))
     h = r["hints"]
-    rows.append(("hints", f"HEAD v{h['head']} ({h['head_trust']}), COMMITTED v{h['committed']} ({h['committed_trust']}); "
-                          "hints only, not used"))
+    rows.append(("hints", f"HEAD v{h['head']} ({h['head_trust']}), COMMITTED v{h['committed']} "
+                          f"({h['committed_trust']}); hints only, not used"))
     first = True
     for rid, e in r["receivers"].items():
         la = e["last_ack"]

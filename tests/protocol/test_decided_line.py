@@ -52,6 +52,7 @@ def test_the_line_without_a_receiver_ack_keeps_the_coordinators_reason():
                     "in 1.2 s, 5.1 MB")
     st.acks = [{"receiver": "r0", "ok": True}, {"receiver": "r1", "ok": True}]
     assert decided_line(st, True, "", 0.5) == "nemo_dcr: v4 committed by r0,r1 in 0.5 s, 5.1 MB"
-    assert decided_line(st, False, "rank 1: StoreError: down", None) == "nemo_dcr: v4 aborted: rank 1: StoreError: down, 5.1 MB"
+    assert (decided_line(st, False, "rank 1: StoreError: down", None)
+            == "nemo_dcr: v4 aborted: rank 1: StoreError: down, 5.1 MB")
     assert [size_text(n) for n in (0, 999, 1000, 33_696, 12_600_000_000)] == ["0 B", "999 B", "1.0 kB", "33.7 kB",
                                                                              "12.6 GB"]

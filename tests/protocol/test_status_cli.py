@@ -217,5 +217,6 @@ def test_status_of_a_live_demo_store(tmp_path, capsys):
 
     # the trainer's one line per decided version (rank 0's log)
     log = (tmp_path / "run" / "trainer.log").read_text()
+    print("\n".join(x for x in log.splitlines() if re.match(r"nemo_dcr: v\d+ ", x)))
     for v in (1, 2):
         assert re.search(rf"nemo_dcr: v{v} committed by r0,r1 in \d+\.\d s, \d+\.\d kB", log), log[-3000:]
