@@ -12,6 +12,11 @@ and defaults as a NeMo / Bridge callback's ``refit.*``) plus two test-bed aids.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -158,11 +163,11 @@ VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 @dataclass(kw_only=True)
 class ReceiverRuntimeConfig:
     runtime: str = "hf"
-    """Serving runtime each receiver keeps current: a name registered in
-    ``nemo_dcr/receiver/registry.py`` (``hf``: a transformers model in the receiver
-    process; ``vllm``: a ``vllm.LLM`` engine, CPU build), or ``vllm_serve``: each receiver a
-    ``vllm serve`` engine with the nemo_dcr weight-transfer backend, refit by the controller
-    with completions in flight (``demo_serve.py``)."""
+    """Serving runtime each receiver keeps current: a runtime of ``nemo-dcr receive --runtime``
+    (``hf``: a transformers model in the receiver process; ``vllm``: a ``vllm.LLM`` engine,
+    CPU build), or ``vllm_serve``: each receiver a ``vllm serve`` engine with the nemo_dcr
+    weight-transfer backend, refit by the controller with completions in flight (README,
+    "Your own vLLM servers")."""
     tensor_parallel_size: int = 1
     """vLLM only: tensor-parallel workers of each receiver's engine."""
     sample_tokens: int = 8
@@ -255,3 +260,111 @@ def load_demo_config(overrides: list[str], *, config_dir: str | None = None, con
         if config_dir is None:
             config_dir = str(stack.enter_context(resources.as_file(resources.files(__package__) / "configs")))
         return load_config(DemoConfig, config_name, overrides, config_dir=config_dir)
+
+
+# ------------------------------------------------------------------ help text (nemo-dcr demo --help)
+
+def field_docs(cls) -> dict[str, str]:
+    """Every field's doc of dataclass ``cls``: the string literal after it in the class body
+    (of ``cls`` or the base that declares it), else its flag's help (``configs/flags.py``),
+    else ''; whitespace folded."""
+    from nemo_dcr.configs.flags import HELP
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # a subclass's own doc wins
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):  # no source (a frozen build): the flags' help only
+            continue
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return {f.name: docs.get(f.name) or " ".join(f.metadata.get(HELP, "").split()) for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "").replace("NoneType", "None")
+
+
+def config_keys(cls=None, prefix: str = "", values: dict | None = None) -> list[tuple[str, str, object, str]]:
+    """``(key, type, default, doc)`` of every leaf key of ``DemoConfig`` (dotted, in schema
+    order); ``values``: what ``demo.yaml`` sets (unresolved: interpolations shown as written),
+    else the schema default (a required field without either: ``MISSING``)."""
+    cls = DemoConfig if cls is None else cls
+    values = _demo_yaml() if values is None else values
+    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        key, tp = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += config_keys(tp, key + ".", values.get(f.name) or {})
+            continue
+        if f.name in values:
+            default = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "MISSING"
+        out.append((key, _type_name(tp), default, docs[f.name]))
+    return out
+
+
+def _demo_yaml() -> dict:
+    """``demo.yaml``'s own values (its ``defaults`` list dropped), interpolations unresolved,
+    with the ``refit`` values ``_demo_refit`` gives the fields the schema leaves required."""
+    from omegaconf import OmegaConf
+
+    with resources.as_file(resources.files(__package__) / "configs" / "demo.yaml") as path:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw.pop("defaults", None)
+    refit = _demo_refit()
+    raw.setdefault("refit", {})
+    for name in ("model_id", "receivers"):
+        raw["refit"].setdefault(name, list(getattr(refit, name)) if name == "receivers" else getattr(refit, name))
+    return raw
+
+
+def _override_text(value) -> str:
+    """``value`` as an override would write it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_text(v) for v in value) + "]"
+    return "''" if value == "" else str(value)
+
+
+def config_help(prog: str = "nemo-dcr demo", width: int = 100) -> str:
+    """The usage text of ``nemo-dcr demo --help``: every config key, its type, the demo's
+    value and the key's doc."""
+    head = f"""usage: {prog} [KEY=VALUE ...]
+
+End-to-end refit demo: Megatron-Core trainer ranks (torchrun, gloo on CPU) publish a delta
+after every optimizer step; receiver processes apply it in place and check themselves bit for
+bit against a dense refit.  One table row per refit, then one JSON summary line on stdout;
+progress and errors on stderr; logs, per-step records, the resolved config and the store
+under run_dir.  Exit status: 0 when every refit was committed (and bit-exact with
+refit.verify_dense), 1 for a failed run, 2 for bad input.
+
+Overrides use Hydra's syntax: KEY=VALUE, e.g.
+  {prog} steps=5 model.vocab_size=1003 refit.receivers=[r0,r1]
+  {prog} refit.receivers=[r0,r1,r2,r3] refit.transport=relay refit.relay_fanout=2
+A key not listed below, or a '+key=' addition, is refused.  The refit.* keys are the refit's
+own settings (README, "Configuration of the refit") and the demo's verification and topology
+aids; the others are the demo's.
+
+Keys, as KEY (type) = the demo's value:
+"""
+    lines = [head]
+    for key, tp, default, doc in config_keys():
+        lines.append(f"  {key} ({tp}) = {_override_text(default)}\n")
+        if doc:
+            lines.append(textwrap.fill(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) + "\n")
+    return "".join(lines)

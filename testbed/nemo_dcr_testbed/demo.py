@@ -662,6 +662,11 @@ def _interrupt_on_sigterm():
 
 
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:  # Hydra's override parser would take them for a key
+        from nemo_dcr_testbed.config import config_help
+
+        print(config_help(), end="", flush=True)
+        return 0
     try:
         cfg = load_demo_config(argv)
     except ConfigError as e:  # a config error is the user's: one line, no traceback
