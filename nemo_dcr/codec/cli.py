@@ -17,7 +17,8 @@ one record's arrays at most (``nnz * (8 + width)`` bytes), whatever the file cla
 ``--out`` may not name an input.
 Errors are one line on stderr (no traceback): exit 2 for bad input (arguments; a file that
 is missing, unreadable, corrupt, hostile or not the delta's base), 1 when the output cannot
-be written.
+be written.  Output cut short by its reader (``inspect --json | head -1``) ends quietly, exit
+status 141 (a shell's for SIGPIPE).
 """
 from __future__ import annotations
 
@@ -88,6 +89,12 @@ def main(args: argparse.Namespace) -> int:
             return _apply(args)
         if args.delta_cmd == "inspect":
             return _inspect(args)
+    except BrokenPipeError:
+        from nemo_dcr.cli import quiet_stdout, stdout_broken
+
+        if not stdout_broken():
+            return _error(args, OSError("broken pipe"), 1)
+        return quiet_stdout()  # the reader went away (`inspect --json | head -1`): stop quietly
     except DcrError as e:
         # Bad input: arguments, and files that are missing or unreadable (read through
         # ``_read``/``_load``, which raise DeltaCliError), malformed or hostile chunks

@@ -19,6 +19,7 @@ The key is shared by the trainer and its receivers; whoever holds it is trusted.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -50,7 +51,13 @@ def canonical_bytes(doc: dict) -> bytes:
 
 
 def new_key_file(path: str) -> str:
-    """Create a fresh 32-byte key as hex in ``path`` (mode 0600); refuses to overwrite."""
+    """Create a fresh 32-byte key as hex in ``path`` (mode 0600); refuses to overwrite, and
+    says so when the folder it would go in does not exist (``FileNotFoundError``)."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder", path)
+        raise FileNotFoundError(errno.ENOENT, f"the folder {folder} does not exist (create it first)", path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
