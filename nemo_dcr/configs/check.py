@@ -46,3 +46,20 @@ def check_number(name: str, value, *, kind: type = int, min: float | None = None
     if max is not None and not value <= max:
         raise ConfigError(f"{name} must be <= {max}, got {value}")
     return value
+
+
+def check_store_uri(name: str, uri, *, reader: bool = False, **options) -> str:
+    """``uri`` if the store it names can be used, else one :class:`ConfigError` naming the
+    setting ``name`` (``store.uri``, ``refit.store_uri``, ``--store``), what is wrong and the
+    fix: a local directory (for a ``reader``, one that exists), or an ``s3://`` store whose
+    endpoint answers, credentials and region are accepted and bucket exists
+    (``transport/preflight.check_store``, which writes nothing).  ``options``: the fsspec
+    storage options the store is opened with.  Call it before any process starts: an
+    unusable store is then bad input (exit 2), not a trainer that fails (exit 1)."""
+    from nemo_dcr.transport.preflight import check_store  # imported here: this module imports only errors
+
+    try:
+        check_store(uri, reader=reader, **options)
+    except ValidationError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    return uri

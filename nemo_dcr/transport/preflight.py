@@ -68,7 +68,8 @@ def check_store(uri: str, *, reader: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
         try:
             open_store(uri, **options)
         except DcrError as e:
-            raise StoreUnusable(str(e)) from None
+            raise StoreUnusable(f"store {' '.join(str(e).split())}: check the URI's scheme, and that the fsspec "
+                                "package for it is installed") from None
 
 
 def _check_dir(uri: str, *, reader: bool) -> None:
