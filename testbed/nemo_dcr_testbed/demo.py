@@ -2,7 +2,10 @@
 
 Launches the trainer ranks with torchrun (Megatron-Core, gloo on CPU) and the receiver
 processes (a transformers model or a vLLM engine each, ``receiver.runtime``), prints one table row per refit as it lands, and
-ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.  With
+ends with ONE JSON summary line on stdout.  Logs go to ``<run_dir>/*.log``.  On stderr: the
+key the run is signed with (``refit.key_file``, else one generated into ``run_dir``), and a
+progress line every ``PROGRESS_EVERY_S`` while it waits for the initial checkpoint and for the
+first committed version (where the trainer and each receiver stand).  With
 ``refit.transport=relay`` the receivers read the store through a tree of ``nemo-dcr relay``
 processes (``relay_tree``; docs/relay.md), started before them and stopped after them.
 
@@ -145,6 +148,55 @@ def _last_error(path: str) -> str:
     return hit if len(hit) <= 300 else hit[:297] + "..."
 
 
+PROGRESS_EVERY_S = 3.0
+"""While the demo waits for the initial checkpoint and for the first committed version, a
+line on stderr this often: what it waits for, for how long, where each process stands."""
+
+
+class _Progress:
+    """A line on stderr every ``PROGRESS_EVERY_S`` while a wait lasts."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.t0 = self.last = time.monotonic()
+
+    def tick(self, status) -> None:
+        """``status()``: where things stand, evaluated only when a line is due."""
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            _err(f"{self.what} ({now - self.t0:.0f} s): {status()}")
+
+
+def _first_commit_status(store, receivers: list, engines: int) -> str:
+    """The trainer's and each receiver's stage on the way to version 1's decision."""
+    from nemo_dcr.protocol.keys import decision_key, manifest_key
+
+    if store.exists(decision_key(1)):
+        parts = ["trainer decided v1"]
+    elif store.exists(manifest_key(1)):
+        parts = ["trainer published v1, waiting for the acks"]
+    else:
+        parts = ["trainer on step 1"]
+    for rid, _, log in receivers:
+        events = _events(log.name)
+        v1 = [e for e in events if e.get("version") == 1]
+        if any(e.get("event") == "committed" for e in v1):
+            stage = "holds v1"
+        elif any(e.get("ok") is True for e in v1):
+            stage = "acked v1"
+        elif any(e.get("ok") is False for e in v1):
+            stage = f"refused v1 ({next(e.get('error') for e in v1 if e.get('ok') is False)})"
+        elif any(e.get("ready") for e in events):
+            stage = "ready (holds v0)"
+        else:
+            stage = "starting (loading the model)"
+        parts.append(f"{rid} {stage}")
+    if engines:
+        parts.append(f"{engines} vllm serve engine(s) following the run")
+    return "; ".join(parts)
+
+
 TRAINER_GRACE_S = 15.0
 """How long a failed receiver's report waits for the trainer to fail too (its error is the
 cause more often than not)."""
@@ -266,6 +318,8 @@ def _print_rows(rows: list[dict], cells: list[dict[str, str]], printed: int, fle
                 break
             if check.checksums_equal is not None:
                 cell["bit_exact"] = "yes" if check.checksums_equal else "NO"
+        if printed == 0:  # the header with the first row: the progress lines (stderr) come before both
+            _print_row({name: name for name, _ in COLUMNS})
         _print_row(cell)
         for a in row.get("acks", []):
             if a["stats"].get("sample") is not None:
@@ -475,11 +529,14 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
 
     if cfg.refit.key_file:
         key_path = os.path.abspath(cfg.refit.key_file)
+        _err(f"run signed with refit.key_file {key_path}")
     else:
         key_path = os.path.join(cfg.run_dir, "refit.key")
         if os.path.exists(key_path):
             os.unlink(key_path)
         new_key_file(key_path)
+        _err(f"run signed with a generated key {key_path} (a receiver started by hand needs it: "
+             f"nemo-dcr receive --key-file {key_path})")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: key_path})
     world = cfg.parallel.world_size
     t_start = time.perf_counter()
@@ -494,9 +551,11 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     from nemo_dcr.integrations.hf_export import WEIGHTS_KEY, download_checkpoint
 
     store = open_store(cfg.store.uri)
+    progress = _Progress("waiting for the initial checkpoint (version 0)")
     while not store.exists(WEIGHTS_KEY):
         if trainer.poll() is not None:
             raise _failed("trainer (before writing the initial checkpoint)", trainer.returncode, trainer_log.name)
+        progress.tick(lambda: f"{world} trainer rank(s) starting, building the model")
         children.refresh()
         time.sleep(0.2)
     init_dir = os.path.join(local_root, "init") if local_root else download_checkpoint(
@@ -540,11 +599,13 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
     late_snapshot = (every * (cfg.refit.late_after // every)) if every else 0
     late_decided_at: float | None = None
 
-    print(" ".join(name.rjust(w) for name, w in COLUMNS), flush=True)
     rows: list[dict] = []
     cells: list[dict[str, str]] = []
     seen = printed = 0
     from nemo_dcr.protocol.manifest import SNAPSHOT_RECORD, decision_key, snapshot_key
+
+    progress = _Progress("waiting for the first commit")
+    engines = len(cfg.refit.receivers) if fleet is not None else 0
 
     while True:
         done = trainer.poll() is not None
@@ -569,6 +630,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
         printed = _print_rows(rows, cells, printed, fleet)
         if done:
             break
+        if not printed:
+            progress.tick(lambda: _first_commit_status(store, receivers, engines))
         _check_relays(relays)
         for rid, p, log in receivers:
             if p.poll() not in (None, 0):
