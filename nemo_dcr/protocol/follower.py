@@ -24,7 +24,12 @@ One ``step``:
    bit-exact) or a refusal.
 5. Anything else (``b < c``, a base digest that is not ``D(c)``, a chain that skips ``c``)
    does not extend what this receiver committed: it writes a refusal that names both
-   versions and keeps serving ``c``.  A store document never makes a receiver exit.
+   versions and keeps serving ``c``.  A store document never makes a receiver exit; the
+   run itself can: versions the trainer signed that this receiver cannot apply for the
+   same reason (``receiver/engine.Misfit``: another model, records of tensors its runtime
+   does not have, in chunks whose digests the signed manifest lists) end it after
+   ``max_refusals`` in a row (:class:`RefusedTooOften`) -- what a store writer without the
+   key cannot cause: a corrupt, missing or foreign chunk is never a misfit.
 6. Idle (nothing awaiting a decision, no tentative version, ``HEAD.json`` naming nothing
    new): streaming receive (``receiver/stream.py``): the receiver lists the chunks that
    appeared for the next versions and fetches and decodes them, on top of ``c``, on its own
