@@ -173,8 +173,9 @@ def test_receive_cli_refuses_a_signed_run_without_a_key_in_one_line(tmp_path, ke
     w = torch.randn(16, 16).to(torch.bfloat16)
     sender, store = _sender(tmp_path, {"w": w}, key)
     args = ["--store", store.root, "--receiver-id", "r0", "--model-id", "m", "--timeout-s", "1"]
-    assert main(args) == 1
+    assert main(args) == 2  # bad input, found at start (receiver/bootstrap.RunMismatch), nothing written
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("nemo-dcr receive: ProtocolError: store ") and "--insecure-no-key" in err[-1], err
+    assert err[-1].startswith("nemo-dcr receive: store ") and "--insecure-no-key" in err[-1], err
+    assert not store.exists("acks/r0/00000001.json") and store.list("acks/") == []
     assert main(args + ["--insecure-no-key", "--key-file", key]) == 2  # both: contradictory input
     assert "--insecure-no-key with a key" in capsys.readouterr().err
