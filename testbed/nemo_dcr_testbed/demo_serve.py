@@ -75,7 +75,8 @@ class ServeFleet:
 
         cfg = self.cfg
         tp = cfg.receiver.tensor_parallel_size
-        extra = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        # no "Loading safetensors checkpoint shards" bars in the engines' logs (vllm-serve-*.log)
+        extra = ["--no-use-tqdm-on-load", *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
         cpu = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)) if tp > 1 else None
         kw = dict(max_model_len=cfg.model.seq_length, cpu=cpu, extra=extra, popen=self.popen)
         t0 = time.perf_counter()
