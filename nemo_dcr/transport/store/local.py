@@ -46,9 +46,13 @@ class LocalDirStore(BoundedStore):
         self.uri = root
         self.root = os.path.abspath(root.removeprefix("file://"))
         self.create = create
-        if not create:
-            return
         try:
+            if not create:  # a missing root is the preflight's to name; a path that cannot be one is refused here
+                try:
+                    os.stat(self.root)
+                except FileNotFoundError:
+                    pass
+                return
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
             raise StoreError(f"{root}: cannot open store: {one_line(e)}", uri=root, op="open") from None
