@@ -40,7 +40,10 @@ def parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=PROG)
     fields = FieldFlags(ap)
-    ap.add_argument("--store", required=True, help="store URI (directory or fsspec URI)")
+    ap.add_argument("--store", required=True,
+                    help="store URI: a directory that exists (a receiver never creates it; an empty one is waited "
+                         "on), or an fsspec URI such as s3://bucket/prefix (S3 endpoint, credentials and region from "
+                         "the environment: docs/object-stores.md); checked before anything starts")
     fields.add(ReceiverConfig, "receiver_id", "model_id")
     ap.add_argument("--key-file", default=None,
                     help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")
