@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from nemo_dcr.errors import DcrError, FormatError
+from nemo_dcr.errors import DcrError, FormatError, ValidationError
 from nemo_dcr.protocol.commit import JOIN_SCAN_KEYS
 from nemo_dcr.protocol.keys import (
     ACK_PREFIX,
@@ -76,7 +76,9 @@ FORGED, MALFORMED, REJECTED = "FORGED", "MALFORMED", "REJECTED"
 TRUSTED = (VERIFIED, UNSIGNED_OK)
 
 
-class StatusError(Exception):
+class StatusError(ValidationError):
+    """A store, key file or relay ``status`` cannot use: one line, exit ``status``."""
+
     def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
@@ -373,10 +375,10 @@ def relay_stats(url: str) -> dict:
         with urllib.request.urlopen(f"{relay_base(url)}{API}/stats", timeout=RELAY_TIMEOUT_S) as resp:
             body = resp.read(RELAY_STATS_BYTES + 1)
         if len(body) > RELAY_STATS_BYTES:
-            raise ValueError(f"stats over {RELAY_STATS_BYTES} bytes")
+            raise FormatError(f"stats over {RELAY_STATS_BYTES} bytes")
         stats = json.loads(body)
         if not isinstance(stats, dict):
-            raise ValueError("stats are not a JSON object")
+            raise FormatError("stats are not a JSON object")
     except (OSError, ValueError, urllib.error.URLError) as e:
         return {"relay": url, "error": " ".join(f"{type(e).__name__}: {e}".split())}
     return {"relay": url, "stats": stats}
