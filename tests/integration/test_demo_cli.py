@@ -30,7 +30,7 @@ def test_receive_with_a_store_that_cannot_be_opened(tmp_path, capsys, uri, needl
 
 def test_unknown_command_and_demo_config_errors(capsys):
     assert cli.main(["bogus"]) == 2
-    assert _err_line(capsys) == "nemo-dcr: unknown command 'bogus' (commands: checkpoint, delta, demo, keygen, receive, relay; see nemo-dcr --help)"
+    assert _err_line(capsys) == "nemo-dcr: unknown command 'bogus' (commands: checkpoint, delta, demo, keygen, receive, relay, status; see nemo-dcr --help)"
     assert cli.main(["demo", "+colour=red"]) == 2
     assert "unknown config key 'colour'" in _err_line(capsys)
     assert cli.main(["--help"]) == 0  # control
