@@ -49,30 +49,44 @@ def bed_members(names: list[str]) -> list[str]:
     return [n for n in names if "nemo_dcr_testbed" in n or "nemo_dcr/testbed/" in n]
 
 
-def _run(cmd, cwd, timeout=600, check=True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+def _run(cmd, cwd, timeout=600, check=True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` without this checkout's Python settings in the environment (plus ``env``)."""
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "_NEMO_DCR_HIDDEN_PACKAGES")}, **(env or {})}
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exit {p.returncode}\nstdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}")
     return p
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A fresh venv with the wheel built from the sdist; returns its python."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def build_wheel(tmp: Path) -> tuple[Path, Path, list[str], Path]:
+    """The sdist from a copy of this checkout, and the wheel from the unpacked sdist, under
+    ``tmp``: (wheel, sdist, the sdist's member names, the copy of the checkout)."""
     dist = tmp / "dist"
     # the checkout without what builds and runs leave in it (virtualenvs, build outputs, caches)
     tree = tmp / "checkout"
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".cache", ".*_cache",
-        ".hypothesis"))
+        ".hypothesis", "runs"))
     _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
           "print(build_meta.build_sdist(sys.argv[1]))", str(dist)], cwd=tree)
     (sdist,) = dist.glob("nemo_dcr-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = tar.getnames()
         tar.extractall(tmp / "src", filter="data")
+    top = names[0].split("/")[0]
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+          "-w", str(dist), str(tmp / "src" / top)], cwd=tmp)
+    (wheel,) = dist.glob("nemo_dcr-*.whl")
+    return wheel, sdist, names, tree
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the wheel built from the sdist; returns its python."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    wheel, sdist, names, tree = build_wheel(tmp)
+    dist = wheel.parent
     top = names[0].split("/")[0]
     # every C source and header of the tree, and the configs, are in the sdist
     needed = [os.path.relpath(p, ROOT) for pat in ("nemo_dcr/**/csrc/*.[ch]", "nemo_dcr/configs/*.yaml")
@@ -82,9 +96,6 @@ def installed(tmp_path_factory) -> Path:
     assert not [n for n in names if n.endswith(".so")]
     assert bed_members(names) == [] and not [n for n in names if n.startswith(f"{top}/testbed/")]
 
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(dist), str(tmp / "src" / top)], cwd=tmp)
-    (wheel,) = dist.glob("nemo_dcr-*.whl")
     with zipfile.ZipFile(wheel) as z:
         members = z.namelist()
     assert "nemo_dcr/configs/refit.yaml" in members
