@@ -56,16 +56,18 @@ class VLLMServedModel:
 
     @classmethod
     def start(cls, checkpoint_dir: str, *, tensor_parallel_size: int = 1, max_model_len: int | None = None,
-              reference: bool = False, sample_tokens: int = 0) -> VLLMServedModel:
+              reference: bool = False, sample_tokens: int = 0, engine_log: str | None = None) -> VLLMServedModel:
+        """``engine_log``: a file for both engines' log lines (default ``$NEMO_DCR_ENGINE_LOG``,
+        else stderr; ``logs.py``)."""
         from nemo_dcr.runtimes.vllm import VLLMRuntime
 
         runtime = VLLMRuntime.start(checkpoint_dir, tensor_parallel_size=tensor_parallel_size,
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, engine_log=engine_log)
         runtime.prewarm()
         ref = None
         if reference:
             ref = VLLMRuntime.start(checkpoint_dir, tensor_parallel_size=tensor_parallel_size,
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, engine_log=engine_log)
         return cls(runtime, checkpoint_dir, reference=ref, sample_tokens=sample_tokens)
 
     # ServedModel
