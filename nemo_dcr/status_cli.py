@@ -386,7 +386,7 @@ def relay_stats(url: str) -> dict:
 
 # ---------------------------------------------------------------- text
 def _size(n: int | None) -> str:
-    from nemo_dcr.sender.stats import size_text
+    from nemo_dcr.events import size_text
 
     return "?" if n is None else size_text(n)
 

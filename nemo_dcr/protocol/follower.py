@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 
 from nemo_dcr.errors import DcrError, ProtocolError, TransportError
-from nemo_dcr.events import event_line
+from nemo_dcr.events import event_line, size_text
 from nemo_dcr.protocol.manifest import (
     HEAD_KEY,
     Ack,
@@ -185,6 +185,7 @@ class Follower:
         """Versions this receiver refused."""
         self.refused: list[tuple[int, str]] = []
         """The last 8 versions this receiver refused, with the refusal."""
+        self._answering: tuple[int, float, int] | None = None  # (version, perf_counter, wire bytes): _decided
 
     # ------------------------------------------------------------------ reads
     def _decision(self, version: int) -> tuple[Decision, str] | None:
@@ -254,6 +255,18 @@ class Follower:
         self._log({"receiver": self.receiver_id, "event": "join requested", "held": st.committed})
 
     # ------------------------------------------------------------------ steps
+    def _decided(self, d: Decision) -> dict:
+        """The decision line's summary for people (``nemo-dcr receive``'s log):
+        ``"line": "v3 committed by r0,r1 in 1.2 s, 5.1 MB"``, with the seconds from this
+        receiver starting on the version's manifest to reading its decision (absent for a
+        version it did not answer) and the version's chunk bytes."""
+        got = self._answering if self._answering and self._answering[0] == d.version else None
+        took = f" in {time.perf_counter() - got[1]:.1f} s" if got else ""
+        size = f", {size_text(got[2])}" if got else ""
+        what = (f"committed by {','.join(d.receivers) or 'no receiver'}" if d.commit
+                else f"aborted ({' '.join(d.reason.split()) or 'no reason recorded'})")
+        return {"by": list(d.receivers), "line": f"v{d.version} {what}{took}{size}"}
+
     def _below(self, version: int, floor: int) -> bool | None:
         """Walking commit decisions down from ``version``: True when the chain passes below
         ``floor`` without touching it, False when it reaches ``floor``, None while a
@@ -316,7 +329,7 @@ class Follower:
             else:
                 event = "aborted"
         self._log({"receiver": self.receiver_id, "version": d.version, "decision": "commit" if d.commit else "abort",
-                   "event": event, "held": st.committed, "reason": d.reason})
+                   "event": event, "held": st.committed, "reason": d.reason, **self._decided(d)})
         st.decided = max(st.decided, d.version)
         st.awaiting = None
         return True
@@ -487,6 +500,7 @@ class Follower:
 
     def _answer(self, manifest: Manifest, digest: str) -> bool:
         st = self.state
+        self._answering = (manifest.version, time.perf_counter(), manifest.wire_bytes)
         if manifest.version > st.handled:
             self.stride = manifest.version - st.handled
         try:

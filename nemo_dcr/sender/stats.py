@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nemo_dcr.events import size_text
 from nemo_dcr.protocol.manifest import ChunkRef
 
 
@@ -133,16 +134,6 @@ class Claim:
     floor: int = 0
     """The highest version number already in use."""
     error: str | None = None
-
-
-def size_text(nbytes: int) -> str:
-    """Bytes for people: ``512 B``, ``33.7 kB``, ``5.1 MB``, ``2.3 GB`` (powers of 1000)."""
-    n = float(nbytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # (unreachable)
 
 
 def decided_line(stats: PublishStats, commit: bool, reason: str, seconds: float | None) -> str:

@@ -1,16 +1,20 @@
 """The trainer's one line per decided version (rank 0, on stderr, ``sender/stats.decided_line``):
 ``nemo_dcr: v1 committed by r0 in 0.1 s, 1.2 kB``, or ``nemo_dcr: v2 aborted: r0 refused
 (why) in 0.1 s, 1.2 kB``: the receivers that acked, the time from the manifest's publication
-to the decision, and the version's chunk bytes on the wire (the manifest's)."""
+to the decision, and the version's chunk bytes on the wire (the manifest's).  The receiver's
+decision event (its JSON log, ``protocol/follower.py``) carries the same as ``"line"``:
+``v1 committed by r0 in 0.1 s, 1.2 kB`` (the seconds from its start on the manifest)."""
 import re
 
 import numpy as np
 import torch
 from protocol_helpers import Rx, _sender, _step, key  # noqa: F401 - key is a fixture
 
+from nemo_dcr.events import size_text
 from nemo_dcr.protocol.manifest import Manifest, manifest_key
-from nemo_dcr.sender.stats import PublishStats, decided_line, size_text
+from nemo_dcr.sender.stats import PublishStats, decided_line
 
+RX_LINE = re.compile(r"^v(\d+) (committed by \S+|aborted \(.+\)) in (\d+\.\d) s, (\S+ \S+)$")
 LINE = re.compile(r"^nemo_dcr: v(\d+) (committed by \S+|aborted: .+) in (\d+\.\d) s, (\S+ \S+)$")
 
 
@@ -42,6 +46,15 @@ def test_one_line_per_decided_version_names_who_acked_or_refused(tmp_path, key, 
         wire = Manifest.from_json(store.get(manifest_key(v))).wire_bytes
         assert m[4] == size_text(wire), (v, m[4], wire)
         assert 0.0 <= float(m[3]) < 20
+    # the receiver's decision events carry the same summary (its JSON log: "line", "by")
+    seen = {e["version"]: e for e in rx.events if "decision" in e}
+    assert sorted(seen) == [1, 2, 3], seen
+    for v, e in seen.items():
+        rline = RX_LINE.match(e["line"])
+        assert rline, e["line"]
+        assert rline[4] == lines[v][4]  # the same chunk bytes as the trainer's line
+    assert seen[1]["line"].startswith("v1 committed by r0 in ") and seen[1]["by"] == ["r0"]
+    assert seen[2]["line"].startswith("v2 aborted (") and "refusing apply call 2" in seen[2]["line"]
 
 
 def test_the_line_without_a_receiver_ack_keeps_the_coordinators_reason():
