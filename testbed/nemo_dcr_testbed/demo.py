@@ -504,16 +504,24 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def _run(cfg: DemoConfig, children: _Children) -> dict:
+    from nemo_dcr.configs.check import check_store_uri
     from nemo_dcr.errors import DcrError
+    from nemo_dcr.receiver.registry import check_installed
     from nemo_dcr.transport.store import open_store
 
     _check_fresh(cfg)
     _check_key(cfg)
     if "://" in cfg.store.uri and not cfg.store.uri.startswith("file://"):
+        # an object store is checked before anything starts or is written (endpoint,
+        # credentials, region, bucket: docs/object-stores.md): unusable is bad input, exit 2
         try:
-            open_store(cfg.store.uri)
+            check_store_uri("store.uri", cfg.store.uri)
         except DcrError as e:
-            raise DemoError(f"store.uri: {e}", 2) from None
+            raise DemoError(str(e), 2) from None
+    try:
+        check_installed(cfg.receiver.runtime)  # receiver.runtime=vllm without vllm: one line, exit 2
+    except DcrError as e:
+        raise DemoError(f"receiver.runtime: {' '.join(str(e).split())}", 2) from None
     local_root = _prepare_store(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     cfg_path = os.path.join(cfg.run_dir, "config.json")

@@ -92,7 +92,8 @@ def test_a_foreign_directory_is_never_used_as_a_store(tmp_path, no_launch, capsy
 
 
 @pytest.mark.parametrize("uri,needle", [
-    ("nosuchproto://bucket/x", "store.uri: nosuchproto://bucket/x: cannot open store: ValueError: Protocol not known"),
+    ("nosuchproto://bucket/x", "store.uri: store nosuchproto://bucket/x: cannot open store: ValueError: Protocol not "
+                               "known: nosuchproto: check the URI's scheme"),
     ("{blocker}/store", "cannot create"),
 ])
 def test_a_store_uri_that_cannot_be_opened_is_one_line(tmp_path, no_launch, capsys, uri, needle):
@@ -102,6 +103,24 @@ def test_a_store_uri_that_cannot_be_opened_is_one_line(tmp_path, no_launch, caps
     assert demo.main([f"run_dir={tmp_path}/run", f"store.uri={uri}"]) == 2
     line = _one_error_line(capsys)
     assert needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_s3_store_nobody_serves_is_refused_before_anything_is_written(tmp_path, no_launch, capsys,
+                                                                         monkeypatch):
+    """An ``s3://`` store is checked (``configs/check.check_store_uri``) before the run_dir or
+    any process exists: an endpoint on a closed loopback port is one line, exit 2."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with block ends: nobody listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    assert demo.main([f"run_dir={tmp_path}/run", "store.uri=s3://dcr-demo-inputs/x"]) == 2
+    line = _one_error_line(capsys)
+    assert "store.uri: store s3://dcr-demo-inputs/x: cannot reach the S3 endpoint" in line, line
+    assert f"127.0.0.1:{port}" in line and "AWS_ENDPOINT_URL" in line, line
     assert not (tmp_path / "run").exists()
 
 
