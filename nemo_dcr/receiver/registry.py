@@ -28,7 +28,7 @@ from nemo_dcr.errors import ValidationError
 _RUNTIMES: dict[str, tuple[str, frozenset[str]]] = {
     "hf": ("nemo_dcr.runtimes.hf:serve", frozenset({"persistent"})),
     "vllm": ("nemo_dcr.runtimes.vllm.served:serve",
-             frozenset({"tensor_parallel_size", "max_model_len", "sample_tokens"})),
+             frozenset({"tensor_parallel_size", "max_model_len", "sample_tokens", "engine_log"})),
 }
 
 
@@ -94,6 +94,10 @@ class RuntimeOptions:
     sample_tokens: int = field(default=0, metadata=flag(
         "--sample-tokens", "greedy tokens generated after every refit and reported in the ack (runtimes: vllm)"))
     """Greedy tokens generated after every refit and reported in the ack (0: none)."""
+    engine_log: str | None = field(default=None, metadata=flag(
+        "--engine-log", "a file every engine process appends its own log lines to (default: stderr, so that "
+        "stdout carries the receiver's JSON lines only; also $NEMO_DCR_ENGINE_LOG) (runtimes: vllm)"))
+    """A file the engine's own log lines go to (``None``: stderr, or ``$NEMO_DCR_ENGINE_LOG``)."""
 
     def __post_init__(self) -> None:
         check_number("tensor_parallel_size", self.tensor_parallel_size, min=1)
@@ -107,6 +111,7 @@ class RuntimeOptions:
             ("tensor_parallel_size", self.tensor_parallel_size != 1),
             ("max_model_len", self.max_model_len is not None),
             ("sample_tokens", self.sample_tokens != 0),
+            ("engine_log", self.engine_log is not None),
         ) if is_set]
 
 

@@ -121,7 +121,9 @@ def test_stdout_is_json_lines_and_no_progress_bars(tmp_path, runtime, extra, log
     if runtime == "vllm":
         pytest.importorskip("vllm")
     log = tmp_path / "logs" / "engine.log"
-    proc = _receive(tmp_path, runtime, extra, {"NEMO_DCR_ENGINE_LOG": str(log)} if log_file else {})
+    # the TP=2 case gives the file with the flag; the flag and $NEMO_DCR_ENGINE_LOG reach the
+    # same function (runtimes/vllm/logs.route_engine_logs)
+    proc = _receive(tmp_path, runtime, [*extra, "--engine-log", str(log)] if log_file else extra, {})
     _check_stdout(proc)
     if runtime != "vllm":
         return
@@ -129,6 +131,6 @@ def test_stdout_is_json_lines_and_no_progress_bars(tmp_path, runtime, extra, log
         assert len(ENGINE_LINE.findall(proc.stderr)) > 10, proc.stderr[-2000:]
         assert "Chat template warmup failed" in proc.stderr  # the warning issue 35 saw on stdout
         return
-    text = log.read_text()  # NEMO_DCR_ENGINE_LOG: in the file, from every process of the engine
+    text = log.read_text()  # --engine-log: in the file, from every process of the engine
     assert len(ENGINE_LINE.findall(text)) > 10 and "(Worker_TP1 pid=" in text, text[-2000:]
     assert not ENGINE_LINE.findall(proc.stderr), proc.stderr[-2000:]

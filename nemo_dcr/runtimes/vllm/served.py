@@ -135,5 +135,5 @@ def serve(request):
     o = request.options
     served = VLLMServedModel.start(request.init_dir, tensor_parallel_size=o.tensor_parallel_size,
                                    max_model_len=o.max_model_len, reference=o.reference,
-                                   sample_tokens=o.sample_tokens)
+                                   sample_tokens=o.sample_tokens, engine_log=o.engine_log)
     return ServedRuntime(served=served, dump=served.dump, close=served.close)
