@@ -1,7 +1,9 @@
-"""README.md's numbers and names that the code knows: the C extensions setup.py builds, every
-config key the README names (the callback's refit.yaml schema, the demo's demo.yaml schema),
-and the fault campaign's trial counts (benchmarks/results/fault_campaign*.jsonl).  A README
-that drifts from them fails here."""
+"""README.md's numbers and names that the code knows: the C extensions setup.py builds, the
+demo overrides of its `make demo ARGS="..."` examples (keys of the demo's schema), the docs it
+names, and the fault campaign's trial counts (benchmarks/results/fault_campaign*.jsonl).  A
+README that drifts from them fails here.  Every other config key the README names is checked
+against the schemas by tests/integration/test_refit_settings.py
+(``test_every_readme_key_is_a_schema_key``, ``test_the_readme_table_has_a_row_per_schema_key``)."""
 from __future__ import annotations
 
 import ast
@@ -44,13 +46,6 @@ def _keys(cls, prefix: str = "") -> set[str]:
     return out
 
 
-def refit_keys() -> set[str]:
-    """Every key of the callbacks' refit.yaml (``RefitSettings``, the schema refit.yaml composes)."""
-    from nemo_dcr.integrations.settings import RefitSettings
-
-    return {f"refit.{k}" for k in _keys(RefitSettings)}
-
-
 def demo_keys() -> set[str]:
     """Every key of the demo's demo.yaml (``DemoConfig``)."""
     from nemo_dcr_testbed.config import DemoConfig
@@ -58,47 +53,11 @@ def demo_keys() -> set[str]:
     return _keys(DemoConfig)
 
 
-SECTIONS = ("refit", "model", "parallel", "train", "store", "receiver")
-FILE_SUFFIXES = {"py", "yaml", "json", "jsonl", "md", "safetensors", "log", "png"}
-
-
-def named_keys(text: str) -> set[str]:
-    """``section.key`` names in the text (backticked, or in ``key=value`` overrides), not file names."""
-    found = set()
-    for m in re.finditer(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?![\w/(])", text):
-        key = m.group(1)
-        if key.rsplit(".", 1)[1] not in FILE_SUFFIXES:
-            found.add(key)
-    return found
-
-
-def test_config_keys_the_readme_names_exist():
-    keys = named_keys(README)
-    assert len(keys) > 50, sorted(keys)  # the scan finds them
-    known = refit_keys() | demo_keys()
-    assert sorted(keys - known) == []
-
-
 def test_demo_overrides_in_the_readme_are_demo_keys():
     overrides = [m.group(1) for m in re.finditer(r'make demo ARGS="([^"]*)"', README.replace("\\\n", " "))]
     assert len(overrides) >= 8, overrides
     keys = {w.split("=", 1)[0] for o in overrides for w in o.split() if "=" in w}
     assert keys and sorted(keys - demo_keys()) == []
-
-
-def test_the_refit_table_is_the_schema():
-    """The "Configuration of the refit" table lists every key of the shared schema
-    (``RefitOptions``), and the callback's extra keys are named after it."""
-    from nemo_dcr.sender.options import RefitOptions
-
-    table = set(re.findall(r"^\| `(refit\.[a-z_]+)` \|", README, re.M))
-    assert table == {f"refit.{k}" for k in _keys(RefitOptions)}
-    assert refit_keys() - table <= named_keys(README)
-
-
-def test_negative_control_a_misspelled_key_is_caught():
-    assert named_keys("`refit.ack_pol_s` and `train.py` and model.safetensors") == {"refit.ack_pol_s"}
-    assert "refit.ack_pol_s" not in refit_keys() | demo_keys()
 
 
 def campaign() -> dict[str, collections.Counter]:
