@@ -472,7 +472,7 @@ def render(r: dict) -> str:
 
 # ---------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("``", ""),
                                  epilog="docs/protocol.md, section 'Status'")
     ap.add_argument("--store", required=True, help="the run's store URI (a directory, s3://..., or a relay)")
     ap.add_argument("--key-file", default=None,

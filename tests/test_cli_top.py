@@ -68,6 +68,7 @@ def test_every_built_in_has_help(cmd, flag):
     assert p.stdout.startswith(f"usage: nemo-dcr {cmd}"), p.stdout[:200]
     assert BUILT_IN_HELP[cmd] in p.stdout
     assert not re.findall(r"[\w/]+\.py\b", p.stdout), (cmd, re.findall(r"[\w/]+\.py\b", p.stdout))
+    assert "``" not in p.stdout, (cmd, p.stdout[:400])  # docstring markup is not help text
 
 
 @pytest.mark.parametrize("sub", ["encode", "apply", "inspect"])

@@ -26,7 +26,7 @@ PROG = "nemo-dcr checkpoint"
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--store", required=True, help="the run's store URI (or a relay upstream list)")
     ap.add_argument("--out", required=True, help="directory to write the checkpoint under")
     ap.add_argument("--key-file", default=None, help="the run's shared signing key (default: $NEMO_DCR_KEY_FILE)")

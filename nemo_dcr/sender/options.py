@@ -41,7 +41,7 @@ class RefitOptions:
     kept two puts in flight and took twice the link's time per byte (docs/benchmarks.md,
     issue 32).  Encoding runs on at most the rank's cores whatever this says."""
     coding: str = "auto"
-    """How chunks are coded (``sender/coding_choice.py``): ``context``, the codec's
+    """How chunks are coded (docs/design.md, "Choosing the coding per version"): ``context``, the codec's
     default codings in context mode (conditioned on the committed base bits, which receivers
     hold) wherever the trainer rank holds the base of the record's whole canonical range
     (row-parallel shards, whose coverage is strided, stay context-free); ``plain``, the same
@@ -78,7 +78,7 @@ class RefitOptions:
     """Elastic membership: evict a member after this many consecutive versions without its ack."""
     snapshot_every: int | None = None
     """Every committed version that is a multiple of this, the trainer also writes that
-    version's dense canonical state to ``snapshots/`` (``protocol/snapshot.py``, in the
+    version's dense canonical state to ``snapshots/`` (docs/protocol.md, "Committed-version snapshots"; in the
     background on rank 0; the newest 2 are kept), so a receiver joining later loads it instead
     of version 0 and replaying every version since.  None: 20 with ``membership=elastic``, 0
     with ``static``; 0: off."""

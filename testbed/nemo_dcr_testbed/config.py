@@ -366,5 +366,6 @@ Keys, as KEY (type) = the demo's value:
     for key, tp, default, doc in config_keys():
         lines.append(f"  {key} ({tp}) = {_override_text(default)}\n")
         if doc:
+            doc = doc.replace("``", "`")  # docstring markup: one backtick reads as code in a terminal
             lines.append(textwrap.fill(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) + "\n")
     return "".join(lines)

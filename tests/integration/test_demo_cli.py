@@ -1,4 +1,6 @@
 """`nemo-dcr` input errors are one line on stderr, exit status 2, no traceback."""
+import re
+
 import pytest
 
 from nemo_dcr import cli
@@ -85,6 +87,9 @@ def test_demo_help_lists_every_config_key_with_its_doc(capsys, argv):
     assert listed["refit.verify_dense"][0].endswith("(bool) = true")
     assert "How chunks are coded" in listed["refit.coding"][1]
     assert listed["store.uri"][0].endswith("= ${run_dir}/store")
+    # docs named by section, not by source files a wheel user does not have; no RST markup
+    assert not re.findall(r"[\w/]+\.py\b", out), re.findall(r"[\w/]+\.py\b", out)
+    assert "``" not in out
 
 
 def test_demo_help_control_an_unknown_key_still_fails(capsys):
