@@ -1,8 +1,9 @@
 """Native helpers (C, no third-party headers) built at `pip install -e .`.
 
-The three extensions (codec ``_cans`` and ``_crans``, kernels ``_cxor``) release the GIL, so callers can split work across threads.  Every native
-function has a pure numpy/torch reference path in the package that gives identical output;
-the tests check them against each other.
+The three extensions (codec ``_cans`` and ``_crans``, kernels ``_cxor``) release the GIL, so
+callers can split work across threads.  Every native function has a pure numpy/torch
+reference path in the package that gives identical output; the tests check them against each
+other.
 """
 import os
 

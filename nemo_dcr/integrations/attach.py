@@ -35,7 +35,12 @@ _PROBE_KEY = "init/.reachable"
 
 
 def _reachable_store(uri: str) -> ObjectStore:
-    """Open the store and prove it answers (rank 0 writes, every rank reads back)."""
+    """Check the store (``transport/preflight.check_store``: a directory that can be one; an
+    ``s3://`` endpoint, credentials, region and bucket, in one listing that writes nothing),
+    open it and prove it answers (rank 0 writes, every rank reads back)."""
+    from nemo_dcr.transport.preflight import check_store
+
+    check_store(uri, reader=False)
     store = open_store(uri)
     if not dist.is_initialized() or dist.get_rank() == 0:
         store.put(_PROBE_KEY, b"ok")

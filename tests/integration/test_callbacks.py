@@ -163,7 +163,9 @@ def test_bad_settings_fail_with_one_message(overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_unreachable_store_and_unmappable_model_fail_at_attach(tmp_path):
+def test_unreachable_store_and_unmappable_model_fail_at_attach(tmp_path, monkeypatch):
+    import socket
+
     from nemo_dcr.integrations.attach import RefitAttachment
 
     blocker = tmp_path / "a-file"
@@ -171,6 +173,18 @@ def test_unreachable_store_and_unmappable_model_fail_at_attach(tmp_path):
     bad_store = RefitSettings(store_uri=str(blocker / "store"), model_id="m", receivers=("r0",))
     with pytest.raises(RefitSetupError, match="is not usable"):
         RefitAttachment(bad_store).attach(torch.nn.Linear(2, 2))
+    # an s3:// store is checked before anything is written (transport/preflight): an endpoint
+    # nobody listens on is named, with where it came from
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    s3 = RefitSettings(store_uri="s3://dcr-attach/run", model_id="m", receivers=("r0",))
+    with pytest.raises(RefitSetupError, match=rf"is not usable: StoreUnusable: .*cannot reach the S3 endpoint "
+                                              rf"http://127.0.0.1:{port} \(from \$AWS_ENDPOINT_URL\)"):
+        RefitAttachment(s3).attach(torch.nn.Linear(2, 2))
     ok_store = RefitSettings(store_uri=str(tmp_path / "store"), model_id="m", receivers=("r0",))
     with pytest.raises(RefitSetupError, match="cannot map this model: no megatron GPTModel inside Linear"):
         RefitAttachment(ok_store).attach(torch.nn.Linear(2, 2))
