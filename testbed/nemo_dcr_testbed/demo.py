@@ -518,8 +518,8 @@ def _run(cfg: DemoConfig, children: _Children) -> dict:
             check_store_uri("store.uri", cfg.store.uri)
         except DcrError as e:
             raise DemoError(str(e), 2) from None
-    try:
-        check_installed(cfg.receiver.runtime)  # receiver.runtime=vllm without vllm: one line, exit 2
+    try:  # receiver.runtime=vllm (or vllm_serve: `vllm serve` engines) without vllm: one line, exit 2
+        check_installed("vllm" if cfg.receiver.runtime == SERVE_RUNTIME else cfg.receiver.runtime)
     except DcrError as e:
         raise DemoError(f"receiver.runtime: {' '.join(str(e).split())}", 2) from None
     local_root = _prepare_store(cfg)

@@ -124,6 +124,15 @@ def test_an_s3_store_nobody_serves_is_refused_before_anything_is_written(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("runtime", ["hf", "vllm", "vllm_serve"])
+def test_every_receiver_runtime_gets_past_the_installed_check(tmp_path, no_launch, runtime):
+    # control for the engine check before launch (registry.check_installed): vllm_serve (the
+    # demo's `vllm serve` engines, not a registry runtime) needs the vllm package too
+    pytest.importorskip("vllm") if runtime != "hf" else None
+    with pytest.raises(Launched):
+        demo.main([f"run_dir={tmp_path}/run", f"receiver.runtime={runtime}", "steps=1"])
+
+
 def test_an_openable_store_uri_gets_to_the_launch(tmp_path, no_launch):
     # control for the refusals above (no server is needed to open an s3:// URI)
     for uri in ("memory://demo-inputs/x", f"{tmp_path}/store"):

@@ -62,7 +62,10 @@ def run(tmp_path, key):
     return store, sender, digest
 
 
-def test_status_shows_the_signed_run_and_counts_no_forged_document(run, key, tmp_path, capsys):
+def test_status_shows_the_signed_run_and_counts_no_forged_document(run, key, tmp_path, capsys, monkeypatch):
+    # "without the key" below means no --key-file and no $NEMO_DCR_KEY_FILE (which another test
+    # in the same worker may have left set, e.g. the fault campaign's main run in process)
+    monkeypatch.delenv("NEMO_DCR_KEY_FILE", raising=False)
     store, sender, v4_digest = run
     root = store.root
     code, r, err = _status(capsys, "--store", root, "--key-file", key, "--json")

@@ -108,6 +108,7 @@ def campaign(args, classes: tuple[str, ...], records: list[TrialRecord]) -> list
     os.makedirs(work, exist_ok=True)
     key_file = os.path.join(work, f"key-{uuid.uuid4().hex[:6]}")
     new_key_file(key_file)
+    saved_env = dict(os.environ)  # restored at the end: tests run the campaign in their own process
     os.environ["NEMO_DCR_KEY_FILE"] = key_file
     moto = Moto(os.path.join(work, "moto.log"))
     os.environ.update(moto.env)
@@ -156,6 +157,8 @@ def campaign(args, classes: tuple[str, ...], records: list[TrialRecord]) -> list
         if ep is not None:
             ep.close()
         moto.close()
+        os.environ.clear()
+        os.environ.update(saved_env)
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     return records
