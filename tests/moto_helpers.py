@@ -12,12 +12,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto_server() -> tuple[subprocess.Popen, str]:
-    """A fresh ``moto_server`` on a free loopback port; returns (process, endpoint URL)."""
+def start_moto_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """A fresh ``moto_server`` on a free loopback port; returns (process, endpoint URL).
+    ``env``: variables added to its environment (``INITIAL_NO_AUTH_ACTION_COUNT=0``: it checks
+    credentials)."""
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 30
     while True:
         try:

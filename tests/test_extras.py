@@ -103,6 +103,7 @@ from nemo_dcr.protocol.signing import Sealer, load_key, new_key_file
 from nemo_dcr.sender import RefitOptions, RefitSender
 from nemo_dcr.transport.store import LocalDirStore
 
+# (the test bed's flat_sender does this too, but only the wheel is installed in this venv)
 root, versions = sys.argv[1], int(sys.argv[2])
 key = new_key_file(os.path.join(root, "key"))
 sealer = Sealer(load_key(key))

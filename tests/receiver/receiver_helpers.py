@@ -97,3 +97,58 @@ def flip_one_bit(t: torch.Tensor, flat_index: int, bit: int = 0) -> None:
     with torch.no_grad():
         v = t.detach().view(-1).view(_INT[t.element_size()])
         v[flat_index] ^= 1 << bit
+
+
+ONE_TENSOR = "model.layers.0.mlp.down_proj.weight"
+"""The receiver tensor :func:`one_tensor_trainer` maps its one trainer parameter onto."""
+
+
+def one_tensor_trainer(tmp_path, model, *, target: str = ONE_TENSOR, **options):
+    """The real sender in this process (no torch.distributed) over a fresh directory store
+    ``tmp_path/store``, signed with a new key ``tmp_path/key``: one trainer parameter ``w`` (a
+    copy of ``model``'s ``ONE_TENSOR``) mapped onto ``target``, version 0 ``model``'s HF
+    checkpoint.  ``options``: ``RefitOptions`` fields over ``model_id="m"``,
+    ``receivers=("r0",)``, ``ack_poll_s=0.02``.  Returns ``(sender, w, key, store)``."""
+    from nemo_dcr.integrations.hf_export import write_checkpoint
+    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
+    from nemo_dcr.layout.shards import ParamView, ShardSpec
+    from nemo_dcr.protocol.signing import new_key_file
+    from nemo_dcr.sender import RefitOptions, RefitSender
+    from nemo_dcr.transport.store import LocalDirStore
+
+    key = new_key_file(str(tmp_path / "key"))
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    w = state[ONE_TENSOR].clone()
+    spec = ShardSpec(key="w", local_shape=tuple(w.shape), global_shape=tuple(w.shape), global_offset=(0, 0),
+                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
+    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
+                     ffn_hidden_size=8, vocab_size=8)
+    store = LocalDirStore(str(tmp_path / "store"))
+    sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
+                         CanonicalProjector((Rule("w", {"": target}),), dims), store,
+                         RefitOptions(**{"model_id": "m", "receivers": ("r0",), "ack_poll_s": 0.02,
+                                         "key_file": key, **options}))
+    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
+                                     run_id=sender.claim()))
+    return sender, w, key, store
+
+
+def flip_refits(sender, w, versions, out: dict):
+    """Publish ``versions`` on a daemon thread (returned, started), 64 random bits of ``w``
+    flipped before each: ``out[v]`` = the version's stats, or ``out["error"]`` = what the
+    sender raised."""
+    import threading
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        try:
+            for v in versions:
+                b = w.view(torch.int16).view(-1)
+                b[torch.randperm(b.numel(), generator=g)[:64]] ^= 1 << 2
+                out[v] = sender.refit(v)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

@@ -85,50 +85,16 @@ NAME = "model.layers.0.mlp.down_proj.weight"
 def _trainer(tmp_path):
     """The real sender in this process (no torch.distributed): one trainer parameter mapped
     onto the receiver's ``down_proj`` of layer 0 (as in test_persistent_restart.py)."""
-    import torch
-    from receiver_helpers import llama
+    from receiver_helpers import llama, one_tensor_trainer
 
-    from nemo_dcr.integrations.hf_export import write_checkpoint
-    from nemo_dcr.sender import RefitOptions, RefitSender
-    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-    from nemo_dcr.layout.shards import ParamView, ShardSpec
-    from nemo_dcr.protocol.signing import new_key_file
-    from nemo_dcr.transport.store import LocalDirStore
-
-    key = new_key_file(str(tmp_path / "key"))
-    model = llama(seed=5)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    w = state[NAME].clone()
-    spec = ShardSpec(key="w", local_shape=tuple(w.shape), global_shape=tuple(w.shape), global_offset=(0, 0),
-                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                     ffn_hidden_size=8, vocab_size=8)
-    store = LocalDirStore(str(tmp_path / "store"))
-    sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
-                         CanonicalProjector((Rule("w", {"": NAME}),), dims), store,
-                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=60,
-                                      ack_poll_s=0.02))
-    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
-                                     run_id=sender.claim()))
+    sender, w, key, _ = one_tensor_trainer(tmp_path, llama(seed=5), ack_timeout_s=60)
     return sender, w, key
 
 
 def _refits(sender, w, versions, out: dict):
-    import threading
+    from receiver_helpers import flip_refits
 
-    import torch
-
-    def run():
-        g = torch.Generator().manual_seed(1)
-        for v in versions:
-            b = w.view(torch.int16).view(-1)
-            idx = torch.randperm(b.numel(), generator=g)[:64]
-            b[idx] ^= 1 << 2
-            out[v] = sender.refit(v)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    return flip_refits(sender, w, versions, out)
 
 
 def _events(text: str) -> list[dict]:

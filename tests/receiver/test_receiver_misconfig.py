@@ -21,55 +21,19 @@ PROG = "nemo-dcr receive: "
 
 
 def _trainer(tmp_path, *, target: str = NAME, max_failures: int = 3, ack_timeout_s: float = 120):
-    """The real sender in this process (no torch.distributed) over a fresh directory store:
-    one trainer parameter mapped onto ``target`` (``NAME``: a tensor the receiver's model has),
-    version 0 the HF checkpoint of a small llama (as in test_receive_cli.py)."""
-    import torch
-    from receiver_helpers import llama
+    """The real sender in this process over a fresh directory store: one trainer parameter
+    mapped onto ``target`` (``NAME``: a tensor the receiver's model has), version 0 the HF
+    checkpoint of a small llama (``receiver_helpers.one_tensor_trainer``)."""
+    from receiver_helpers import llama, one_tensor_trainer
 
-    from nemo_dcr.integrations.hf_export import write_checkpoint
-    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-    from nemo_dcr.layout.shards import ParamView, ShardSpec
-    from nemo_dcr.protocol.signing import new_key_file
-    from nemo_dcr.sender import RefitOptions, RefitSender
-    from nemo_dcr.transport.store import LocalDirStore
-
-    key = new_key_file(str(tmp_path / "key"))
-    model = llama(seed=5)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    w = state[NAME].clone()
-    spec = ShardSpec(key="w", local_shape=tuple(w.shape), global_shape=tuple(w.shape), global_offset=(0, 0),
-                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                     ffn_hidden_size=8, vocab_size=8)
-    store = LocalDirStore(str(tmp_path / "store"))
-    sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
-                         CanonicalProjector((Rule("w", {"": target}),), dims), store,
-                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=ack_timeout_s,
-                                      ack_poll_s=0.02, max_consecutive_failures=max_failures))
-    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
-                                     run_id=sender.claim()))
-    return sender, w, key, store
+    return one_tensor_trainer(tmp_path, llama(seed=5), target=target, ack_timeout_s=ack_timeout_s,
+                              max_consecutive_failures=max_failures)
 
 
 def _refits(sender, w, versions, out: dict):
-    """Publish ``versions`` on a thread (64 bits flipped each); ``out[v]`` = the stats, or
-    ``out["error"]`` = what the sender raised."""
-    import torch
+    from receiver_helpers import flip_refits
 
-    def run():
-        g = torch.Generator().manual_seed(1)
-        try:
-            for v in versions:
-                b = w.view(torch.int16).view(-1)
-                b[torch.randperm(b.numel(), generator=g)[:64]] ^= 1 << 2
-                out[v] = sender.refit(v)
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    return flip_refits(sender, w, versions, out)
 
 
 def _finished(tmp_path, versions=(1, 2)):

@@ -37,30 +37,9 @@ def _model():
 
 def _trainer(tmp_path):
     """The real sender in this process: one trainer parameter mapped onto ``NAME``."""
-    import torch
+    from receiver_helpers import one_tensor_trainer
 
-    from nemo_dcr.integrations.hf_export import write_checkpoint
-    from nemo_dcr.layout.mapping import CanonicalProjector, ModelDims, Rule
-    from nemo_dcr.layout.shards import ParamView, ShardSpec
-    from nemo_dcr.protocol.signing import new_key_file
-    from nemo_dcr.sender import RefitOptions, RefitSender
-    from nemo_dcr.transport.store import LocalDirStore
-
-    key = new_key_file(str(tmp_path / "key"))
-    model = _model()
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    w = state[NAME].clone()
-    spec = ShardSpec(key="w", local_shape=tuple(w.shape), global_shape=tuple(w.shape), global_offset=(0, 0),
-                     prepend_axis_num=0, replica_id=(0,), dtype="bfloat16")
-    dims = ModelDims(num_layers=1, hidden_size=8, num_attention_heads=1, num_query_groups=1, head_dim=8,
-                     ffn_hidden_size=8, vocab_size=8)
-    store = LocalDirStore(str(tmp_path / "store"))
-    sender = RefitSender({"w": w}, {"w": [ParamView("w", 0, spec)]},
-                         CanonicalProjector((Rule("w", {"": NAME}),), dims), store,
-                         RefitOptions(model_id="m", receivers=("r0",), key_file=key, ack_timeout_s=600,
-                                      ack_poll_s=0.05))
-    sender.set_root(write_checkpoint(store, model.config.to_dict(), state, sealer=sender.sealer,
-                                     run_id=sender.claim()))
+    sender, w, key, _ = one_tensor_trainer(tmp_path, _model(), ack_timeout_s=600, ack_poll_s=0.05)
     return sender, w, key
 
 

@@ -141,21 +141,10 @@ def test_s3_no_credentials_is_one_line(s3_env, s3_bucket, monkeypatch):
 @pytest.fixture(scope="module")
 def checking_moto():
     """A moto server that checks credentials (``INITIAL_NO_AUTH_ACTION_COUNT=0``)."""
-    from moto_helpers import _free_port
+    from moto_helpers import start_moto_server
 
-    port = _free_port()
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="0"))
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
+    proc, endpoint = start_moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    yield endpoint
     proc.terminate()
     proc.wait(timeout=10)
 
