@@ -38,8 +38,8 @@ from nemo_dcr.protocol.keys import (
     JOIN_PREFIX,
     RUN_KEY,
     ack_key,
+    ack_key_parts,
     decision_key,
-    is_receiver_id,
     join_key_receiver,
     key_kind,
     key_version,
@@ -150,20 +150,20 @@ class Status:
         return judged
 
     def decision(self, v: int) -> Judged | None:
-        if v not in self._decisions:
-            got = self.open(decision_key(v), Decision)
-            if got is not None and got.doc is not None and got.doc.version != v and got.trust != REJECTED:
-                got = self.reject(got, f"a decision of v{got.doc.version} under v{v}'s key")
-            self._decisions[v] = got
-        return self._decisions[v]
+        return self._of_version(self._decisions, v, decision_key(v), Decision, "decision")
 
     def manifest(self, v: int) -> Judged | None:
-        if v not in self._manifests:
-            got = self.open(manifest_key(v), Manifest)
+        return self._of_version(self._manifests, v, manifest_key(v), Manifest, "manifest")
+
+    def _of_version(self, cache: dict, v: int, key: str, cls, what: str) -> Judged | None:
+        """The document of version ``v`` under ``key``, read once; one of another version
+        under that key is REJECTED."""
+        if v not in cache:
+            got = self.open(key, cls)
             if got is not None and got.doc is not None and got.doc.version != v and got.trust != REJECTED:
-                got = self.reject(got, f"a manifest of v{got.doc.version} under v{v}'s key")
-            self._manifests[v] = got
-        return self._manifests[v]
+                got = self.reject(got, f"a {what} of v{got.doc.version} under v{v}'s key")
+            cache[v] = got
+        return cache[v]
 
     def manifest_digest(self, v: int) -> str | None:
         """The digest of the manifest ``v`` was published with, as trusted documents say
@@ -191,18 +191,9 @@ def _ack_keys(store) -> dict[str, list[int]]:
     """receiver -> versions of its ack keys (newest first), as ``keys.ack_key`` writes them."""
     out: dict[str, list[int]] = {}
     for key in store.list(ACK_PREFIX):
-        if join_key_receiver(key) is not None:
-            continue
-        parts = key.split("/")
-        if len(parts) != 3 or not is_receiver_id(parts[1]) or not parts[2].endswith(".json"):
-            continue
-        try:
-            v = int(parts[2][:-5])
-            if ack_key(parts[1], v) != key:
-                continue
-        except (ValueError, DcrError):
-            continue
-        out.setdefault(parts[1], []).append(v)
+        got = ack_key_parts(key)  # None for a join request's key
+        if got is not None:
+            out.setdefault(got[0], []).append(got[1])
     return {rid: sorted(vs, reverse=True) for rid, vs in sorted(out.items())}
 
 

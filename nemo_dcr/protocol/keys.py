@@ -97,6 +97,19 @@ def ack_key(receiver: str, version: int) -> str:
     return f"acks/{check_receiver_id(receiver)}/{check_version(version):08d}.json"
 
 
+def ack_key_parts(key: str) -> tuple[str, int] | None:
+    """``(receiver, version)`` of an ack's key exactly as ``ack_key`` writes it, else None
+    (a join request's key, a stray object under ``acks/``)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "acks" or not is_receiver_id(parts[1]) or not parts[2].endswith(".json"):
+        return None
+    try:
+        version = int(parts[2][:-5])
+        return (parts[1], version) if ack_key(parts[1], version) == key else None
+    except ValueError:  # not a number; a version check_version refuses (a ValidationError)
+        return None
+
+
 JOIN_PREFIX = "acks/join.d/"
 """Where join requests live: under ``acks/`` so that a relay writes them through like acks
 (``transport/relay/`` writes through nothing else), in a directory whose name holds a

@@ -312,6 +312,12 @@ def test_join_request_parsing_is_strict(key):
         JoinRequest.from_json(Sealer(None).seal("join", extra), Sealer(None))
     assert join_key_receiver(join_key("r1")) == "r1"
     assert join_key_receiver("acks/r1/00000001.json") is None and join_key_receiver("acks/join.d/a.b.json") is None
+    # an ack's key read back (nemo-dcr status lists acks/): only what ack_key writes
+    from nemo_dcr.protocol.keys import ack_key_parts
+    assert ack_key_parts(ack_key("r1", 7)) == ("r1", 7)
+    for stray in (join_key("r1"), "acks/r1/7.json", "acks/r1/0000000x.json", "acks/../00000001.json",
+                  "acks/r1/00000001.json.tmp", "v/00000001/ack.json"):
+        assert ack_key_parts(stray) is None, stray
     # a decision with joined/evicted that disagree with receivers is refused
     with pytest.raises(ManifestError):
         Decision(run_id=run_id, version=2, base_version=1, commit=False, receivers=("r0",), evicted=("r0",))
