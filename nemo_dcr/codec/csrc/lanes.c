@@ -44,6 +44,10 @@
  * (which cost ~15% of a context-mode decode).  The GIL is released, so it is per thread. */
 #define ARENA_KEEP ((size_t)16 << 20)
 #define OFFB 8192 /* symbols decoded per lanes_syms call */
+/* A symbol's table word off[i]: where its slot table starts in tabs (below 2^24), and 12 - p
+ * (its precision's shift) from bit OFF_SH. */
+#define OFF_SH 24
+#define OFF_MASK ((1u << OFF_SH) - 1)
 static _Thread_local uint8_t *ARENA_BUF = NULL;
 static _Thread_local size_t ARENA_CAP = 0;
 static pthread_key_t ARENA_KEY; /* its destructor frees a thread's buffer when the thread exits */
@@ -169,9 +173,12 @@ static void lanes_put_table(BitW *w, const uint64_t *cnt, int A, uint32_t *freq)
     for (int s = 0; s < A; s++) freq[s] = qf[s] << (PB - p);
 }
 
-/* Read one table into freq[0..A) (scaled to 2^12) and the decode slots tab[0..4096);
- * 0, or -1 for an invalid table. */
-static int lanes_get_table(BitR *r, int A, uint32_t *freq, uint32_t *tab) {
+/* Read one table into freq[0..A) (scaled to 2^12) and its decode slots: 2^p entries at tab
+ * (slot x mod 4096 maps to entry (x mod 4096) >> (12 - p)), each sym | cum << 7 | freq << 19.
+ * Returns the table's offset word for lanes_syms (*at: where it starts in tabs, advanced
+ * past it), or -1 for an invalid table.  A table of precision p costs 2^p writes, not 4096:
+ * small records' tables are built in a few hundred stores. */
+static int64_t lanes_get_table(BitR *r, int A, uint32_t *freq, uint32_t *tabs, uint32_t *at) {
     int p = (int)br_get(r, 4);
     int maxs = (int)br_get(r, bitlen((uint64_t)(A - 1)));
     if (p < 1 || p > PB || maxs >= A || r->bad) return -1;
@@ -184,15 +191,18 @@ static int lanes_get_table(BitR *r, int A, uint32_t *freq, uint32_t *tab) {
         sum += v;
     }
     freq[maxs] = T - sum;
-    uint32_t cum = 0;
+    uint32_t *tab = tabs + *at, cum = 0;
     for (int s = 0; s <= maxs; s++) {
-        uint32_t f = freq[s] << (PB - p);
+        uint32_t q = freq[s], f = q << (PB - p);
         if (f > LANES_MAXF) return -1;
         freq[s] = f;
-        for (uint32_t k = 0; k < f; k++) tab[cum + k] = (uint32_t)s | (k << 7) | (f << 19);
-        cum += f;
+        uint32_t e = (uint32_t)s | (cum << (7 + PB - p)) | (f << 19);
+        for (uint32_t k = 0; k < q; k++) tab[cum + k] = e;
+        cum += q;
     }
-    return 0;
+    int64_t off = (int64_t)*at | ((int64_t)(PB - p) << OFF_SH);
+    *at += T;
+    return off;
 }
 
 /* ------------------------------------------------------------------ rANS lanes */
@@ -222,8 +232,9 @@ static void lanes_syms_scalar(LDec *d, const uint32_t *tabs, const uint32_t *off
     for (int64_t i = i0; i < n; i++) {
         int l = (int)(d->j++ & (LN - 1));
         uint32_t x = d->x[l];
-        uint32_t e = tabs[off[i] + (x & (PTOT - 1))];
-        x = (e >> 19) * (x >> PB) + ((e >> 7) & (PTOT - 1));
+        uint32_t o = off[i], slot = x & (PTOT - 1);
+        uint32_t e = tabs[(o & OFF_MASK) + (slot >> (o >> OFF_SH))];
+        x = (e >> 19) * (x >> PB) + slot - ((e >> 7) & (PTOT - 1));
         if (x < RANS_L) {
             if (d->end - d->p < 2) { d->bad = 1; return; }
             x = (x << 16) | (uint32_t)d->p[0] | ((uint32_t)d->p[1] << 8);
@@ -235,11 +246,18 @@ static void lanes_syms_scalar(LDec *d, const uint32_t *tabs, const uint32_t *off
 }
 
 #if defined(__x86_64__)
-AVX2 static inline __m256i lanes_step8(__m256i x, __m256i e) {
+AVX2 static inline __m256i lanes_step8(__m256i x, __m256i slot, __m256i e) {
     const __m256i m12 = _mm256_set1_epi32(PTOT - 1);
     __m256i f = _mm256_srli_epi32(e, 19);
-    __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, 7), m12);
-    return _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x, PB)), bias);
+    __m256i cum = _mm256_and_si256(_mm256_srli_epi32(e, 7), m12);
+    return _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(x, PB)), _mm256_sub_epi32(slot, cum));
+}
+
+/* gather indices of 8 lanes: off & OFF_MASK plus the slot shifted by the table's 12 - p */
+AVX2 static inline __m256i lanes_idx8(const uint32_t *off, __m256i slot) {
+    const __m256i om = _mm256_set1_epi32(OFF_MASK);
+    __m256i o = _mm256_loadu_si256((const __m256i *)off);
+    return _mm256_add_epi32(_mm256_and_si256(o, om), _mm256_srlv_epi32(slot, _mm256_srli_epi32(o, OFF_SH)));
 }
 
 AVX2 static inline __m256i lanes_renorm8(__m256i x, const uint8_t **pp) {
@@ -264,12 +282,11 @@ AVX2 static void lanes_syms_avx2(LDec *d, const uint32_t *tabs, const uint32_t *
     const __m256i m7 = _mm256_set1_epi32(127);
     const uint8_t *p = d->p;
     for (; i + LN <= n && d->end - p >= 2 * LN; i += LN) {
-        __m256i i0 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(off + i)), _mm256_and_si256(x0, m12));
-        __m256i i1 = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(off + i + 8)), _mm256_and_si256(x1, m12));
-        __m256i e0 = _mm256_i32gather_epi32((const int *)tabs, i0, 4);
-        __m256i e1 = _mm256_i32gather_epi32((const int *)tabs, i1, 4);
-        x0 = lanes_renorm8(lanes_step8(x0, e0), &p);
-        x1 = lanes_renorm8(lanes_step8(x1, e1), &p);
+        __m256i s0 = _mm256_and_si256(x0, m12), s1 = _mm256_and_si256(x1, m12);
+        __m256i e0 = _mm256_i32gather_epi32((const int *)tabs, lanes_idx8(off + i, s0), 4);
+        __m256i e1 = _mm256_i32gather_epi32((const int *)tabs, lanes_idx8(off + i + 8, s1), 4);
+        x0 = lanes_renorm8(lanes_step8(x0, s0, e0), &p);
+        x1 = lanes_renorm8(lanes_step8(x1, s1, e1), &p);
         __m256i s = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(e0, m7), _mm256_and_si256(e1, m7)), 0xD8);
         _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
     }
@@ -727,33 +744,34 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     }
     /* tables: q of the active buckets, h of the active buckets, then (context-free) t of every h >= 2
      * the h table gives a frequency */
-    int tq[NB], th[NB], tt[MAXW + 1], ntab = 0;
+    uint32_t tq[NB], th[NB], tt[MAXW + 1], at = 0; /* the tables' offset words (lanes_get_table) */
+    int64_t ow;
     uint32_t freq[MAXA];
     uint32_t fh0[MAXA];
     memset(fh0, 0, sizeof(fh0));
     for (uint32_t pr = active; pr; pr &= pr - 1) {
         int b = __builtin_ctz(pr);
-        tq[b] = ntab++;
-        if (lanes_get_table(&br, QA, freq, tabs + (size_t)tq[b] * PTOT) < 0) goto out;
+        if ((ow = lanes_get_table(&br, QA, freq, tabs, &at)) < 0) goto out;
+        tq[b] = (uint32_t)ow;
     }
     for (uint32_t pr = active; pr; pr &= pr - 1) {
         int b = __builtin_ctz(pr);
-        th[b] = ntab++;
-        if (lanes_get_table(&br, W + 1, freq, tabs + (size_t)th[b] * PTOT) < 0) goto out;
+        if ((ow = lanes_get_table(&br, W + 1, freq, tabs, &at)) < 0) goto out;
+        th[b] = (uint32_t)ow;
         if (!P->context) memcpy(fh0, freq, sizeof(freq));
     }
-    for (int h = 0; h <= MAXW; h++) tt[h] = -1;
+    for (int h = 0; h <= MAXW; h++) tt[h] = 0;
     if (!P->context && active)
         for (int h = 2; h <= W; h++)
             if (fh0[h]) {
-                tt[h] = ntab++;
-                if (lanes_get_table(&br, 1 << lanes_tb(h), freq, tabs + (size_t)tt[h] * PTOT) < 0) goto out;
+                if ((ow = lanes_get_table(&br, 1 << lanes_tb(h), freq, tabs, &at)) < 0) goto out;
+                tt[h] = (uint32_t)ow;
             }
     if (br.bad) goto out;
     /* G; symbols are decoded OFFB at a time, with their tables' offsets in off[] */
     for (uint32_t pr = active; pr; pr &= pr - 1) {
         int b = __builtin_ctz(pr);
-        for (int i = 0; i < OFFB; i++) off[i] = (uint32_t)tq[b] * PTOT;
+        for (int64_t i = 0; i < OFFB && i < nbk[b]; i++) off[i] = tq[b];
         for (int64_t e = first[b]; e < first[b] + nbk[b]; e += OFFB) {
             int64_t m = first[b] + nbk[b] - e < OFFB ? first[b] + nbk[b] - e : OFFB;
             lanes_syms(&d, tabs, off, m, sym + e);
@@ -794,11 +812,11 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     }
     /* H */
     if (!P->context)
-        for (int i = 0; i < OFFB; i++) off[i] = (uint32_t)th[0] * PTOT;
+        for (int64_t i = 0; i < OFFB && i < nnz; i++) off[i] = th[0];
     for (int64_t j = 0; j < nnz; j += OFFB) {
         int64_t m = nnz - j < OFFB ? nnz - j : OFFB;
         if (P->context)
-            for (int64_t i = 0; i < m; i++) off[i] = (uint32_t)th[bko[j + i]] * PTOT;
+            for (int64_t i = 0; i < m; i++) off[i] = th[bko[j + i]];
         lanes_syms(&d, tabs, off, m, hs + j);
         if (d.bad) goto out;
     }
@@ -807,7 +825,7 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
         int64_t nt = 0, m = 0;
         tt[0] = tt[1] = 0; /* written below but not kept (h < 2 has no T symbol) */
         for (int64_t j = 0; j < nnz; j++) {
-            off[m] = (uint32_t)tt[hs[j]] * PTOT; /* tt[h] >= 0: the h table gave h a frequency */
+            off[m] = tt[hs[j]]; /* the h table gave hs[j] a frequency, so its T table was read */
             m += hs[j] >= 2;
             if (m == OFFB || j == nnz - 1) {
                 lanes_syms(&d, tabs, off, m, sym + nt);
