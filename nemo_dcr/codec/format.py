@@ -162,10 +162,23 @@ class ChunkLimits:
                 raise ValidationError(f"ChunkLimits.{name} must be a non-negative int, got {v!r}")
 
 
+def _crc_function():
+    """zlib.crc32, or the native coder's equal one where it folds with PCLMULQDQ (~3.5x zlib's
+    speed here: the content checksums cost a twelfth of a context-mode decode with zlib's)."""
+    try:
+        from nemo_dcr.codec import _crans
+    except ImportError:
+        return zlib.crc32
+    return _crans.crc32 if hasattr(_crans, "crc32_clmul") and _crans.crc32_clmul() else zlib.crc32
+
+
+_crc = _crc_function()
+
+
 def crc32(*parts: bytes | bytearray | memoryview | np.ndarray) -> int:
     c = 0
     for p in parts:
-        c = zlib.crc32(p, c)
+        c = _crc(p, c)
     return c & 0xFFFFFFFF
 
 

@@ -676,6 +676,106 @@ AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const 
 }
 #endif
 
+#if defined(__x86_64__)
+/* lanes_positions for 2-byte float bases with AVX-512BW: each 64-element block's bucket ids
+ * are one 64-byte vector, and a bucket's mask there is one compare into a mask register.
+ * Branch-light: the active buckets' top WIN (a window fixed per record, from the highest
+ * active bucket down) are each compared in every block, unrolled, and the distance to each
+ * one's next target rank shrinks by its count without a branch; a bucket whose distance goes
+ * negative has a target in the block (its bit in `hit`), and only those are walked.  Active
+ * buckets below the window (rare: the smallest magnitudes) are compared only in blocks that
+ * hold an id below the window.  Same arrays as lanes_positions (tests/codec/
+ * test_lanes_coding.py, test_simd_paths.py). */
+#define WIN 12
+AVX512 __attribute__((target("bmi2"))) static int lanes_positions_avx512_w2(
+    const Params *P, uint32_t active, const int64_t *rk, const int64_t *first, const int64_t *nbk, int64_t nnz,
+    int64_t *pos, uint8_t *bko, uint64_t *basev) {
+    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
+    const __m512i emask = _mm512_set1_epi16((short)((1u << P->ebits) - 1));
+    const __m512i elo = _mm512_set1_epi16((short)P->e_lo);
+    const __m512i top = _mm512_set1_epi16(NB - 1);
+    const __m512i pad = _mm512_set1_epi8((char)255);
+    const uint16_t *base = (const uint16_t *)P->base;
+    const int64_t INF = INT64_MAX / 2; /* a bucket with no rank left: never negative */
+    int64_t dist[NB + WIN], idx[NB];
+    for (int b = 0; b < NB + WIN; b++) dist[b] = (b < NB && (active >> b & 1)) ? rk[first[b]] : INF;
+    for (int b = 0; b < NB; b++) idx[b] = 0;
+    if (!active) return nnz ? -1 : 0;
+    int tb = 31 - __builtin_clz(active), lb = __builtin_ctz(active);
+    int wlo = tb - WIN + 1 > lb ? tb - WIN + 1 : lb;
+    __m512i bv[WIN];
+    for (int k = 0; k < WIN; k++) bv[k] = _mm512_set1_epi8((char)(wlo + k <= tb ? wlo + k : 254));
+    const uint32_t below = active & ((1u << wlo) - 1);
+    const __m512i wlov = _mm512_set1_epi8((char)wlo);
+    int64_t found = 0;
+    uint8_t ids_b[BLK];
+    for (int64_t s = P->lo; s < P->hi && found < nnz; s += BLK) {
+        int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
+        uint64_t valid = n == BLK ? ~0ull : (1ull << n) - 1;
+        __m512i v0 = _mm512_maskz_loadu_epi16((__mmask32)valid, base + s);
+        __m512i v1 = _mm512_maskz_loadu_epi16((__mmask32)(valid >> 32), base + s + 32);
+        __m512i q0 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v0, sh), emask), elo), top);
+        __m512i q1 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v1, sh), emask), elo), top);
+        __m512i ids = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
+        ids = _mm512_mask_mov_epi8(pad, valid, ids); /* 255 past the end: no bucket's */
+        uint64_t mk[WIN];
+        int64_t cb[WIN];
+        uint32_t hit = 0;
+        for (int k = 0; k < WIN; k++) { /* unrolled: no branch per bucket */
+            uint64_t m = _mm512_cmpeq_epi8_mask(ids, bv[k]);
+            int64_t c = __builtin_popcountll(m), d = dist[wlo + k] - c;
+            hit |= (uint32_t)((uint64_t)d >> 63) << k;
+            dist[wlo + k] = d;
+            mk[k] = m;
+            cb[k] = c;
+        }
+        uint64_t ev = 0;
+        if (below && _mm512_cmplt_epu8_mask(ids, wlov)) {
+            for (uint32_t pr = below; pr; pr &= pr - 1) {
+                int b = __builtin_ctz(pr);
+                uint64_t m = _mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b));
+                int64_t c = __builtin_popcountll(m), d = dist[b];
+                if (d >= c) { dist[b] = d - c; continue; }
+                const int64_t *rb = rk + first[b];
+                int64_t i = idx[b];
+                do {
+                    ev |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
+                    if (++i == nbk[b]) { d = INF; break; }
+                    d += rb[i] - rb[i - 1];
+                } while (d < c);
+                idx[b] = i;
+                dist[b] = d - c;
+            }
+        }
+        for (; hit; hit &= hit - 1) {
+            int k = __builtin_ctz(hit), b = wlo + k;
+            uint64_t m = mk[k];
+            int64_t c = cb[k], d = dist[b] + c; /* d < c: the block holds b's next target */
+            const int64_t *rb = rk + first[b];
+            int64_t i = idx[b];
+            do {
+                ev |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
+                if (++i == nbk[b]) { d = INF; break; }
+                d += rb[i] - rb[i - 1];
+            } while (d < c);
+            idx[b] = i;
+            dist[b] = d - c;
+        }
+        if (!ev) continue;
+        if (__builtin_popcountll(ev) > nnz - found) return -1;
+        _mm512_storeu_si512((__m512i *)ids_b, ids);
+        for (; ev; ev &= ev - 1) {
+            int j = __builtin_ctzll(ev);
+            pos[found] = s + j;
+            basev[found] = base[s + j];
+            bko[found++] = ids_b[j];
+        }
+    }
+    return found == nnz ? 0 : -1;
+}
+#undef WIN
+#endif
+
 /* 0, -1 malformed, -2 allocation failure */
 static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
                                int64_t nnz) {
@@ -801,7 +901,9 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     if (P->context) {
         int rp;
 #if defined(__x86_64__)
-        if (HAVE_AVX2 && P->width == 2 && P->ebits)
+        if (HAVE_AVX512 && P->width == 2 && P->ebits)
+            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
+        else if (HAVE_AVX2 && P->width == 2 && P->ebits)
             rp = lanes_positions_avx2_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
         else
 #endif

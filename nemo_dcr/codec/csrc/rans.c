@@ -59,6 +59,8 @@
 #include <immintrin.h>
 #endif
 
+#include "crc32.h"
+
 #define PB 12
 #define PTOT (1u << PB)
 #define RANS_L (1u << 16)
@@ -127,7 +129,7 @@ static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
  * test_simd_paths.py); NEMO_DCR_NO_SIMD=1 (or the older NEMO_DCR_NO_AVX512=1) at import
  * starts at level 0. */
 static void set_paths(int level) {
-    HAVE_AVX512 = HAVE_AVX2 = 0;
+    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = 0;
     select_bit = select_bit_portable;
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -135,6 +137,7 @@ static void set_paths(int level) {
     HAVE_AVX512 = level >= 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
     HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
     if (__builtin_cpu_supports("bmi2")) select_bit = select_bit_bmi2;
+    HAVE_CLMUL = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
     (void)level;
 #endif
@@ -143,6 +146,7 @@ static void set_paths(int level) {
 static void lanes_init_tables(void); /* lanes.c */
 
 static void init_tables(void) {
+    crc32_init_table();
     for (uint32_t f = 1; f <= PTOT; f++) {
         uint32_t l = 0;
         while ((1u << l) < f) l++;
@@ -1207,7 +1211,33 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     return py_simd(NULL, NULL);
 }
 
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &crc)) return NULL;
+    uint32_t out;
+    if (b.len >= (1 << 14)) { /* worth releasing the GIL */
+        Py_BEGIN_ALLOW_THREADS
+        out = crc32_update((uint32_t)crc, (const uint8_t *)b.buf, (size_t)b.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        out = crc32_update((uint32_t)crc, (const uint8_t *)b.buf, (size_t)b.len);
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(out);
+}
+
+static PyObject *py_crc32_clmul(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(HAVE_CLMUL);
+}
+
 static PyMethodDef methods[] = {
+    {"crc32", py_crc32, METH_VARARGS,
+     "crc32(data, value=0) -> zlib.crc32(data, value); data: any C-contiguous buffer"},
+    {"crc32_clmul", py_crc32_clmul, METH_NOARGS, "crc32_clmul() -> whether crc32 folds with PCLMULQDQ here"},
     {"lanes_encode", py_lanes_encode, METH_VARARGS,
      "lanes_encode(positions_i64, values, base_or_None, lo, hi, width, eshift, ebits, e_lo, op) -> bytes (coding 5)"},
     {"lanes_decode", py_lanes_decode, METH_VARARGS,
