@@ -313,7 +313,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
         )
     try:
         return TensorDelta(name=name, dtype=info.dtype, shape=info.shape, op=info.op, positions=pos, values=val,
-                           element_range=(lo, hi))
+                           element_range=(lo, hi), _ordered=info.coding is Coding.LANES)
     except ValidationError as err:  # TensorDelta's own checks (a decoder's output it refuses)
         raise ChunkFormatError(str(err)) from None
 

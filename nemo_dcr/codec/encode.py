@@ -18,15 +18,13 @@ from nemo_dcr.codec.format import (
     HEADER,
     MAGIC,
     OP_CODES,
-    DIR_ZSTD_FAST_ABOVE,
-    DIR_ZSTD_FAST_LEVEL,
-    DIR_ZSTD_LEVEL,
     ENTRY_FIXED,
     TRAILER,
     U32,
     Coding,
     content_crc,
     crc32,
+    dir_zstd_level,
 )
 from nemo_dcr.codec.codings import CODINGS, STATEFUL_CODINGS
 from nemo_dcr.codec.model import ModelStates
@@ -107,8 +105,7 @@ def encode_chunk(deltas: Sequence[TensorDelta], *, meta: Mapping[str, str] | Non
         entries.append(e)
         payloads.append(p)
     dir_raw = b"".join(entries)
-    level = DIR_ZSTD_LEVEL if len(dir_raw) <= DIR_ZSTD_FAST_ABOVE else DIR_ZSTD_FAST_LEVEL
-    directory = zstandard.ZstdCompressor(level=level).compress(dir_raw) if dir_raw else b""
+    directory = zstandard.ZstdCompressor(level=dir_zstd_level(len(dir_raw))).compress(dir_raw) if dir_raw else b""
     payload_bytes = b"".join(payloads)
     body = (meta_body + U32.pack(crc32(meta_body)) + directory + U32.pack(crc32(directory))
             + payload_bytes + U32.pack(crc32(payload_bytes)))

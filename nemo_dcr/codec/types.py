@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -59,8 +59,12 @@ class TensorDelta:
     positions: np.ndarray
     values: np.ndarray
     element_range: tuple[int, int] | None = field(default=None)
+    #: Internal, for decoders whose positions are strictly increasing by construction (the
+    #: native LANES decoder's: ranks from gaps >= 1, or a scan in range order): skips that
+    #: one O(nnz) pass; every other check still runs.  Not a field.
+    _ordered: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _ordered: bool = False) -> None:
         if self.dtype not in BITS_DTYPE:
             raise ValidationError(f"{self.name}: unsupported dtype {self.dtype!r}")
         if any(int(s) < 0 for s in self.shape):
@@ -87,7 +91,7 @@ class TensorDelta:
         if pos.size:
             if pos[0] < lo or pos[-1] >= hi:
                 raise ValidationError(f"{self.name}: positions outside element_range {(lo, hi)}")
-            if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+            if pos.size > 1 and not _ordered and not bool(np.all(pos[1:] > pos[:-1])):
                 raise ValidationError(f"{self.name}: positions must be strictly increasing")
 
     @property

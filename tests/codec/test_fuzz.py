@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr.codec import ChunkFormatError, ChunkLimits, Coding, apply_delta_, decode_chunk, encode_chunk, lanes
-from nemo_dcr.codec.format import DIR_ZSTD_LEVEL, HEADER, TRAILER, U32, crc32
+from nemo_dcr.codec.format import HEADER, TRAILER, U32, crc32, dir_zstd_level
 
 from codec_helpers import entry_fields as _fields
 from codec_helpers import forge_chunk as _forge
@@ -210,7 +210,7 @@ def _split(chunk: bytes) -> tuple[int, bytes, bytes, bytes]:
 
 
 def _reseal(n: int, meta: bytes, dir_raw: bytes, payloads: bytes) -> bytes:
-    d = zstandard.ZstdCompressor(level=DIR_ZSTD_LEVEL).compress(dir_raw) if dir_raw else b""
+    d = zstandard.ZstdCompressor(level=dir_zstd_level(len(dir_raw))).compress(dir_raw) if dir_raw else b""
     body = meta + U32.pack(crc32(meta)) + d + U32.pack(crc32(d)) + payloads + U32.pack(crc32(payloads))
     total = HEADER.size + len(body) + TRAILER.size
     h = HEADER.pack(b"NEMODCR\x00", 1, 0, n, len(meta), len(d), len(dir_raw), len(payloads), total, 0)

@@ -127,10 +127,11 @@ def test_scalar_and_simd_decoders_agree(context):
     n = 200_000
     base = random_bits(rng, "bfloat16", n)
     try:
-        for frac in (0.01, 0.05, 0.4):
-            idx, vals = _record(rng, "bfloat16", frac, XOR, lo=0, hi=n, small=False)
+        # (a range starting mid-block and ending in a partial block too: the block walks' edges)
+        for frac, lo, hi in ((0.01, 0, n), (0.05, 0, n), (0.4, 0, n), (0.03, 37, n - 5)):
+            idx, vals = _record(rng, "bfloat16", frac, XOR, lo=lo, hi=hi, small=False)
             b = base if context else None
-            args = _args("bfloat16", b, 0, n, XOR)
+            args = _args("bfloat16", b, lo, hi, XOR)
             got = {}
             for name, level in levels.items():
                 assert _crans.set_simd(level) == name

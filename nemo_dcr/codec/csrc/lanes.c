@@ -309,6 +309,67 @@ static void lanes_syms(LDec *d, const uint32_t *tabs, const uint32_t *off, int64
 
 static inline int lanes_tb(int h) { return h - 1 < TOPB ? h - 1 : TOPB; }
 
+#if defined(__x86_64__)
+/* The encoder's ranks for 2-byte float bases with AVX-512BW (rank_scan's for LANES: no
+ * consumption order, no bucket totals): each changed element's bucket and base bits first
+ * (O(changed)), then one walk over the blocks up to the last changed element, in which each
+ * changed element's rank is its bucket's count before the block plus one masked popcount,
+ * and the counts of the top WIN active buckets (a window fixed per record) grow by one
+ * compare each, unrolled; active buckets below the window are counted only in blocks that
+ * hold an id below it.  Buckets without a changed element are never counted.  Same ranks as
+ * rank_scan (the golden and twin tests encode through it). */
+#define WIN 12
+AVX512 __attribute__((target("bmi2"))) static void lanes_ranks_avx512_w2(const Params *P, const int64_t *pos,
+                                                                       int64_t nnz, uint8_t *bk, int64_t *rank,
+                                                                       uint64_t *basev, uint32_t *active_out) {
+    const uint16_t *base = (const uint16_t *)P->base;
+    uint32_t active = 0;
+    for (int64_t j = 0; j < nnz; j++) {
+        basev[j] = base[pos[j]];
+        bk[j] = (uint8_t)bucket_of(P, basev[j]);
+        active |= 1u << bk[j];
+    }
+    *active_out = active;
+    if (!nnz) return;
+    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
+    const __m512i emask = _mm512_set1_epi16((short)((1u << P->ebits) - 1));
+    const __m512i elo = _mm512_set1_epi16((short)P->e_lo);
+    const __m512i top = _mm512_set1_epi16(NB - 1);
+    const __m512i pad = _mm512_set1_epi8((char)255);
+    int tb = 31 - __builtin_clz(active), lb = __builtin_ctz(active);
+    int wlo = tb - WIN + 1 > lb ? tb - WIN + 1 : lb;
+    __m512i bv[WIN];
+    for (int k = 0; k < WIN; k++) bv[k] = _mm512_set1_epi8((char)(wlo + k <= tb ? wlo + k : 254));
+    const uint32_t below = active & ((1u << wlo) - 1);
+    const __m512i wlov = _mm512_set1_epi8((char)wlo);
+    int64_t cnt[NB + WIN];
+    for (int b = 0; b < NB + WIN; b++) cnt[b] = 0;
+    int64_t j = 0, last = pos[nnz - 1];
+    for (int64_t s = P->lo; s <= last; s += BLK) {
+        int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
+        uint64_t valid = n == BLK ? ~0ull : (1ull << n) - 1;
+        __m512i v0 = _mm512_maskz_loadu_epi16((__mmask32)valid, base + s);
+        __m512i v1 = _mm512_maskz_loadu_epi16((__mmask32)(valid >> 32), base + s + 32);
+        __m512i q0 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v0, sh), emask), elo), top);
+        __m512i q1 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v1, sh), emask), elo), top);
+        __m512i ids = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
+        ids = _mm512_mask_mov_epi8(pad, valid, ids);
+        for (; j < nnz && pos[j] < s + BLK; j++) {
+            int b = bk[j];
+            uint64_t m = _mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b));
+            rank[j] = cnt[b] + __builtin_popcountll(_bzhi_u64(m, (unsigned)(pos[j] - s)));
+        }
+        for (int k = 0; k < WIN; k++) cnt[wlo + k] += __builtin_popcountll(_mm512_cmpeq_epi8_mask(ids, bv[k]));
+        if (below && _mm512_cmplt_epu8_mask(ids, wlov))
+            for (uint32_t pr = below; pr; pr &= pr - 1) {
+                int b = __builtin_ctz(pr);
+                cnt[b] += __builtin_popcountll(_mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b)));
+            }
+    }
+}
+#undef WIN
+#endif
+
 /* Encode; returns 0 (res filled) or -1 on allocation failure. */
 static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz, Coded *res) {
     int rc = -1;
@@ -329,6 +390,11 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     uint32_t active = 0;
     int64_t cnt[NB];
     if (P->context) {
+#if defined(__x86_64__)
+        if (HAVE_AVX512 && P->width == 2 && P->ebits)
+            lanes_ranks_avx512_w2(P, pos, nnz, bk, rank, basev, &active);
+        else
+#endif
         if (rank_scan(P, pos, nnz, bk, rank, basev, cnt, &active, NULL, 0) < 0) goto out;
     } else {
         (void)rank; /* context-free: the rank is pos - lo, read through RK below */
