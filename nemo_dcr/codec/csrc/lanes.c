@@ -743,98 +743,137 @@ AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const 
 #endif
 
 #if defined(__x86_64__)
-/* lanes_positions for 2-byte float bases with AVX-512BW: each 64-element block's bucket ids
- * are one 64-byte vector, and a bucket's mask there is one compare into a mask register.
- * Branch-light: the active buckets' top WIN (a window fixed per record, from the highest
- * active bucket down) are each compared in every block, unrolled, and the distance to each
- * one's next target rank shrinks by its count without a branch; a bucket whose distance goes
- * negative has a target in the block (its bit in `hit`), and only those are walked.  Active
- * buckets below the window (rare: the smallest magnitudes) are compared only in blocks that
- * hold an id below the window.  Same arrays as lanes_positions (tests/codec/
- * test_lanes_coding.py, test_simd_paths.py). */
+/* lanes_positions for 2-byte float bases with AVX-512BW, a segment (64 blocks of 64) at a
+ * time and branch-light:
+ *   1. each block's bucket ids (one 64-byte vector, kept for the segment) and, for each of the
+ *      top WIN active buckets (a window fixed per record, from the highest active bucket
+ *      down), its running count at the block's end: one compare into a mask register and a
+ *      popcount, unrolled, no branch;
+ *   2. per window bucket with a target rank inside the segment, each such target's block is
+ *      the number of running counts not above it (two vector compares), and its element one
+ *      bit select in that block's mask;
+ *   3. active buckets below the window (the smallest magnitudes: rare) walk only the blocks
+ *      that hold an id below it;
+ *   4. the targets, marked in a bitmap of the segment, come out in range order, each block's
+ *      positions, buckets and base bits compressed out of its vectors (VBMI2), no loop per
+ *      element.  The base bits go out as 16-bit words (bv16), not lanes_positions' u64.
+ * Needs AVX-512 VBMI and VBMI2 besides BW (Ice Lake, Zen 4; HAVE_VBMI2); without them the
+ * AVX2 walk runs.  Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
 #define WIN 12
-AVX512 __attribute__((target("bmi2"))) static int lanes_positions_avx512_w2(
+AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int lanes_positions_avx512_w2(
     const Params *P, uint32_t active, const int64_t *rk, const int64_t *first, const int64_t *nbk, int64_t nnz,
-    int64_t *pos, uint8_t *bko, uint64_t *basev) {
+    int64_t *pos, uint8_t *bko, uint16_t *bv16) {
     const __m128i sh = _mm_cvtsi32_si128(P->eshift);
     const __m512i emask = _mm512_set1_epi16((short)((1u << P->ebits) - 1));
     const __m512i elo = _mm512_set1_epi16((short)P->e_lo);
     const __m512i top = _mm512_set1_epi16(NB - 1);
     const __m512i pad = _mm512_set1_epi8((char)255);
+    const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
+                                         43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25,
+                                         24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                         3, 2, 1, 0);
     const uint16_t *base = (const uint16_t *)P->base;
-    const int64_t INF = INT64_MAX / 2; /* a bucket with no rank left: never negative */
-    int64_t dist[NB + WIN], idx[NB];
-    for (int b = 0; b < NB + WIN; b++) dist[b] = (b < NB && (active >> b & 1)) ? rk[first[b]] : INF;
-    for (int b = 0; b < NB; b++) idx[b] = 0;
+    const int64_t INF = INT64_MAX / 2; /* a bucket with no rank left */
     if (!active) return nnz ? -1 : 0;
+    int64_t dist[NB], idx[NB]; /* rank of b's next target minus b's elements passed; b's next target */
+    for (int b = 0; b < NB; b++) {
+        dist[b] = (active >> b & 1) ? rk[first[b]] : INF;
+        idx[b] = 0;
+    }
     int tb = 31 - __builtin_clz(active), lb = __builtin_ctz(active);
-    int wlo = tb - WIN + 1 > lb ? tb - WIN + 1 : lb;
+    int wlo = tb - WIN + 1 > lb ? tb - WIN + 1 : lb, wn = tb - wlo + 1;
     __m512i bv[WIN];
-    for (int k = 0; k < WIN; k++) bv[k] = _mm512_set1_epi8((char)(wlo + k <= tb ? wlo + k : 254));
+    for (int k = 0; k < WIN; k++) bv[k] = _mm512_set1_epi8((char)(k < wn ? wlo + k : 254));
     const uint32_t below = active & ((1u << wlo) - 1);
     const __m512i wlov = _mm512_set1_epi8((char)wlo);
+    _Alignas(64) uint8_t ids_s[SEG];
+    _Alignas(64) uint16_t pre[WIN][SEGB]; /* running count at each block's end */
+    uint64_t segev[SEGB];
+    memset(segev, 0, sizeof(segev));
     int64_t found = 0;
-    uint8_t ids_b[BLK];
-    for (int64_t s = P->lo; s < P->hi && found < nnz; s += BLK) {
-        int64_t n = P->hi - s < BLK ? P->hi - s : BLK;
-        uint64_t valid = n == BLK ? ~0ull : (1ull << n) - 1;
-        __m512i v0 = _mm512_maskz_loadu_epi16((__mmask32)valid, base + s);
-        __m512i v1 = _mm512_maskz_loadu_epi16((__mmask32)(valid >> 32), base + s + 32);
-        __m512i q0 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v0, sh), emask), elo), top);
-        __m512i q1 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v1, sh), emask), elo), top);
-        __m512i ids = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
-        ids = _mm512_mask_mov_epi8(pad, valid, ids); /* 255 past the end: no bucket's */
-        uint64_t mk[WIN];
-        int64_t cb[WIN];
-        uint32_t hit = 0;
-        for (int k = 0; k < WIN; k++) { /* unrolled: no branch per bucket */
-            uint64_t m = _mm512_cmpeq_epi8_mask(ids, bv[k]);
-            int64_t c = __builtin_popcountll(m), d = dist[wlo + k] - c;
-            hit |= (uint32_t)((uint64_t)d >> 63) << k;
-            dist[wlo + k] = d;
-            mk[k] = m;
-            cb[k] = c;
-        }
-        uint64_t ev = 0;
-        if (below && _mm512_cmplt_epu8_mask(ids, wlov)) {
-            for (uint32_t pr = below; pr; pr &= pr - 1) {
-                int b = __builtin_ctz(pr);
-                uint64_t m = _mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b));
-                int64_t c = __builtin_popcountll(m), d = dist[b];
-                if (d >= c) { dist[b] = d - c; continue; }
-                const int64_t *rb = rk + first[b];
-                int64_t i = idx[b];
-                do {
-                    ev |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
-                    if (++i == nbk[b]) { d = INF; break; }
-                    d += rb[i] - rb[i - 1];
-                } while (d < c);
-                idx[b] = i;
-                dist[b] = d - c;
+    for (int64_t s0 = P->lo; s0 < P->hi && found < nnz; s0 += SEG) {
+        int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+        uint32_t run[WIN] = {0};
+        uint64_t lowblk = 0, evblk = 0;
+        for (int g = 0; g < nblk; g++) { /* 1 */
+            int64_t s = s0 + (int64_t)g * BLK, n = P->hi - s < BLK ? P->hi - s : BLK;
+            uint64_t valid = n == BLK ? ~0ull : (1ull << n) - 1;
+            __m512i v0 = _mm512_maskz_loadu_epi16((__mmask32)valid, base + s);
+            __m512i v1 = _mm512_maskz_loadu_epi16((__mmask32)(valid >> 32), base + s + 32);
+            __m512i q0 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v0, sh), emask), elo), top);
+            __m512i q1 = _mm512_min_epu16(_mm512_subs_epu16(_mm512_and_si512(_mm512_srl_epi16(v1, sh), emask), elo), top);
+            __m512i ids = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
+            ids = _mm512_mask_mov_epi8(pad, valid, ids); /* 255 past the end: no bucket's */
+            _mm512_store_si512((__m512i *)(ids_s + (size_t)g * BLK), ids);
+            for (int k = 0; k < WIN; k++) {
+                run[k] += (uint32_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(ids, bv[k]));
+                pre[k][g] = (uint16_t)run[k];
             }
+            lowblk |= (uint64_t)(_mm512_cmplt_epu8_mask(ids, wlov) != 0) << g;
         }
-        for (; hit; hit &= hit - 1) {
-            int k = __builtin_ctz(hit), b = wlo + k;
-            uint64_t m = mk[k];
-            int64_t c = cb[k], d = dist[b] + c; /* d < c: the block holds b's next target */
+        for (int k = 0; k < wn; k++) { /* 2 */
+            int b = wlo + k;
+            int64_t d = dist[b], T = run[k];
+            if (d >= T) { dist[b] = d - T; continue; }
+            for (int g = nblk; g < SEGB; g++) pre[k][g] = 0xFFFF; /* never at or below a target */
+            __m512i p0 = _mm512_load_si512((const __m512i *)pre[k]), p1 = _mm512_load_si512((const __m512i *)(pre[k] + 32));
             const int64_t *rb = rk + first[b];
             int64_t i = idx[b];
             do {
-                ev |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
+                __m512i dv = _mm512_set1_epi16((short)d);
+                int g = __builtin_popcount(_mm512_cmple_epu16_mask(p0, dv)) + __builtin_popcount(_mm512_cmple_epu16_mask(p1, dv));
+                int64_t r = d - (g ? pre[k][g - 1] : 0);
+                uint64_t m = _mm512_cmpeq_epi8_mask(_mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK)), bv[k]);
+                segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, m));
+                evblk |= 1ull << g;
                 if (++i == nbk[b]) { d = INF; break; }
                 d += rb[i] - rb[i - 1];
-            } while (d < c);
+            } while (d < T);
             idx[b] = i;
-            dist[b] = d - c;
+            dist[b] = d - T;
         }
-        if (!ev) continue;
-        if (__builtin_popcountll(ev) > nnz - found) return -1;
-        _mm512_storeu_si512((__m512i *)ids_b, ids);
-        for (; ev; ev &= ev - 1) {
-            int j = __builtin_ctzll(ev);
-            pos[found] = s + j;
-            basev[found] = base[s + j];
-            bko[found++] = ids_b[j];
+        if (below) /* 3 */
+            for (uint64_t lw = lowblk; lw; lw &= lw - 1) {
+                int g = __builtin_ctzll(lw);
+                __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
+                for (uint32_t pr = below; pr; pr &= pr - 1) {
+                    int b = __builtin_ctz(pr);
+                    uint64_t m = _mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b));
+                    int64_t c = __builtin_popcountll(m), d = dist[b];
+                    if (d >= c) { dist[b] = d - c; continue; }
+                    const int64_t *rb = rk + first[b];
+                    int64_t i = idx[b];
+                    do {
+                        segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
+                        if (++i == nbk[b]) { d = INF; break; }
+                        d += rb[i] - rb[i - 1];
+                    } while (d < c);
+                    evblk |= 1ull << g;
+                    idx[b] = i;
+                    dist[b] = d - c;
+                }
+            }
+        for (; evblk; evblk &= evblk - 1) { /* 4: compressed out of the block's vectors */
+            int g = __builtin_ctzll(evblk);
+            uint64_t ev = segev[g];
+            segev[g] = 0;
+            int c = __builtin_popcountll(ev), c0 = __builtin_popcount((uint32_t)ev);
+            if (c > nnz - found) return -1;
+            int64_t s = s0 + (int64_t)g * BLK;
+            __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
+            _mm512_mask_storeu_epi8(bko + found, (__mmask64)_bzhi_u64(~0ull, (unsigned)c), _mm512_maskz_compress_epi8(ev, ids));
+            __m512i offs = _mm512_maskz_compress_epi8(ev, iota);
+            const __m512i sv = _mm512_set1_epi64(s);
+            for (int t = 0; t < c; t += 8) { /* 8 positions per store; more than 8 is rare below 12% changed */
+                __m512i o = t ? _mm512_permutexvar_epi8(_mm512_add_epi8(iota, _mm512_set1_epi8((char)t)), offs) : offs;
+                __m512i p = _mm512_add_epi64(_mm512_cvtepu8_epi64(_mm512_castsi512_si128(o)), sv);
+                _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
+            }
+            __m512i w0 = _mm512_maskz_loadu_epi16((__mmask32)ev, base + s), w1 = _mm512_maskz_loadu_epi16((__mmask32)(ev >> 32), base + s + 32);
+            _mm512_mask_storeu_epi16(bv16 + found, (__mmask32)_bzhi_u32(~0u, (unsigned)c0), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
+            _mm512_mask_storeu_epi16(bv16 + found + c0, (__mmask32)_bzhi_u32(~0u, (unsigned)(c - c0)),
+                                     _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
+            found += c;
         }
     }
     return found == nnz ? 0 : -1;
@@ -964,11 +1003,14 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
             rk[e] = prev;
         }
     }
+    const uint16_t *bv16 = NULL; /* the base bits as 16-bit words, where the positions walk wrote them so */
     if (P->context) {
         int rp;
 #if defined(__x86_64__)
-        if (HAVE_AVX512 && P->width == 2 && P->ebits)
-            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
+        if (HAVE_VBMI2 && P->width == 2 && P->ebits) {
+            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev);
+            bv16 = (const uint16_t *)basev;
+        }
         else if (HAVE_AVX2 && P->width == 2 && P->ebits)
             rp = lanes_positions_avx2_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
         else
@@ -1008,6 +1050,36 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     uint64_t zero_xor = 0;
     const uint64_t fl = P->is_float ? ~0ull : 0, sb = P->signbit, mk = P->mask;
     const int W1 = P->W - 1;
+    if (P->context && P->width == 2 && P->is_float) {
+        /* 16-bit floats in context mode (bf16, fp16: the common record), in 16-bit arithmetic,
+         * the bit position in a register: every field read is in bounds, as the fields' total
+         * is checked against the raw bits first */
+        uint64_t need = 0;
+        for (int64_t j = 0; j < nnz; j++) need += hs[j];
+        if (br.pos + need > br.nbits) goto out;
+        uint64_t bp = br.pos;
+        const uint8_t *rb = br.buf;
+        uint16_t *out16 = (uint16_t *)vals;
+        uint32_t zx = 0;
+        const uint32_t xo = P->op == 0 ? 0xFFFFu : 0; /* xor: v ^= b */
+        for (int64_t j = 0; j < nnz; j++) {
+            uint32_t h = hs[j];
+            uint64_t w;
+            memcpy(&w, rb + (bp >> 3), 8);
+            uint32_t bits = (uint32_t)(w >> (bp & 7)) & ((1u << h) - 1);
+            bp += h;
+            uint32_t mag = (bits >> 1) | ((uint32_t)(h != 0) << ((h - 1) & 31));
+            uint32_t neg = -(bits & 1);
+            uint32_t k = (mag ^ neg) - neg;
+            uint32_t b = bv16 ? bv16[j] : (uint32_t)basev[j];
+            uint32_t o = ((b ^ ((b & 0x8000) ? 0xFFFFu : 0x8000u)) + k) & 0xFFFF;
+            uint32_t v = (o ^ ((o & 0x8000) ? 0x8000u : 0xFFFFu)) ^ (b & xo);
+            zx |= v == 0;
+            out16[j] = (uint16_t)v;
+        }
+        br.pos = bp;
+        zero_xor = zx;
+    } else
     for (int64_t j = 0; j < nnz; j++) {
         uint32_t h = hs[j];
         uint64_t v;
@@ -1016,7 +1088,7 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
             uint64_t mag = (bits >> 1) | ((uint64_t)(h != 0) << ((h - 1) & 63));
             uint64_t neg = -(bits & 1);
             uint64_t k = (mag ^ neg) - neg;
-            uint64_t b = basev[j]; /* context mode: basev is allocated */
+            uint64_t b = bv16 ? bv16[j] : basev[j]; /* context mode: basev is allocated */
             /* ord(b) = b ^ (b negative ? mask : signbit); iord(o) = o ^ (o's top bit ? signbit : mask) */
             uint64_t sgn = -((b >> W1) & 1);
             uint64_t o = (b ^ (fl & ((sgn & mk) | (~sgn & sb)))) + k;

@@ -99,7 +99,7 @@ typedef struct {
 
 static uint64_t RCP_M[PTOT + 1];
 static uint8_t RCP_S[PTOT + 1];
-static int HAVE_AVX512 = 0, HAVE_AVX2 = 0;
+static int HAVE_AVX512 = 0, HAVE_AVX2 = 0, HAVE_VBMI2 = 0; /* VBMI2: AVX-512 byte/word compress (Ice Lake, Zen 4) */
 
 /* j-th (0-based) set bit of m; m has more than j set bits.  Branch-free: an event's
  * place in its mask is as good as random, so a branchy search mispredicts. */
@@ -129,13 +129,15 @@ static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
  * test_simd_paths.py); NEMO_DCR_NO_SIMD=1 (or the older NEMO_DCR_NO_AVX512=1) at import
  * starts at level 0. */
 static void set_paths(int level) {
-    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = 0;
+    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = 0;
     select_bit = select_bit_portable;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (level <= 0) return;
     HAVE_AVX512 = level >= 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
     HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    HAVE_VBMI2 = HAVE_AVX512 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
+                 __builtin_cpu_supports("bmi2");
     if (__builtin_cpu_supports("bmi2")) select_bit = select_bit_bmi2;
     HAVE_CLMUL = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
