@@ -1161,6 +1161,31 @@ AVX2 static uint32_t emax_w2_avx2(const uint16_t *q, Py_ssize_t lo, Py_ssize_t h
 }
 #endif
 
+#if defined(__x86_64__)
+/* emax_w2_avx2 with 64 elements a step and two accumulators (the pass is bound by reading the
+ * base: ~2x the AVX2 loop's speed from L3) */
+AVX512 static uint32_t emax_w2_avx512(const uint16_t *q, Py_ssize_t lo, Py_ssize_t hi, int eshift, uint32_t emax) {
+    const __m128i sh = _mm_cvtsi32_si128(eshift);
+    const __m512i em = _mm512_set1_epi16((short)emax);
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    Py_ssize_t i = lo;
+    for (; i + 64 <= hi; i += 64) {
+        _mm_prefetch((const char *)(q + i + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q + i + 1056), _MM_HINT_T0);
+        __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(q + i)), sh), em);
+        __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(q + i + 32)), sh), em);
+        a0 = _mm512_mask_max_epu16(a0, _mm512_cmpneq_epu16_mask(e0, em), a0, e0); /* all ones: Inf/NaN */
+        a1 = _mm512_mask_max_epu16(a1, _mm512_cmpneq_epu16_mask(e1, em), a1, e1);
+    }
+    __m512i a = _mm512_max_epu16(a0, a1);
+    __m256i a8 = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
+    uint32_t m = 0xFFFFu & ~(uint32_t)_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(m8, _mm_set1_epi16(-1))));
+    uint32_t t = emax_w2(q, i, hi, eshift, emax);
+    return t > m ? t : m;
+}
+#endif
+
 /* e_lo of a context-mode record: the largest finite exponent in base[lo, hi) minus NB - 1,
  * at least 0 (an all-ones exponent is Inf/NaN and does not count); 0 for integers.  One
  * branch-free pass, which the compiler vectorises; the numpy version made two. */
@@ -1181,6 +1206,7 @@ static PyObject *py_choose_e_lo(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         if (width == 2) {
 #if defined(__x86_64__)
+            if (HAVE_AVX512) top = emax_w2_avx512((const uint16_t *)p, lo, hi, eshift, emax); else
             if (HAVE_AVX2) top = emax_w2_avx2((const uint16_t *)p, lo, hi, eshift, emax); else
 #endif
             top = emax_w2((const uint16_t *)p, lo, hi, eshift, emax);
