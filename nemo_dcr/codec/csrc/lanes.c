@@ -440,6 +440,35 @@ AVX512 __attribute__((target("bmi2"))) static void lanes_ranks_avx512_w2(const P
 #endif
 
 
+#if defined(__x86_64__)
+/* The encoder's whole 16-symbol groups, i = 15 mod 16 down to 15, all 16 lanes in one vector
+ * (LANES_PUT's arithmetic lane for lane): the words of the renormalising lanes are compressed
+ * out in lane order below p (the scalar loop writes lane 15's highest), and x / f is a double
+ * division, exact: x < f 2^20 after renormalising, so a quotient's fractional part, at least
+ * 1/f >= 2^-12, is far above the double's rounding (2^-32 at 2^20).  Returns the new p. */
+AVX512 __attribute__((target("avx512vl,avx512vbmi2"))) static uint16_t *lanes_put_avx512(const uint32_t *fc, int64_t i,
+                                                                                       uint32_t *x, uint16_t *p) {
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    __m512i X = _mm512_loadu_si512((const void *)x);
+    for (; i >= 0; i -= LN) {
+        __m512i fcv = _mm512_loadu_si512((const void *)(fc + i - (LN - 1)));
+        __m512i f = _mm512_srli_epi32(fcv, 16), c = _mm512_and_si512(fcv, lo16);
+        __mmask16 e = _mm512_cmpge_epu32_mask(X, _mm512_slli_epi32(f, 32 - PB));
+        int cnt = __builtin_popcount((unsigned)e);
+        _mm256_mask_compressstoreu_epi16(p - cnt, e, _mm512_cvtepi32_epi16(X));
+        p -= cnt;
+        __m512i xs = _mm512_mask_srli_epi32(X, e, X, 16);
+        __m512d q0 = _mm512_div_pd(_mm512_cvtepu32_pd(_mm512_castsi512_si256(xs)), _mm512_cvtepu32_pd(_mm512_castsi512_si256(f)));
+        __m512d q1 = _mm512_div_pd(_mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(xs, 1)),
+                                   _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(f, 1)));
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvttpd_epu32(q0)), _mm512_cvttpd_epu32(q1), 1);
+        X = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q, PB), _mm512_sub_epi32(xs, _mm512_mullo_epi32(q, f))), c);
+    }
+    _mm512_storeu_si512((void *)x, X);
+    return p;
+}
+#endif
+
 /* Encode; returns 0 (res filled) or -1 on allocation failure. */
 static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz, Coded *res) {
     int rc = -1;
@@ -447,7 +476,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     size_t wcap = (size_t)3 * nz + 2 * LN + 8; /* rANS words: at most one per symbol, plus the states */
     Work wk;
     BitW bw = {0};
-    if (work_open(&wk, nz * (1 + 8 + 8 + 8 + 1 + 1 + 12) + wcap * 2) < 0) return -1;
+    if (work_open(&wk, nz * (1 + 8 + 8 + 8 + 1 + 1 + 12 + 4) + wcap * 2) < 0) return -1;
     uint8_t *bk = (uint8_t *)work_take(&wk, nz);
     int64_t *rank = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
     uint64_t *basev = (uint64_t *)work_take(&wk, nz * sizeof(uint64_t));
@@ -515,6 +544,23 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         }
     }
     int64_t nt = 0;
+    /* 16-bit floats in context mode (the common record): 16-bit arithmetic, and each value's
+     * raw field kept for the raw bits below instead of computed twice */
+    uint32_t *kf = NULL;
+    if (P->context && P->width == 2 && P->is_float) {
+        kf = (uint32_t *)work_take(&wk, nz * sizeof(uint32_t));
+        const uint16_t *v16 = (const uint16_t *)vals;
+        const uint32_t xo = P->op == 0 ? 0xFFFFu : 0; /* xor: the new bits are v ^ b */
+        for (int64_t j = 0; j < nnz; j++) {
+            uint32_t b = (uint32_t)basev[j], v = v16[j] ^ (b & xo);
+            uint32_t ob = b ^ ((b & 0x8000) ? 0xFFFFu : 0x8000u), ov = v ^ ((v & 0x8000) ? 0xFFFFu : 0x8000u);
+            uint32_t k = (ov - ob) & 0xFFFF, neg = k >> 15, mag = neg ? (0x10000u - k) & 0xFFFF : k;
+            int h = 31 - __builtin_clz((mag << 1) | 1);
+            kf[j] = neg | (mag << 1);
+            hs[j] = (uint8_t)h;
+            ch[bk[j]][h]++;
+        }
+    } else
     for (int64_t j = 0; j < nnz; j++) {
         uint64_t v = load(vals, P->width, j);
         int h;
@@ -589,6 +635,13 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
                     cumt[h][0] = 0;
                     for (int s = 0; s < (1 << lanes_tb(h)); s++) cumt[h][s + 1] = cumt[h][s] + ft[h][s];
                 }
+        if (kf)
+            for (int64_t j = 0; j < nnz; j++) {
+                int b = bk[j], h = hs[j];
+                fc[t++] = (fh[b][h] << 16) | cumh[b][h];
+                bw_put64(&bw, kf[j], h); /* nothing when h == 0 */
+            }
+        else
         for (int64_t j = 0; j < nnz; j++) { /* no branch on the value: h and signs are as good as random */
             int b = bk[j], h = hs[j];
             fc[t++] = (fh[b][h] << 16) | cumh[b][h];
@@ -636,6 +689,12 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     } while (0)
         int64_t i = t - 1;
         for (; i >= 0 && ((i + 1) & (LN - 1)); i--) LANES_PUT(i, (int)(i & (LN - 1))); /* the last, partial group */
+#if defined(__x86_64__)
+        if (HAVE_VBMI2) {
+            p = lanes_put_avx512(fc, i, x, p);
+            i = -1;
+        }
+#endif
         for (; i >= 0; i -= LN) { /* whole groups, lanes 15 .. 0, unrolled: lane indices are constants */
             LANES_PUT(i, 15); LANES_PUT(i - 1, 14); LANES_PUT(i - 2, 13); LANES_PUT(i - 3, 12);
             LANES_PUT(i - 4, 11); LANES_PUT(i - 5, 10); LANES_PUT(i - 6, 9); LANES_PUT(i - 7, 8);
@@ -656,10 +715,14 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         res->out[1] = (uint8_t)(rlen >> 8);
         res->out[2] = (uint8_t)(rlen >> 16);
         res->out[3] = (uint8_t)(rlen >> 24);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(res->out + 4, p, 2 * nw);
+#else
         for (size_t w = 0; w < nw; w++) {
             res->out[4 + 2 * w] = (uint8_t)p[w];
             res->out[5 + 2 * w] = (uint8_t)(p[w] >> 8);
         }
+#endif
         if (bw.len) memcpy(res->out + 4 + rlen, bw.buf, bw.len);
     }
     rc = 0;
