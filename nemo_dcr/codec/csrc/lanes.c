@@ -970,18 +970,20 @@ AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int lanes_p
             if (c > nnz - found) return -1;
             int64_t s = s0 + (int64_t)g * BLK;
             __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
-            _mm512_mask_storeu_epi8(bko + found, (__mmask64)_bzhi_u64(~0ull, (unsigned)c), _mm512_maskz_compress_epi8(ev, ids));
+            _mm512_storeu_si512((void *)(bko + found), _mm512_maskz_compress_epi8(ev, ids)); /* bko, bv16: 64 bytes of slack */
             __m512i offs = _mm512_maskz_compress_epi8(ev, iota);
             const __m512i sv = _mm512_set1_epi64(s);
             for (int t = 0; t < c; t += 8) { /* 8 positions per store; more than 8 is rare below 12% changed */
                 __m512i o = t ? _mm512_permutexvar_epi8(_mm512_add_epi8(iota, _mm512_set1_epi8((char)t)), offs) : offs;
                 __m512i p = _mm512_add_epi64(_mm512_cvtepu8_epi64(_mm512_castsi512_si128(o)), sv);
-                _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
+                if (found + t + 8 <= nnz)
+                    _mm512_storeu_si512((void *)(pos + found + t), p);
+                else
+                    _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
             }
             __m512i w0 = _mm512_maskz_loadu_epi16((__mmask32)ev, base + s), w1 = _mm512_maskz_loadu_epi16((__mmask32)(ev >> 32), base + s + 32);
-            _mm512_mask_storeu_epi16(bv16 + found, (__mmask32)_bzhi_u32(~0u, (unsigned)c0), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
-            _mm512_mask_storeu_epi16(bv16 + found + c0, (__mmask32)_bzhi_u32(~0u, (unsigned)(c - c0)),
-                                     _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
+            _mm512_storeu_si512((void *)(bv16 + found), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
+            _mm512_storeu_si512((void *)(bv16 + found + c0), _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
             found += c;
         }
     }
@@ -1015,14 +1017,14 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     size_t per = P->context ? 1 + 1 + 1 + 8 + 8 : 1 + 1;
     Work wk;
     if (work_open(&wk, rawlen + 16 + nz * per + OFFB * sizeof(uint32_t) + tabs_bytes +
-                           (P->context ? NB * SEGB * sizeof(uint64_t) : 0)) < 0)
+                           (P->context ? NB * SEGB * sizeof(uint64_t) + 128 : 0)) < 0)
         return -2;
     uint8_t *raw = (uint8_t *)work_take(&wk, rawlen + 16);
     uint32_t *off = (uint32_t *)work_take(&wk, OFFB * sizeof(uint32_t));
     uint8_t *sym = (uint8_t *)work_take(&wk, nz), *hs = (uint8_t *)work_take(&wk, nz);
-    uint8_t *bko = P->context ? (uint8_t *)work_take(&wk, nz) : NULL;
+    uint8_t *bko = P->context ? (uint8_t *)work_take(&wk, nz + 64) : NULL; /* + 64: whole-vector stores */
     int64_t *rk = P->context ? (int64_t *)work_take(&wk, nz * sizeof(int64_t)) : pos;
-    uint64_t *basev = P->context ? (uint64_t *)work_take(&wk, nz * sizeof(uint64_t)) : NULL;
+    uint64_t *basev = P->context ? (uint64_t *)work_take(&wk, nz * sizeof(uint64_t) + 64) : NULL;
     uint32_t *tabs = (uint32_t *)work_take(&wk, tabs_bytes);
     uint64_t *bm = P->context ? (uint64_t *)work_take(&wk, NB * SEGB * sizeof(uint64_t)) : NULL;
     memcpy(raw, buf + 4 + rlen, rawlen);
