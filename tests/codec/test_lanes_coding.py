@@ -158,6 +158,31 @@ def test_scalar_and_simd_decoders_agree(context):
                 break
 
 
+def test_avx512_without_vbmi2_gives_the_same_bytes_and_arrays():
+    """An AVX-512BW CPU without VBMI2 (Skylake-SP, Cascade Lake) runs the AVX-512 block walks
+    with the element-by-element output step and the scalar rANS encoder: the same bytes and
+    arrays as with VBMI2 (skipped where the CPU lacks it; then there is nothing to compare)."""
+    if _crans.simd() != "avx512bw" or not _crans.set_vbmi2(True):
+        pytest.skip("this CPU has no AVX-512 VBMI2")
+    rng = np.random.default_rng(12)
+    n = 150_000
+    base = random_bits(rng, "bfloat16", n)
+    try:
+        for frac, lo, hi in ((0.02, 0, n), (0.3, 61, n - 3)):
+            idx, vals = _record(rng, "bfloat16", frac, XOR, lo=lo, hi=hi, small=False)
+            args = _args("bfloat16", base, lo, hi, XOR)
+            got = []
+            for on in (True, False):
+                assert _crans.set_vbmi2(on) is on
+                payload = _crans.lanes_encode(idx, vals, base, *args)
+                got.append((payload, *_native_decode(payload, idx.size, base, args)))
+            assert got[0][0] == got[1][0]
+            for payload, pos, val in got:
+                assert np.array_equal(pos, idx) and np.array_equal(val.view(np.int16), vals.view(np.int16))
+    finally:
+        _crans.set_vbmi2(True)
+
+
 def test_chunks_round_trip_bit_exact_with_negative_control():
     rng = np.random.default_rng(6)
     n = 50_000

@@ -490,7 +490,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     int64_t cnt[NB];
     if (P->context) {
 #if defined(__x86_64__)
-        if (HAVE_AVX512 && P->width == 2 && P->ebits)
+        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits)
             lanes_ranks_avx512_w2(P, pos, nnz, bk, rank, basev, &active);
         else
 #endif
@@ -876,6 +876,70 @@ AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const 
 #endif
 
 #if defined(__x86_64__)
+/* Step 4 of lanes_positions_avx512_w2: a segment's targets (bit j of segev[g]: element
+ * s0 + 64 g + j; evblk: the blocks with any) in range order into pos, bko (their buckets, from
+ * ids_s) and bv16 (their base bits), from `found`, clearing segev; returns the new count, or
+ * -1 past nnz.  With VBMI2 each block's outputs are compressed out of its vectors in a few
+ * whole-vector stores (bko, bv16 have 64 bytes of slack; pos gets a masked store at its end);
+ * without it, element by element. */
+typedef int64_t (*EmitFn)(const Params *, int64_t, uint64_t, uint64_t *, const uint8_t *, int64_t, int64_t, int64_t *,
+                          uint8_t *, uint16_t *);
+
+static int64_t emit_scalar(const Params *P, int64_t s0, uint64_t evblk, uint64_t *segev, const uint8_t *ids_s,
+                           int64_t found, int64_t nnz, int64_t *pos, uint8_t *bko, uint16_t *bv16) {
+    const uint16_t *base = (const uint16_t *)P->base;
+    for (; evblk; evblk &= evblk - 1) {
+        int g = __builtin_ctzll(evblk);
+        uint64_t ev = segev[g];
+        segev[g] = 0;
+        if (__builtin_popcountll(ev) > nnz - found) return -1;
+        int64_t s = s0 + (int64_t)g * BLK;
+        for (; ev; ev &= ev - 1) {
+            int j = __builtin_ctzll(ev);
+            pos[found] = s + j;
+            bv16[found] = base[s + j];
+            bko[found++] = ids_s[(size_t)g * BLK + (size_t)j];
+        }
+    }
+    return found;
+}
+
+AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int64_t emit_vbmi2(
+    const Params *P, int64_t s0, uint64_t evblk, uint64_t *segev, const uint8_t *ids_s, int64_t found, int64_t nnz,
+    int64_t *pos, uint8_t *bko, uint16_t *bv16) {
+    const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
+                                         43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25,
+                                         24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                         3, 2, 1, 0);
+    const uint16_t *base = (const uint16_t *)P->base;
+    for (; evblk; evblk &= evblk - 1) {
+        int g = __builtin_ctzll(evblk);
+        uint64_t ev = segev[g];
+        segev[g] = 0;
+        int c = __builtin_popcountll(ev), c0 = __builtin_popcount((uint32_t)ev);
+        if (c > nnz - found) return -1;
+        int64_t s = s0 + (int64_t)g * BLK;
+        __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
+        _mm512_storeu_si512((void *)(bko + found), _mm512_maskz_compress_epi8(ev, ids));
+        __m512i offs = _mm512_maskz_compress_epi8(ev, iota);
+        const __m512i sv = _mm512_set1_epi64(s);
+        for (int t = 0; t < c; t += 8) { /* 8 positions per store; more than 8 is rare below 12% changed */
+            __m512i o = t ? _mm512_permutexvar_epi8(_mm512_add_epi8(iota, _mm512_set1_epi8((char)t)), offs) : offs;
+            __m512i p = _mm512_add_epi64(_mm512_cvtepu8_epi64(_mm512_castsi512_si128(o)), sv);
+            if (found + t + 8 <= nnz)
+                _mm512_storeu_si512((void *)(pos + found + t), p);
+            else
+                _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
+        }
+        __m512i w0 = _mm512_maskz_loadu_epi16((__mmask32)ev, base + s);
+        __m512i w1 = _mm512_maskz_loadu_epi16((__mmask32)(ev >> 32), base + s + 32);
+        _mm512_storeu_si512((void *)(bv16 + found), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
+        _mm512_storeu_si512((void *)(bv16 + found + c0), _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
+        found += c;
+    }
+    return found;
+}
+
 /* lanes_positions for 2-byte float bases with AVX-512BW, a segment (64 blocks of 64) at a
  * time and branch-light:
  *   1. each block's bucket ids (one 64-byte vector, kept for the segment) and, for each of the
@@ -887,19 +951,13 @@ AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const 
  *      bit select in that block's mask;
  *   3. active buckets below the window (the smallest magnitudes: rare) walk only the blocks
  *      that hold an id below it;
- *   4. the targets, marked in a bitmap of the segment, come out in range order, each block's
- *      positions, buckets and base bits compressed out of its vectors (VBMI2), no loop per
- *      element.  The base bits go out as 16-bit words (bv16), not lanes_positions' u64.
- * Needs AVX-512 VBMI and VBMI2 besides BW (Ice Lake, Zen 4; HAVE_VBMI2); without them the
- * AVX2 walk runs.  Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
-AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int lanes_positions_avx512_w2(
+ *   4. the targets, marked in a bitmap of the segment, come out in range order (`emit`:
+ *      emit_vbmi2 where the CPU has AVX-512 VBMI2, Ice Lake and Zen 4, else emit_scalar).
+ *      The base bits go out as 16-bit words (bv16), not lanes_positions' u64.
+ * Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
+AVX512 __attribute__((target("bmi2"))) static int lanes_positions_avx512_w2(
     const Params *P, uint32_t active, const int64_t *rk, const int64_t *first, const int64_t *nbk, int64_t nnz,
-    int64_t *pos, uint8_t *bko, uint16_t *bv16) {
-    const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
-                                         43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25,
-                                         24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                         3, 2, 1, 0);
-    const uint16_t *base = (const uint16_t *)P->base;
+    int64_t *pos, uint8_t *bko, uint16_t *bv16, EmitFn emit) {
     const int64_t INF = INT64_MAX / 2; /* a bucket with no rank left */
     if (!active) return nnz ? -1 : 0;
     int64_t dist[NB], idx[NB]; /* rank of b's next target minus b's elements passed; b's next target */
@@ -962,30 +1020,8 @@ AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int lanes_p
                     dist[b] = d - c;
                 }
             }
-        for (; evblk; evblk &= evblk - 1) { /* 4: compressed out of the block's vectors */
-            int g = __builtin_ctzll(evblk);
-            uint64_t ev = segev[g];
-            segev[g] = 0;
-            int c = __builtin_popcountll(ev), c0 = __builtin_popcount((uint32_t)ev);
-            if (c > nnz - found) return -1;
-            int64_t s = s0 + (int64_t)g * BLK;
-            __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
-            _mm512_storeu_si512((void *)(bko + found), _mm512_maskz_compress_epi8(ev, ids)); /* bko, bv16: 64 bytes of slack */
-            __m512i offs = _mm512_maskz_compress_epi8(ev, iota);
-            const __m512i sv = _mm512_set1_epi64(s);
-            for (int t = 0; t < c; t += 8) { /* 8 positions per store; more than 8 is rare below 12% changed */
-                __m512i o = t ? _mm512_permutexvar_epi8(_mm512_add_epi8(iota, _mm512_set1_epi8((char)t)), offs) : offs;
-                __m512i p = _mm512_add_epi64(_mm512_cvtepu8_epi64(_mm512_castsi512_si128(o)), sv);
-                if (found + t + 8 <= nnz)
-                    _mm512_storeu_si512((void *)(pos + found + t), p);
-                else
-                    _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
-            }
-            __m512i w0 = _mm512_maskz_loadu_epi16((__mmask32)ev, base + s), w1 = _mm512_maskz_loadu_epi16((__mmask32)(ev >> 32), base + s + 32);
-            _mm512_storeu_si512((void *)(bv16 + found), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
-            _mm512_storeu_si512((void *)(bv16 + found + c0), _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
-            found += c;
-        }
+        found = emit(P, s0, evblk, segev, ids_s, found, nnz, pos, bko, bv16); /* 4 */
+        if (found < 0) return -1;
     }
     return found == nnz ? 0 : -1;
 }
@@ -1118,8 +1154,9 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     if (P->context) {
         int rp;
 #if defined(__x86_64__)
-        if (HAVE_VBMI2 && P->width == 2 && P->ebits) {
-            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev);
+        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
+            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev,
+                                           HAVE_VBMI2 ? emit_vbmi2 : emit_scalar);
             bv16 = (const uint16_t *)basev;
         }
         else if (HAVE_AVX2 && P->width == 2 && P->ebits)

@@ -99,7 +99,7 @@ typedef struct {
 
 static uint64_t RCP_M[PTOT + 1];
 static uint8_t RCP_S[PTOT + 1];
-static int HAVE_AVX512 = 0, HAVE_AVX2 = 0, HAVE_VBMI2 = 0; /* VBMI2: AVX-512 byte/word compress (Ice Lake, Zen 4) */
+static int HAVE_AVX512 = 0, HAVE_AVX2 = 0, HAVE_VBMI2 = 0, HAVE_BMI2 = 0; /* VBMI2: AVX-512 byte/word compress (Ice Lake, Zen 4) */
 
 /* j-th (0-based) set bit of m; m has more than j set bits.  Branch-free: an event's
  * place in its mask is as good as random, so a branchy search mispredicts. */
@@ -129,7 +129,7 @@ static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
  * test_simd_paths.py); NEMO_DCR_NO_SIMD=1 (or the older NEMO_DCR_NO_AVX512=1) at import
  * starts at level 0. */
 static void set_paths(int level) {
-    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = 0;
+    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = HAVE_BMI2 = 0;
     select_bit = select_bit_portable;
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -138,7 +138,8 @@ static void set_paths(int level) {
     HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
     HAVE_VBMI2 = HAVE_AVX512 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
                  __builtin_cpu_supports("bmi2");
-    if (__builtin_cpu_supports("bmi2")) select_bit = select_bit_bmi2;
+    HAVE_BMI2 = __builtin_cpu_supports("bmi2");
+    if (HAVE_BMI2) select_bit = select_bit_bmi2;
     HAVE_CLMUL = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
     (void)level;
@@ -1262,7 +1263,21 @@ static PyObject *py_crc32_clmul(PyObject *self, PyObject *args) {
     return PyBool_FromLong(HAVE_CLMUL);
 }
 
+static PyObject *py_set_vbmi2(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#if defined(__x86_64__)
+    HAVE_VBMI2 = on && HAVE_AVX512 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
+                 HAVE_BMI2;
+#endif
+    return PyBool_FromLong(HAVE_VBMI2);
+}
+
 static PyMethodDef methods[] = {
+    {"set_vbmi2", py_set_vbmi2, METH_VARARGS,
+     "set_vbmi2(on) -> whether the AVX-512 VBMI2 paths (LANES: the decoder's compressed outputs, the encoder's "
+     "vector rANS) are used now; off: as on an AVX-512BW CPU without VBMI2 (Skylake-SP); for tests"},
     {"crc32", py_crc32, METH_VARARGS,
      "crc32(data, value=0) -> zlib.crc32(data, value); data: any C-contiguous buffer"},
     {"crc32_clmul", py_crc32_clmul, METH_NOARGS, "crc32_clmul() -> whether crc32 folds with PCLMULQDQ here"},
