@@ -15,6 +15,7 @@ so a caller that needs each record only briefly (``nemo-dcr delta inspect``) hol
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -248,7 +249,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         name = bytes(r.take(name_len, "tensor name")).decode("utf-8")
     except UnicodeDecodeError:
         raise ChunkFormatError("tensor name is not UTF-8") from None
-    shape = tuple(int(s) for s in np.frombuffer(r.take(8 * ndim, "tensor shape"), dtype="<u8"))
+    shape = struct.unpack(f"<{ndim}Q", r.take(8 * ndim, "tensor shape"))  # Python ints
     if dcode not in DTYPE_NAMES:
         raise ChunkFormatError(f"{name}: unknown dtype code {dcode}")
     if opcode not in OP_FROM_CODE:

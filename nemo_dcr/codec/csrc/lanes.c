@@ -1068,6 +1068,28 @@ AVX512 static uint64_t values16_avx512(const uint8_t *hs, const uint16_t *bv16, 
 }
 #endif
 
+#if defined(__x86_64__)
+AVX2 static uint64_t sum_u8_avx2(const uint8_t *p, int64_t n) {
+    __m256i acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) acc = _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(p + i)), _mm256_setzero_si256()));
+    uint64_t t = (uint64_t)_mm256_extract_epi64(acc, 0) + (uint64_t)_mm256_extract_epi64(acc, 1) +
+                 (uint64_t)_mm256_extract_epi64(acc, 2) + (uint64_t)_mm256_extract_epi64(acc, 3);
+    for (; i < n; i++) t += p[i];
+    return t;
+}
+#endif
+
+/* p[0] + ... + p[n - 1] */
+static uint64_t sum_u8(const uint8_t *p, int64_t n) {
+#if defined(__x86_64__)
+    if (HAVE_AVX2) return sum_u8_avx2(p, n);
+#endif
+    uint64_t t = 0;
+    for (int64_t i = 0; i < n; i++) t += p[i];
+    return t;
+}
+
 /* 0, -1 malformed, -2 allocation failure */
 static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, int64_t *pos, uint8_t *vals,
                                int64_t nnz) {
@@ -1242,8 +1264,7 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
         /* 16-bit floats in context mode (bf16, fp16: the common record), in 16-bit arithmetic,
          * the bit position in a register: every field read is in bounds, as the fields' total
          * is checked against the raw bits first */
-        uint64_t need = 0;
-        for (int64_t j = 0; j < nnz; j++) need += hs[j];
+        uint64_t need = sum_u8(hs, nnz);
         if (br.pos + need > br.nbits) goto out;
         uint64_t bp = br.pos;
         const uint8_t *rb = br.buf;
