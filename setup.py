@@ -26,6 +26,7 @@ setup(
         Extension("nemo_dcr.codec._cans", ["nemo_dcr/codec/csrc/ans.c"], depends=_RECORD_H, **_COMMON),
         # rans.c includes lanes.c (coding 5, LANES), which shares its scan and bit I/O
         Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"],
-                  depends=_RECORD_H + ["nemo_dcr/codec/csrc/lanes.c", "nemo_dcr/codec/csrc/crc32.h"], **_COMMON),
+                  depends=_RECORD_H + ["nemo_dcr/codec/csrc/lanes.c", "nemo_dcr/codec/csrc/crc32.h",
+                                       "nemo_dcr/codec/csrc/segcount.h"], **_COMMON),
     ]
 )

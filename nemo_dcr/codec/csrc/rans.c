@@ -464,6 +464,8 @@ static void seg_masks(const Params *P, int64_t start, int nblk, uint32_t active,
 
 #define SEG (SEGB * BLK) /* elements per segment */
 
+#include "segcount.h"
+
 /* ------------------------------------------------------------------ raw bits */
 
 typedef struct {
@@ -921,6 +923,76 @@ out:
     return rc;
 }
 
+#if defined(__x86_64__)
+/* decode_body's context-mode positions for 2-byte float bases with AVX-512BW: the segment
+ * pass of segcount.h instead of every bucket's bitmaps (seg_masks), and each target's block by
+ * two vector compares over its bucket's running counts.  The gaps are decoded in the same
+ * order (segment by segment, bucket by bucket ascending, each in rank order), so the adaptive
+ * state runs the same: same arrays as the generic walk (tests/codec/test_simd_paths.py).
+ * rem[b]: the rank of b's next target past the elements walked.  0, or -1 malformed. */
+AVX512 __attribute__((target("bmi2"))) static int bucket_positions_avx512_w2(Model *m, const Params *P, RDec *d, BitR *br,
+                                                                           uint32_t active, int64_t *rem, int64_t nnz,
+                                                                           int64_t *pos, uint64_t *basev) {
+    Win w;
+    win_init(&w, active);
+    _Alignas(64) uint8_t ids_s[SEG];
+    _Alignas(64) uint16_t pre[WIN][SEGB];
+    uint32_t run[WIN];
+    uint64_t segev[SEGB];
+    memset(segev, 0, sizeof(segev));
+    const uint16_t *base = (const uint16_t *)P->base;
+    int64_t found = 0;
+    for (int64_t s0 = P->lo; s0 < P->hi && found < nnz; s0 += SEG) {
+        int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+        uint64_t lowblk = seg_counts_w2(P, &w, s0, nblk, ids_s, pre, run), evw = 0;
+        for (int k = 0; k < WIN; k++)
+            for (int g = nblk; g < SEGB; g++) pre[k][g] = 0xFFFF;
+        int64_t nev = 0;
+        for (uint32_t pr = active; pr; pr &= pr - 1) { /* ascending: the gaps' order */
+            int b = __builtin_ctz(pr), k = b - w.wlo;
+            int64_t r = rem[b];
+            if (k >= 0) {
+                int64_t T = run[k], rr;
+                while (r < T) {
+                    int g = seg_locate(pre, k, r, &rr);
+                    segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << rr, seg_mask(ids_s, g, b)));
+                    evw |= 1ull << g;
+                    nev++;
+                    r += (int64_t)dec_gap(m, d, br, b);
+                    if (d->bad || br->bad || found + nev > nnz) return -1;
+                }
+                rem[b] = r - T;
+            } else { /* below the window: only the blocks with an id below it hold b */
+                for (uint64_t lw = lowblk; lw; lw &= lw - 1) {
+                    int g = __builtin_ctzll(lw);
+                    uint64_t mb = seg_mask(ids_s, g, b);
+                    int64_t c = __builtin_popcountll(mb);
+                    while (r < c) {
+                        segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, mb));
+                        evw |= 1ull << g;
+                        nev++;
+                        r += (int64_t)dec_gap(m, d, br, b);
+                        if (d->bad || br->bad || found + nev > nnz) return -1;
+                    }
+                    r -= c;
+                }
+                rem[b] = r;
+            }
+        }
+        for (; evw; evw &= evw - 1) {
+            int g = __builtin_ctzll(evw);
+            for (uint64_t ev = segev[g]; ev; ev &= ev - 1) {
+                int64_t at = s0 + ((int64_t)g << 6) + __builtin_ctzll(ev);
+                basev[found] = base[at];
+                pos[found++] = at;
+            }
+            segev[g] = 0;
+        }
+    }
+    return found == nnz ? 0 : -1;
+}
+#endif
+
 static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *pos, uint8_t *vals, int64_t nnz) {
     int64_t found = 0;
     uint64_t *basev = NULL;
@@ -930,6 +1002,15 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
         if ((active == 0) != (nnz == 0)) return -1;
         for (uint32_t pr = active; pr; pr &= pr - 1) rem[__builtin_ctz(pr)] = (int64_t)dec_gap(m, d, br, __builtin_ctz(pr)) - 1;
         if (d->bad || br->bad) return -1;
+#if defined(__x86_64__)
+        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
+            basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
+            if (!basev) return -2;
+            int rc = bucket_positions_avx512_w2(m, P, d, br, active, rem, nnz, pos, basev);
+            if (rc < 0) { free(basev); return rc; }
+            found = nnz;
+        } else {
+#endif
         uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
         basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
         if (!bm || !basev) { free(bm); free(basev); return -2; }
@@ -977,6 +1058,9 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
         }
         free(bm);
         if (found != nnz) { free(basev); return -1; }
+#if defined(__x86_64__)
+        }
+#endif
     } else {
         int64_t prev = P->lo - 1;
         for (int64_t j = 0; j < nnz; j++) {
