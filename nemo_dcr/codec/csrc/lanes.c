@@ -310,50 +310,6 @@ static void lanes_syms(LDec *d, const uint32_t *tabs, const uint32_t *off, int64
 static inline int lanes_tb(int h) { return h - 1 < TOPB ? h - 1 : TOPB; }
 
 #if defined(__x86_64__)
-/* The encoder's ranks (rank_scan's for LANES: no consumption order, no bucket totals): each
- * changed element's bucket and base bits first (O(changed)), then per segment up to the last
- * changed element the counts above, and each changed element's rank is its bucket's count
- * before the segment, plus the running count before its block, plus one masked popcount in
- * its block: one loop over the segment's changed elements, no branch per element.  Same
- * ranks as rank_scan (the golden and twin tests encode through it). */
-AVX512 __attribute__((target("bmi2"))) static void lanes_ranks_avx512_w2(const Params *P, const int64_t *pos,
-                                                                       int64_t nnz, uint8_t *bk, int64_t *rank,
-                                                                       uint64_t *basev, uint32_t *active_out) {
-    const uint16_t *base = (const uint16_t *)P->base;
-    uint32_t active = 0;
-    for (int64_t j = 0; j < nnz; j++) {
-        basev[j] = base[pos[j]];
-        bk[j] = (uint8_t)bucket_of(P, basev[j]);
-        active |= 1u << bk[j];
-    }
-    *active_out = active;
-    if (!nnz) return;
-    Win w;
-    win_init(&w, active);
-    _Alignas(64) uint8_t ids_s[SEG];
-    _Alignas(64) uint16_t pre[WIN][SEGB];
-    uint32_t run[WIN];
-    int64_t cnt[NB] = {0}; /* each bucket's elements before the segment */
-    int64_t j = 0;
-    for (int64_t s0 = P->lo; j < nnz; s0 += SEG) {
-        int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
-        uint64_t lowblk = seg_counts_w2(P, &w, s0, nblk, ids_s, pre, run);
-        for (; j < nnz && pos[j] < s0 + SEG; j++) {
-            int b = bk[j], off = (int)(pos[j] - s0), g = off >> 6, k = b - w.wlo;
-            uint64_t m = _mm512_cmpeq_epi8_mask(_mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK)),
-                                                _mm512_set1_epi8((char)b));
-            int64_t in = __builtin_popcountll(_bzhi_u64(m, (unsigned)(off & 63)));
-            rank[j] = cnt[b] + in + (k >= 0 ? (g ? pre[k][g - 1] : 0) : below_count(ids_s, lowblk, g, b));
-        }
-        for (int k = 0; k < w.wn; k++) cnt[w.wlo + k] += run[k];
-        for (uint32_t pr = w.below; pr && lowblk; pr &= pr - 1)
-            cnt[__builtin_ctz(pr)] += below_count(ids_s, lowblk, SEGB, __builtin_ctz(pr));
-    }
-}
-#endif
-
-
-#if defined(__x86_64__)
 /* The encoder's whole 16-symbol groups, i = 15 mod 16 down to 15, all 16 lanes in one vector
  * (LANES_PUT's arithmetic lane for lane): the words of the renormalising lanes are compressed
  * out in lane order below p (the scalar loop writes lane 15's highest), and x / f is a double
@@ -402,11 +358,6 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     uint32_t active = 0;
     int64_t cnt[NB];
     if (P->context) {
-#if defined(__x86_64__)
-        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits)
-            lanes_ranks_avx512_w2(P, pos, nnz, bk, rank, basev, &active);
-        else
-#endif
         if (rank_scan(P, pos, nnz, bk, rank, basev, cnt, &active, NULL, 0) < 0) goto out;
     } else {
         (void)rank; /* context-free: the rank is pos - lo, read through RK below */

@@ -779,6 +779,12 @@ typedef struct {
  * bucket by bucket, each in rank order.  Returns 0, or -1 on allocation failure. */
 static int rank_scan(const Params *P, const int64_t *pos, int64_t nnz, uint8_t *bk, int64_t *rank, uint64_t *basev,
                      int64_t *cnt, uint32_t *active_out, int64_t *order, int full) {
+#if defined(__x86_64__)
+    if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
+        seg_ranks_w2(P, pos, nnz, bk, rank, basev, cnt, active_out, order, full);
+        return 0;
+    }
+#endif
     uint64_t *bm = (uint64_t *)malloc(NB * SEGB * sizeof(uint64_t));
     int64_t *pre = (int64_t *)malloc(NB * SEGB * sizeof(int64_t));
     if (!bm || !pre) { free(bm); free(pre); return -1; }

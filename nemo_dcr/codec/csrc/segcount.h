@@ -102,4 +102,57 @@ AVX512 static inline int seg_locate(const uint16_t (*pre)[SEGB], int k, int64_t 
 AVX512 static inline uint64_t seg_mask(const uint8_t *ids_s, int g, int b) {
     return _mm512_cmpeq_epi8_mask(_mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK)), _mm512_set1_epi8((char)b));
 }
+/* rank_scan for 2-byte float bases (rans.c dispatches here; same outputs): each changed
+ * element's bucket and base bits first (O(changed)), then per segment the counts above, and
+ * each changed element's rank is its bucket's count before the segment, plus the running
+ * count before its block, plus one masked popcount in its block: one loop over the segment's
+ * changed elements, no branch per element.  Segments up to the last changed element, or the
+ * whole range with `full` (then cnt[b] is active bucket b's size in the range, 0 for the
+ * others); `order` (if given) gets each segment's changed elements bucket by bucket (a
+ * counting sort), BUCKET's consumption order.  Buckets without a changed element are never
+ * counted. */
+AVX512 __attribute__((target("bmi2"))) static void seg_ranks_w2(const Params *P, const int64_t *pos, int64_t nnz,
+                                                              uint8_t *bk, int64_t *rank, uint64_t *basev,
+                                                              int64_t *cnt_out, uint32_t *active_out, int64_t *order,
+                                                              int full) {
+    const uint16_t *base = (const uint16_t *)P->base;
+    uint32_t active = 0;
+    for (int64_t j = 0; j < nnz; j++) {
+        basev[j] = base[pos[j]];
+        bk[j] = (uint8_t)bucket_of(P, basev[j]);
+        active |= 1u << bk[j];
+    }
+    *active_out = active;
+    int64_t cnt[NB] = {0}; /* each active bucket's elements before the segment */
+    if (nnz) {
+        Win w;
+        win_init(&w, active);
+        _Alignas(64) uint8_t ids_s[SEG];
+        _Alignas(64) uint16_t pre[WIN][SEGB];
+        uint32_t run[WIN];
+        int64_t j = 0, oi = 0;
+        for (int64_t s0 = P->lo; full ? s0 < P->hi : j < nnz; s0 += SEG) {
+            int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
+            uint64_t lowblk = seg_counts_w2(P, &w, s0, nblk, ids_s, pre, run);
+            int64_t j0 = j;
+            for (; j < nnz && pos[j] < s0 + SEG; j++) {
+                int b = bk[j], off = (int)(pos[j] - s0), g = off >> 6, k = b - w.wlo;
+                int64_t in = __builtin_popcountll(_bzhi_u64(seg_mask(ids_s, g, b), (unsigned)(off & 63)));
+                rank[j] = cnt[b] + in + (k >= 0 ? (g ? pre[k][g - 1] : 0) : below_count(ids_s, lowblk, g, b));
+            }
+            for (int k = 0; k < w.wn; k++) cnt[w.wlo + k] += run[k];
+            for (uint32_t pr = w.below; pr && lowblk; pr &= pr - 1)
+                cnt[__builtin_ctz(pr)] += below_count(ids_s, lowblk, SEGB, __builtin_ctz(pr));
+            if (order && j > j0) {
+                int64_t at[NB + 1] = {0};
+                for (int64_t t = j0; t < j; t++) at[bk[t] + 1]++;
+                for (int b = 0; b < NB; b++) at[b + 1] += at[b];
+                for (int64_t t = j0; t < j; t++) order[oi + at[bk[t]]++] = t;
+                oi += j - j0;
+            }
+        }
+    }
+    if (cnt_out)
+        for (int b = 0; b < NB; b++) cnt_out[b] = (active >> b & 1) ? cnt[b] : 0;
+}
 #endif
