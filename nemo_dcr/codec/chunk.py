@@ -214,12 +214,8 @@ class _Entry:
     info: RecordInfo
     content_crc: int
     param: int
-
-    @property
-    def spec(self) -> RecordSpec:
-        lo, hi = self.info.element_range
-        return RecordSpec(dtype=self.info.dtype, shape=self.info.shape, op=self.info.op, lo=lo, hi=hi,
-                          nnz=self.info.nnz, param=self.param)
+    spec: RecordSpec
+    """The payload's spec, built once (admission and decoding both read it)."""
 
 
 def _inflate_directory(compressed: memoryview, raw_len: int) -> memoryview:
@@ -284,7 +280,8 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
         left[1] -= hi - lo
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
                       nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
-    return _Entry(info, ccrc, param)
+    spec = RecordSpec(dtype=dtype, shape=shape, op=info.op, lo=lo, hi=hi, nnz=nnz, param=param)
+    return _Entry(info, ccrc, param, spec)
 
 
 def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray] | None,
