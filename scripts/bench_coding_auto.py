@@ -2,7 +2,7 @@
 is ``auto`` within 10% of the best fixed coding at each (issue 19)?
 
     sudo .venv/bin/python scripts/bench_coding_auto.py [--links 50,1000,unshaped] [--rounds 3]
-        [--lead-in 2] [--lr 1e-5] [--model mid|link|small|tiny] [--out-dir benchmarks/results]
+        [--lead-in 2] [--lr 1e-5] [--model mid|link|small|tiny] [--pin] [--out-dir benchmarks/results]
         [hydra overrides for testbed/nemo_dcr_testbed/configs/demo.yaml ...]
     .venv/bin/python scripts/bench_coding_auto.py --summarize-run RUN_DIR   # tables from a run's rows
 
@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="link rate for version 0, the final verification and 'unshaped'")
     ap.add_argument("--probe-mib", type=int, default=8, help="size of the link probe at each shaped rate (MiB)")
     ap.add_argument("--step-timeout-s", type=float, default=900.0)
+    ap.add_argument("--pin", action="store_true",
+                    help="trainer ranks on CPU 0, receiver and store on CPU 1 (bench_refit_link's --pin)")
     ap.add_argument("--out-dir", default=RESULTS, help="where coding_auto.json / .png go")
     ap.add_argument("--run-dir", default=None, help="logs and step rows (default runs/coding_auto/<date-time>)")
     ap.add_argument("--summarize-run", default=None, metavar="RUN_DIR",
@@ -114,20 +116,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------ the plan
+#: What bench_refit_link's driver reads from every step: the receiver streams its receive and
+#: the link is one FIFO (its "stream" variant), as in every case here.
+ONE_QUEUE_STREAMING = {"stream": True, "qdisc": "fifo"}
+
+
 def make_plan(links: list[float | None], rounds: int, lead_in: int, lr: float, setup_mbit: float) -> list[dict]:
     """Every step the driver asks for (``go/<step>.json``), in order; ``case_link`` is the case's
     link (None = unshaped), ``link_mbit`` the rate the link is set to for the step."""
     plan = []
     for link in links:
         base = {"lr": lr, "link_mbit": setup_mbit if link is None else link, "case_link": link, "dense": False,
-                "warmup": False}
+                "warmup": False, **ONE_QUEUE_STREAMING}
         plan += [{**base, "coding": AUTO, "timed": False} for _ in range(lead_in)]
         for r in range(rounds):
             k = r % len(CODINGS_RUN)
             plan += [{**base, "coding": c, "timed": True, "round": r} for c in CODINGS_RUN[k:] + CODINGS_RUN[:k]]
     # the check: a dense refit the receiver compares with what every delta of the run built
     plan.append({"lr": lr, "link_mbit": setup_mbit, "case_link": None, "dense": True, "warmup": False,
-                 "coding": AUTO, "timed": False, "verify": True})
+                 "coding": AUTO, "timed": False, "verify": True, **ONE_QUEUE_STREAMING})
     return plan
 
 

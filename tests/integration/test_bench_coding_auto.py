@@ -45,6 +45,18 @@ def test_the_plan_rotates_the_codings_and_ends_with_the_check(bench):
     assert sum(p["dense"] for p in plan) == 1
 
 
+def test_every_step_carries_what_the_link_driver_reads(bench):
+    """bench_refit_link's Run.execute reads each step's link queueing and receive mode (it
+    raised KeyError 'qdisc' after those were added there): every step names them, and they
+    are one of its variants (the streaming one, a FIFO link)."""
+    with script_module("bench_refit_link") as link:
+        variants = link.VARIANTS
+    plan = bench.make_plan([50.0, None], rounds=1, lead_in=1, lr=1e-6, setup_mbit=10000.0)
+    for p in plan:
+        assert (p["stream"], p["qdisc"]) == variants["stream"]
+        assert {"lr", "link_mbit", "dense", "warmup"} <= p.keys()
+
+
 def _row(step, coding, wall, wire):
     stats = {"version": step, "coding": coding, "next_coding": coding, "coding_walls": {}, "committed": True,
              "reason": "", "wire_bytes": wire, "raw_bytes": 10 * wire, "changed": 100, "encode_s": 0.1,
