@@ -9,6 +9,7 @@ every receiver acknowledged the version.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from nemo_dcr.baseline.pinned import Baseline
 from nemo_dcr.codec.types import BITS_DTYPE, shape_numel
-from nemo_dcr.errors import PlacementError, ProtocolError
+from nemo_dcr.errors import PlacementError, ProtocolError, ValidationError
 from nemo_dcr.layout.mapping import CanonicalProjector, CanonicalSpec
 from nemo_dcr.layout.shards import ParamView
 from nemo_dcr.protocol.commit import CommitCoordinator, FailureBudget
@@ -115,6 +116,15 @@ class RefitSender:
         self.snapshots.state = state
 
     # ------------------------------------------------------------------ run
+    def set_coding(self, setting: str) -> None:
+        """Switch ``refit.coding`` between versions (a benchmark's fixed codings against
+        ``auto``; see ``CodingFeedback.switch``).  Refused while a version is in flight: its
+        coding was chosen when it started."""
+        if self._inflight is not None:
+            raise ValidationError(f"refit.coding cannot change while v{self._inflight.version} is in flight")
+        self.coding.switch(setting)
+        self.cfg = dataclasses.replace(self.cfg, coding=setting)
+
     def claim(self, *, resume: RunState | None = None) -> str:
         """Collective: rank 0 claims the store for a new run, or checks the run ``resume``
         (the trainer checkpoint's run state) against the store's signed history; every rank

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nemo_dcr.errors import ValidationError
 from nemo_dcr.sender.chunker import Record
 from nemo_dcr.sender.coding_choice import (
     AUTO,
     AUTO_START,
+    CODING_SETTINGS,
     CodingChooser,
     VersionObservation,
     describe,
@@ -54,6 +56,20 @@ class CodingFeedback:
         self.current = AUTO_START if setting == AUTO else setting
         self.chooser: CodingChooser | None = None
         self.probe_sample: list[Record] | None = None
+        self._auto_next: str | None = None  # auto's choice while a fixed coding is switched in
+
+    def switch(self, setting: str) -> None:
+        """``refit.coding`` changed between versions (nothing in flight): a fixed coding codes
+        the next version; ``auto`` resumes where it left off, with its last choice and its
+        chooser's measurements (it observes only the versions it coded)."""
+        if setting not in CODING_SETTINGS:
+            raise ValidationError(f"refit.coding must be one of {', '.join(CODING_SETTINGS)}, got {setting!r}")
+        if setting == self.setting:
+            return
+        if self.setting == AUTO:
+            self._auto_next = self.current
+        self.current = (self._auto_next or AUTO_START) if setting == AUTO else setting
+        self.setting = setting
 
     def wants_sample(self) -> bool:
         """Rank 0, ``auto``: keep the next version's first chunk for the one-off probe."""

@@ -194,7 +194,7 @@ def trainer_main(argv: list[str]) -> int:
         for group in trainer.optimizer.param_groups:  # constant lr per step (no scheduler)
             group["lr"] = float(plan["lr"])
         if plan.get("coding"):  # refit.coding for this step's version (nothing is in flight: synchronous)
-            hook.sender.cfg = dataclasses.replace(hook.sender.cfg, coding=plan["coding"])
+            hook.sender.set_coding(plan["coding"])
         result = trainer.train_step()
         stats = hook.last_stats
         dcr = {"wall_s": marks["committed"] - marks["step_end"], "t_start": marks["step_end"],
