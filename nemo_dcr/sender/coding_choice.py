@@ -51,7 +51,12 @@ projection time, which no coding changes) and keeps, per coding, ``corr[c]`` = E
 model's wall x ``corr[c]``.  A coding not tried yet is projected by the model alone
 (``corr = 1``): where the model runs short, the in-use coding's measured walls are higher than
 what the others are projected at, so the others are tried, once each at most until one
-of them measures better; after that each is compared at its own measured correction.
+of them measures better; after that each is compared at its own measured correction. The
+first version a chooser observes corrects nothing: its wall carries one-off costs of both sides
+(first connections, allocations, caches), and as ``auto`` observes only the versions it codes,
+a coding judged on it was not tried again (issue 34's run of scripts/bench_coding_auto.py:
+context's first version took 4.4 s, its later ones 2.2-2.8 s, and auto kept a 14-16% slower
+coding at every link).
 
 A term whose input is missing (no ack carried decode times) is left out of the max.  To
 stop the choice from flapping between two codings whose projections are within noise, the
@@ -266,9 +271,11 @@ class CodingChooser:
         self.probed = {c: results[c] for c in self.candidates}
 
     def observe(self, obs: VersionObservation) -> None:
-        """Fold one version's measurements in (a version without changes says nothing)."""
+        """Fold one version's measurements in (a version without changes says nothing).  The
+        first version observed corrects no coding's wall (module docstring)."""
         if obs.raw_bytes <= 0 or obs.wire_bytes <= 0:
             return
+        first = self.last is None
         self.last = obs
         a = self.alpha
         share = latency_share(obs.puts)
@@ -292,7 +299,7 @@ class CodingChooser:
         self.ratio_scale = _ewma(self.ratio_scale, (obs.wire_bytes / obs.raw_bytes) / p.ratio, a)
         if obs.rx_decode_s:
             self.rx_scale = _ewma(self.rx_scale, (obs.raw_bytes / obs.rx_decode_s) / p.decode_rate, a)
-        if obs.wall_s and obs.wall_s > 0:
+        if obs.wall_s and obs.wall_s > 0 and not first:
             model = self.project(obs.coding).model_wall_s  # at the rates just folded in
             if model > 0:
                 lo, hi = self.corr_bounds

@@ -262,6 +262,17 @@ def test_measured_walls_correct_the_model_per_coding():
     assert ch2.wall_corr["context"] == pytest.approx(1.0) and ch2.choose("context")[0] == "context"
 
 
+def test_the_first_version_observed_corrects_nothing():
+    """Its wall carries one-off costs (a cold start): folded in, it would keep a coding that
+    is fast later from ever being tried again.  Control: the second version corrects."""
+    ch = CodingChooser(encode_parallel=2)
+    ch.record_probe(PROBE)
+    _observe(ch, "context", wall_s=1e6)
+    assert ch.wall_corr == {} and ch.last is not None
+    _observe(ch, "context", wall_s=1e6)
+    assert ch.wall_corr["context"] == ch.corr_bounds[1]
+
+
 def test_the_correction_is_clamped_and_ignores_versions_without_a_wall():
     ch = _chooser(link_mbps=1000, rx_decode_s=0.08)
     _observe(ch, "plain", wall_s=None)
