@@ -53,6 +53,7 @@ change rate).
     .venv/bin/python scripts/bench_codec.py --pairs 'minilm_lr1e-06' --repeat 1 --out /tmp/codec
     .venv/bin/python scripts/bench_codec.py --replot     # redraw codec.png from codec.json
     .venv/bin/python scripts/bench_codec.py --records 12 --pairs 'minilm_lr1e-06'   # BUCKET vs LANES per record
+    .venv/bin/python scripts/bench_codec.py --simd avx2 --out /tmp/codec_avx2   # as on a CPU without AVX-512
 """
 from __future__ import annotations
 
@@ -306,6 +307,8 @@ def flag_entropies(bits_base: np.ndarray, xor: np.ndarray, shape: tuple[int, ...
 #: The clock the timed rounds read: wall (time.perf_counter) or this process's CPU time
 #: (time.process_time: steadier on a shared machine; every timed call runs on one thread).
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+#: --simd -> _crans.set_simd level
+SIMD_LEVELS = {"best": 2, "avx2": 1, "scalar": 0}
 _clock = time.perf_counter
 
 
@@ -599,7 +602,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: BUCKET vs LANES record by record on each pair's N largest tensors (prints only)")
     ap.add_argument("--clock", choices=sorted(CLOCK), default="wall",
                     help="wall time, or this process's CPU time (steadier on a shared, loaded machine)")
+    ap.add_argument("--simd", choices=sorted(SIMD_LEVELS), default="best",
+                    help="the native coders' CPU paths: the best this CPU has, at most AVX2 (as on a CPU "
+                         "without AVX-512), or scalar; every path writes the same bytes")
     args = ap.parse_args(argv)
+    if bucket.available():
+        bucket._crans.set_simd(SIMD_LEVELS[args.simd])
     global _clock
     _clock = CLOCK[args.clock]
     out = pathlib.Path(args.out)

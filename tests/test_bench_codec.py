@@ -76,3 +76,23 @@ def test_published_formats_round_trip_and_the_check_fails_on_a_mismatch(bc, name
         cast = [(d[0].astype(np.int32), d[1]) for d in decoded]
         with pytest.raises(RuntimeError, match="differ"):
             bc.check_published(fmt, inputs, cast, name)
+
+
+def test_simd_selects_the_coders_cpu_path(bc, tmp_path):
+    """--simd sets the native coders' path before anything is measured (here: no data, exit 2),
+    and refuses a name it does not know."""
+    from nemo_dcr.codec import bucket
+
+    if not bucket.available():
+        pytest.skip("native rANS coder (_crans) not built")
+    crans = bucket._crans
+    prev = crans.simd()
+    try:
+        assert bc.main(["--simd", "scalar", "--data", str(tmp_path)]) == 2
+        assert crans.simd() == "scalar"
+        assert bc.main(["--simd", "avx2", "--data", str(tmp_path)]) == 2
+        assert crans.simd() in ("avx2", "scalar")  # scalar where the CPU has no AVX2
+    finally:
+        crans.set_simd({"scalar": 0, "avx2": 1}.get(prev, 2))
+    with pytest.raises(SystemExit):
+        bc.main(["--simd", "sse9"])
