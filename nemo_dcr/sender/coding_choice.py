@@ -38,7 +38,9 @@ number comes from:
 * receivers, from their acks (``decode_cpu_s``, ``decode_cores``, ``download_s``): the
   slowest receiver's decode wall, expressed relative to the probe's local decode rate of
   the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
-  speed; and its download seconds: per byte ``D1`` what the trainer's puts cost per byte
+  speed, except that a coding the receivers have decoded is projected at its own measured
+  scale (``rx_scale_of``: the probe's one sample chunk can rank the codings' decode speeds
+  unlike the receivers do; issue 34's auto-coding run); and its download seconds: per byte ``D1`` what the trainer's puts cost per byte
   (``U1``; at most the whole download), the rest per request (``D0``).
 
 **Measured correction.**  The model sees each stage's own rate, not what the stages cost each
@@ -247,6 +249,8 @@ class CodingChooser:
     rx_scale: float | None = None
     """The slowest receiver's decode rate (raw bytes per second of decode wall) / the probe's
     local decode rate of the coding it decoded."""
+    rx_scale_of: dict[str, float] = field(default_factory=dict)
+    """The same per coding, from that coding's own versions (EWMA)."""
     wall_corr: dict[str, float] = field(default_factory=dict)
     """Per coding, EWMA of its versions' measured / modelled wall (module docstring)."""
     corr_bounds: tuple[float, float] = (0.25, 4.0)
@@ -298,7 +302,9 @@ class CodingChooser:
             self.enc_scale = _ewma(self.enc_scale, (obs.raw_bytes / obs.encode_cpu_s) / p.encode_rate, a)
         self.ratio_scale = _ewma(self.ratio_scale, (obs.wire_bytes / obs.raw_bytes) / p.ratio, a)
         if obs.rx_decode_s:
-            self.rx_scale = _ewma(self.rx_scale, (obs.raw_bytes / obs.rx_decode_s) / p.decode_rate, a)
+            scale = (obs.raw_bytes / obs.rx_decode_s) / p.decode_rate
+            self.rx_scale = _ewma(self.rx_scale, scale, a)
+            self.rx_scale_of[obs.coding] = _ewma(self.rx_scale_of.get(obs.coding), scale, a)
         if obs.wall_s and obs.wall_s > 0 and not first:
             model = self.project(obs.coding).model_wall_s  # at the rates just folded in
             if model > 0:
@@ -314,7 +320,8 @@ class CodingChooser:
         wire = obs.raw_bytes * p.ratio * (self.ratio_scale or 1.0)
         up = (self.upload_fixed_s or 0.0) + wire * (self.upload_s_per_byte or 0.0)
         down = (self.download_fixed_s or 0.0) + wire * (self.download_s_per_byte or 0.0)
-        dec = obs.raw_bytes / (p.decode_rate * self.rx_scale) if self.rx_scale else 0.0
+        rx = self.rx_scale_of.get(coding, self.rx_scale)
+        dec = obs.raw_bytes / (p.decode_rate * rx) if rx else 0.0
         fill = (enc + up + down + dec) / max(1, obs.chunks)
         return Projection(coding, enc, up, down, dec, fill, self.wall_corr.get(coding, 1.0))
 

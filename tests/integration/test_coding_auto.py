@@ -262,6 +262,35 @@ def test_measured_walls_correct_the_model_per_coding():
     assert ch2.wall_corr["context"] == pytest.approx(1.0) and ch2.choose("context")[0] == "context"
 
 
+def test_a_coding_the_receivers_decoded_is_projected_at_its_own_rate():
+    """The probe's sample can rank decode speeds unlike the receivers: here it rates context's
+    decode 8x slower than plain's, while the receiver decodes context as fast as plain.  Once
+    context has been decoded, plain's slower receiver does not drag context's projection;
+    a coding never decoded still follows the transfer from the codings in use (control: fast)."""
+    probe = {**PROBE, "context": ProbeResult(raw_bytes=PROBE["context"].raw_bytes,
+                                             wire_bytes=PROBE["context"].wire_bytes,
+                                             encode_cpu_s=PROBE["context"].encode_cpu_s,
+                                             decode_cpu_s=8 * PROBE["plain"].decode_cpu_s)}
+    ch = CodingChooser(encode_parallel=2)
+    ch.record_probe(probe)
+    wire = int(RAW * probe["context"].ratio)
+    rx_fast = RAW / probe["plain"].decode_rate  # the receiver: context as fast as the probe's plain
+    ch.observe(VersionObservation(coding="context", raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=wire,
+                                  encode_cpu_s=RAW / probe["context"].encode_rate, upload_wall_s=wire / (6.25 * MB),
+                                  chunks=10, rx_decode_s=rx_fast, rx_download_s=wire / (6.25 * MB)))
+    before = ch.project("context").decode_s
+    assert before == pytest.approx(rx_fast, rel=1e-6)
+    pw = int(RAW * probe["plain"].ratio)
+    for _ in range(3):  # plain's receiver runs 3x slower than the probe's plain
+        ch.observe(VersionObservation(coding="plain", raw_bytes=RAW, raw_bytes_max_rank=RAW // 2, wire_bytes=pw,
+                                      encode_cpu_s=RAW / probe["plain"].encode_rate, upload_wall_s=pw / (6.25 * MB),
+                                      chunks=10, rx_decode_s=3 * RAW / probe["plain"].decode_rate,
+                                      rx_download_s=pw / (6.25 * MB)))
+    assert ch.project("context").decode_s == pytest.approx(before, rel=1e-6)
+    assert ch.project("fast").decode_s == pytest.approx(RAW / (probe["fast"].decode_rate * ch.rx_scale), rel=1e-6)
+    assert ch.rx_scale < ch.rx_scale_of["context"] / 4  # the transfer moved; context's own rate did not
+
+
 def test_the_first_version_observed_corrects_nothing():
     """Its wall carries one-off costs (a cold start): folded in, it would keep a coding that
     is fast later from ever being tried again.  Control: the second version corrects."""
