@@ -213,7 +213,6 @@ def _decode_meta(body: memoryview, limits: ChunkLimits) -> dict[str, str]:
 class _Entry:
     info: RecordInfo
     content_crc: int
-    param: int
     spec: RecordSpec
     """The payload's spec, built once (admission and decoding both read it)."""
 
@@ -281,7 +280,7 @@ def _parse_entry(r: _Reader, limits: ChunkLimits, left: list[int]) -> _Entry:
     info = RecordInfo(name=name, dtype=dtype, shape=shape, op=OP_FROM_CODE[opcode], element_range=(lo, hi),
                       nnz=nnz, coding=coding_e, context=context, payload_bytes=plen)
     spec = RecordSpec(dtype=dtype, shape=shape, op=info.op, lo=lo, hi=hi, nnz=nnz, param=param)
-    return _Entry(info, ccrc, param, spec)
+    return _Entry(info, ccrc, spec)
 
 
 def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray] | None,

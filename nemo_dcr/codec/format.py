@@ -202,6 +202,6 @@ def content_crc(positions: np.ndarray, values: np.ndarray) -> int:
     """Checksum of a record's decoded content (int64 LE positions, then LE values)."""
     if (_LITTLE and positions.dtype == np.int64 and positions.flags.c_contiguous and values.flags.c_contiguous
             and values.dtype.byteorder != ">"):
-        return _crc(values, _crc(positions)) & 0xFFFFFFFF  # the decoders' arrays: no conversion
+        return crc32(positions, values)  # the decoders' arrays: no conversion
     return crc32(np.ascontiguousarray(positions, dtype="<i8"),
                  np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")))

@@ -847,15 +847,11 @@ AVX512 __attribute__((target("bmi2"))) static int lanes_positions_avx512_w2(
             int64_t d = dist[b], T = run[k];
             if (d >= T) { dist[b] = d - T; continue; }
             for (int g = nblk; g < SEGB; g++) pre[k][g] = 0xFFFF; /* never at or below a target */
-            __m512i p0 = _mm512_load_si512((const __m512i *)pre[k]), p1 = _mm512_load_si512((const __m512i *)(pre[k] + 32));
             const int64_t *rb = rk + first[b];
-            int64_t i = idx[b];
+            int64_t i = idx[b], r;
             do {
-                __m512i dv = _mm512_set1_epi16((short)d);
-                int g = __builtin_popcount(_mm512_cmple_epu16_mask(p0, dv)) + __builtin_popcount(_mm512_cmple_epu16_mask(p1, dv));
-                int64_t r = d - (g ? pre[k][g - 1] : 0);
-                uint64_t m = _mm512_cmpeq_epi8_mask(_mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK)), w.bv[k]);
-                segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, m));
+                int g = seg_locate(pre, k, d, &r);
+                segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, seg_mask(ids_s, g, b)));
                 evblk |= 1ull << g;
                 if (++i == nbk[b]) { d = INF; break; }
                 d += rb[i] - rb[i - 1];
