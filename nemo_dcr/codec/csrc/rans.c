@@ -128,6 +128,13 @@ static int (*select_bit)(uint64_t, int64_t) = select_bit_portable;
  * 2 the best this CPU has.  Every path produces the same bytes and arrays (tests/codec/
  * test_simd_paths.py); NEMO_DCR_NO_SIMD=1 (or the older NEMO_DCR_NO_AVX512=1) at import
  * starts at level 0. */
+#if defined(__x86_64__)
+/* The AVX-512 VBMI2 paths can run: AVX-512 on (HAVE_AVX512), VBMI, VBMI2 and BMI2 present. */
+static int cpu_vbmi2(void) {
+    return HAVE_AVX512 && HAVE_BMI2 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2");
+}
+#endif
+
 static void set_paths(int level) {
     HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = HAVE_BMI2 = 0;
     select_bit = select_bit_portable;
@@ -136,9 +143,8 @@ static void set_paths(int level) {
     if (level <= 0) return;
     HAVE_AVX512 = level >= 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
     HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
-    HAVE_VBMI2 = HAVE_AVX512 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
-                 __builtin_cpu_supports("bmi2");
     HAVE_BMI2 = __builtin_cpu_supports("bmi2");
+    HAVE_VBMI2 = cpu_vbmi2();
     if (HAVE_BMI2) select_bit = select_bit_bmi2;
     HAVE_CLMUL = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
@@ -1261,8 +1267,8 @@ AVX512 static uint32_t emax_w2_avx512(const uint16_t *q, Py_ssize_t lo, Py_ssize
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     Py_ssize_t i = lo;
     for (; i + 64 <= hi; i += 64) {
-        _mm_prefetch((const char *)(q + i + 1024), _MM_HINT_T0);
-        _mm_prefetch((const char *)(q + i + 1056), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q + i + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q + i + PF_AHEAD + 32), _MM_HINT_T0);
         __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(q + i)), sh), em);
         __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512((const void *)(q + i + 32)), sh), em);
         a0 = _mm512_mask_max_epu16(a0, _mm512_cmpneq_epu16_mask(e0, em), a0, e0); /* all ones: Inf/NaN */
@@ -1358,8 +1364,7 @@ static PyObject *py_set_vbmi2(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
 #if defined(__x86_64__)
-    HAVE_VBMI2 = on && HAVE_AVX512 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2") &&
-                 HAVE_BMI2;
+    HAVE_VBMI2 = on && cpu_vbmi2();
 #endif
     return PyBool_FromLong(HAVE_VBMI2);
 }
