@@ -40,8 +40,9 @@ number comes from:
   the coding in use (``rx_scale``: EWMA), so other codings scale by their local decode
   speed, except that a coding the receivers have decoded is projected at its own measured
   scale (``rx_scale_of``: the probe's one sample chunk can rank the codings' decode speeds
-  unlike the receivers do; issue 34's auto-coding run); and its download seconds: per byte ``D1`` what the trainer's puts cost per byte
-  (``U1``; at most the whole download), the rest per request (``D0``).
+  unlike the receivers do; issue 34's auto-coding run); and its download seconds: per byte
+  ``D1`` what the trainer's puts cost per byte (``U1``; at most the whole download), the rest
+  per request (``D0``).
 
 **Measured correction.**  The model sees each stage's own rate, not what the stages cost each
 other: where the trainer ranks, the receivers and the store share cores (a test bed on one
