@@ -34,12 +34,12 @@ def check_payload_size(spec: RecordSpec, coding: Coding, payload_len: int) -> No
 MODEL_TRIAL_MAX_RANGE = 1 << 14
 
 #: Context-mode records of at least this many changed elements (and ``LANES_MIN_RANGE`` elements
-#: of range) are coded LANES alone by default: it decodes 2-4x faster than BUCKET there (issue
-#: 34's vector walks) and encodes faster; below, its static tables' bytes show.  From 2^12
-#: (was 2^13) the mid-size matrices of the benchmark models go LANES: context chunks 0-0.8%
-#: larger (0.648x the bound at most, scratch 1.35%), decoded 3-35% faster (docs/benchmarks.md
-#: "Codec").  Context-free, LANES decodes faster but encodes slower than BUCKET, so BUCKET
-#: stays.
+#: of range) are coded LANES alone by default: whole chunks of it decode 1.3-2.2x faster than
+#: BUCKET's in context mode (issue 34's vector walks; benchmarks/results/codec.json) and encode
+#: faster; below, its static tables' bytes show.  From 2^12 (was 2^13) the mid-size matrices of
+#: the benchmark models go LANES: context chunks 0-0.8% larger, 0.648x the bound at most
+#: (docs/benchmarks.md "Codec").  Context-free, LANES decodes faster but encodes slower than
+#: BUCKET, so BUCKET stays.
 LANES_MIN_NNZ = 1 << 12
 LANES_MIN_RANGE = 1 << 14
 
