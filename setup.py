@@ -27,6 +27,6 @@ setup(
         # rans.c includes lanes.c (coding 5, LANES), which shares its scan and bit I/O
         Extension("nemo_dcr.codec._crans", ["nemo_dcr/codec/csrc/rans.c"],
                   depends=_RECORD_H + ["nemo_dcr/codec/csrc/lanes.c", "nemo_dcr/codec/csrc/crc32.h",
-                                       "nemo_dcr/codec/csrc/segcount.h"], **_COMMON),
+                                       "nemo_dcr/codec/csrc/segcount.h", "nemo_dcr/codec/csrc/segwalk.h"], **_COMMON),
     ]
 )

@@ -298,7 +298,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
                                     f"for it is {b.dtype}[{b.size}]")
     lo, hi = info.element_range
     try:
-        pos, val = decode_payload(e.spec, info.coding, payload, b, states)
+        pos, val = decode_payload(e.spec, info.coding, payload, b, states, size_checked=True)  # by _admit
     except ChunkFormatError as err:
         raise type(err)(f"record {name!r}: {err}") from None
     if pos.size != info.nnz or val.size != info.nnz:
@@ -310,7 +310,7 @@ def _decode_record(e: _Entry, payload: memoryview, base: Mapping[str, np.ndarray
         )
     try:
         return TensorDelta(name=name, dtype=info.dtype, shape=info.shape, op=info.op, positions=pos, values=val,
-                           element_range=(lo, hi), _ordered=info.coding is Coding.LANES)
+                           element_range=(lo, hi), _ordered=True)  # every row's decode: codec/codings.py
     except ValidationError as err:  # TensorDelta's own checks (a decoder's output it refuses)
         raise ChunkFormatError(str(err)) from None
 

@@ -10,6 +10,12 @@ directory's parameter byte, whether it shares adaptive state with the chunk's ea
 records of its (dtype, mode) (``stateful``: such records decode in order), and whether it
 reads the record's base range even without context (``always_scans``).
 ``docs/wire-format.md`` specifies each.
+
+Every row's ``decode`` returns positions strictly increasing inside the record's range, by
+construction (the native coders: gaps of at least 1, walks in range order, each checked
+against the range; DENSE_RAW: the nonzero elements in order) or by a check (the sparse raw
+codings), so the chunk decoder builds its ``TensorDelta`` without that O(nnz) pass again
+(``tests/codec/test_codings_table.py`` holds each row to it on hostile payloads).
 """
 from __future__ import annotations
 

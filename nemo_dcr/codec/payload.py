@@ -91,9 +91,13 @@ def encode_payload(spec: RecordSpec, positions: np.ndarray, values: np.ndarray,
 
 
 def decode_payload(spec: RecordSpec, coding: Coding, payload: memoryview,
-                   base: np.ndarray | None, states: model.ModelStates) -> tuple[np.ndarray, np.ndarray]:
-    """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError."""
-    check_payload_size(spec, coding, len(payload))
+                   base: np.ndarray | None, states: model.ModelStates,
+                   size_checked: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(positions int64, values BITS_DTYPE) of a record; raises ChunkFormatError.
+    ``size_checked``: the caller ran ``check_payload_size`` on this spec and length already
+    (the chunk decoder does, for every record, before decoding any)."""
+    if not size_checked:
+        check_payload_size(spec, coding, len(payload))
     r = CODINGS[coding]
     if not r.available():
         raise ChunkFormatError(f"record needs {r.native}, not built")

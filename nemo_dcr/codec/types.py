@@ -65,11 +65,14 @@ class TensorDelta:
     _ordered: InitVar[bool] = False
 
     def __post_init__(self, _ordered: bool = False) -> None:
+        # Decoders build one of these per record (tens of thousands per MoE version): the
+        # checks below are C-level calls where they can be, no generator per field.
         if self.dtype not in BITS_DTYPE:
             raise ValidationError(f"{self.name}: unsupported dtype {self.dtype!r}")
-        if any(int(s) < 0 for s in self.shape):
+        shape = tuple(map(int, self.shape))
+        if shape and min(shape) < 0:
             raise ValidationError(f"{self.name}: negative dimension in shape {self.shape}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "shape", shape)
         if not isinstance(self.op, DeltaOp):
             object.__setattr__(self, "op", DeltaOp(self.op))
         pos = np.asarray(self.positions)
@@ -83,7 +86,7 @@ class TensorDelta:
         want = BITS_DTYPE[self.dtype]
         if val.dtype != want:
             raise ValidationError(f"{self.name}: values for {self.dtype} must be {want}, got {val.dtype}")
-        numel = self.numel
+        numel = math.prod(shape)
         lo, hi = self.element_range if self.element_range is not None else (0, numel)
         if not (0 <= lo <= hi <= numel):
             raise ValidationError(f"{self.name}: element_range {(lo, hi)} outside [0, {numel}]")

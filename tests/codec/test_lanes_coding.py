@@ -183,6 +183,41 @@ def test_avx512_without_vbmi2_gives_the_same_bytes_and_arrays():
         _crans.set_vbmi2(True)
 
 
+def test_portable_bit_select_gives_the_same_bytes_and_arrays():
+    """On AMD before Zen 3 (pdep microcoded) the walks select bits with the portable select:
+    LANES and BUCKET give the same bytes and arrays with it as with pdep (skipped without BMI2:
+    then the portable select is the only one)."""
+    prev = _crans.simd()
+    if not _crans.set_pdep(True):
+        pytest.skip("this CPU has no BMI2, or this process runs the scalar paths")
+    rng = np.random.default_rng(13)
+    n = 150_000
+    base = random_bits(rng, "bfloat16", n)
+    try:
+        for frac, lo, hi in ((0.02, 0, n), (0.3, 61, n - 3)):
+            idx, vals = _record(rng, "bfloat16", frac, XOR, lo=lo, hi=hi, small=False)
+            args = _args("bfloat16", base, lo, hi, XOR)
+            got = []
+            for on in (True, False):
+                assert _crans.set_pdep(on) is on  # control: the runs use different selects
+                lanes_payload = _crans.lanes_encode(idx, vals, base, *args)
+                st = np.empty(_crans.MODEL_BYTES, dtype=np.uint8)
+                _crans.model_init(st, 2, 1)
+                bucket_payload = _crans.encode(st, idx, vals, base, *args)
+                _crans.model_init(st, 2, 1)
+                p, v = np.empty(idx.size, np.int64), np.empty(idx.size, vals.dtype)
+                _crans.decode(st, bucket_payload, idx.size, base, *args, p, v)
+                got.append((lanes_payload, bucket_payload, *_native_decode(lanes_payload, idx.size, base, args), p, v))
+            assert got[0][:2] == got[1][:2]
+            for _, _, pos, val, p, v in got:
+                assert np.array_equal(pos, idx) and np.array_equal(val, vals)
+                assert np.array_equal(p, idx) and np.array_equal(v, vals)
+    finally:  # this process's paths again, with this CPU's select
+        for level in (2, 1, 0):
+            if _crans.set_simd(level) == prev:
+                break
+
+
 def test_chunks_round_trip_bit_exact_with_negative_control():
     rng = np.random.default_rng(6)
     n = 50_000

@@ -215,15 +215,20 @@ typedef struct {
 } LDec;
 
 static uint32_t LANES_PERM[256][8]; /* AVX2 renormalisation: lane i takes word popcount(mask & (2^i - 1)) */
+/* AVX2 encoder: the lanes of mask m, ascending, into the top popcount(m) of 8 lanes */
+static uint32_t LANES_PACK[256][8];
 
 static void lanes_init_tables(void) {
     lanes_init_arena();
     for (int m = 0; m < 256; m++) {
-        int c = 0;
+        int c = 0, t = 8 - __builtin_popcount((unsigned)m);
         for (int i = 0; i < 8; i++) {
             LANES_PERM[m][i] = (uint32_t)c;
             c += (m >> i) & 1;
         }
+        for (int i = 0; i < 8; i++) LANES_PACK[m][i] = 0;
+        for (int i = 0; i < 8; i++)
+            if ((m >> i) & 1) LANES_PACK[m][t++] = (uint32_t)i;
     }
 }
 
@@ -338,6 +343,48 @@ AVX512 __attribute__((target("avx512vl,avx512vbmi2"))) static uint16_t *lanes_pu
 }
 #endif
 
+#if defined(__x86_64__)
+/* 8 lanes of lanes_put_avx512 (h: which 8), on AVX2: the words of the renormalising lanes are
+ * packed into the top of a vector (LANES_PACK) and stored as 8 words ending at p, so the words
+ * below the packed ones are written but not kept (the next store, or the final states, writes
+ * over them; the buffer has 8 words of slack); x / f in double after a signed conversion of
+ * x - 2^31 (AVX2 converts no unsigned 32-bit integer).  Returns the new p. */
+AVX2B static inline uint16_t *lanes_put8_avx2(const uint32_t *fc, __m256i *X, uint16_t *p) {
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF), h31 = _mm256_set1_epi32((int)0x80000000u);
+    const __m256d two31 = _mm256_set1_pd(2147483648.0);
+    __m256i x = *X, fcv = _mm256_loadu_si256((const __m256i *)fc);
+    __m256i f = _mm256_srli_epi32(fcv, 16), c = _mm256_and_si256(fcv, lo16);
+    __m256i lim = _mm256_slli_epi32(f, 32 - PB);
+    __m256i e = _mm256_cmpeq_epi32(_mm256_max_epu32(x, lim), x); /* x >= f 2^20, unsigned */
+    int m = _mm256_movemask_ps(_mm256_castsi256_ps(e)), cnt = __builtin_popcount((unsigned)m);
+    __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x, lo16), _mm256_loadu_si256((const __m256i *)LANES_PACK[m]));
+    w = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+    _mm_storeu_si128((__m128i *)(p - 8), _mm256_castsi256_si128(w));
+    p -= cnt;
+    __m256i xs = _mm256_blendv_epi8(x, _mm256_srli_epi32(x, 16), e);
+    __m256i xb = _mm256_xor_si256(xs, h31); /* xs - 2^31 as a signed integer */
+    __m256d q0 = _mm256_div_pd(_mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(xb)), two31),
+                               _mm256_cvtepi32_pd(_mm256_castsi256_si128(f)));
+    __m256d q1 = _mm256_div_pd(_mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(xb, 1)), two31),
+                               _mm256_cvtepi32_pd(_mm256_extracti128_si256(f, 1)));
+    __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvttpd_epi32(q0)), _mm256_cvttpd_epi32(q1), 1);
+    *X = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, PB), _mm256_sub_epi32(xs, _mm256_mullo_epi32(q, f))), c);
+    return p;
+}
+
+/* lanes_put_avx512's whole groups on AVX2: lanes 8-15 (their words go above lanes 0-7's). */
+AVX2B static uint16_t *lanes_put_avx2(const uint32_t *fc, int64_t i, uint32_t *x, uint16_t *p) {
+    __m256i X0 = _mm256_loadu_si256((const __m256i *)x), X1 = _mm256_loadu_si256((const __m256i *)(x + 8));
+    for (; i >= 0; i -= LN) {
+        p = lanes_put8_avx2(fc + i - 7, &X1, p);
+        p = lanes_put8_avx2(fc + i - 15, &X0, p);
+    }
+    _mm256_storeu_si256((__m256i *)x, X0);
+    _mm256_storeu_si256((__m256i *)(x + 8), X1);
+    return p;
+}
+#endif
+
 /* Encode; returns 0 (res filled) or -1 on allocation failure. */
 static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_t *vals, int64_t nnz, Coded *res) {
     int rc = -1;
@@ -349,7 +396,7 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
     uint8_t *bk = (uint8_t *)work_take(&wk, nz);
     int64_t *rank = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
     uint64_t *basev = (uint64_t *)work_take(&wk, nz * sizeof(uint64_t));
-    int64_t *order = (int64_t *)work_take(&wk, nz * sizeof(int64_t));
+    int64_t *rko = (int64_t *)work_take(&wk, nz * sizeof(int64_t)); /* the ranks in bucket order */
     uint8_t *hs = (uint8_t *)work_take(&wk, nz);
     uint8_t *ts = (uint8_t *)work_take(&wk, nz);
     uint32_t *fc = (uint32_t *)work_take(&wk, 3 * nz * sizeof(uint32_t)); /* freq << 16 | cum, symbol order */
@@ -363,18 +410,19 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         (void)rank; /* context-free: the rank is pos - lo, read through RK below */
         active = nnz ? 1u : 0u;
     }
-    /* bucket order: a counting sort on the bucket, stable (rank order within a bucket) */
+    /* bucket order: a counting sort on the bucket, stable (rank order within a bucket), of the
+     * ranks themselves (scattered once, then read in order by the passes below) */
     int64_t nb[NB] = {0}, at[NB];
     if (P->context) {
         for (int64_t j = 0; j < nnz; j++) nb[bk[j]]++;
         at[0] = 0;
         for (int b = 1; b < NB; b++) at[b] = at[b - 1] + nb[b - 1];
-        for (int64_t j = 0; j < nnz; j++) order[at[bk[j]]++] = j;
+        for (int64_t j = 0; j < nnz; j++) rko[at[bk[j]]++] = rank[j];
     } else {
         nb[0] = nnz; /* one bucket, in position order */
     }
     /* rank of the e-th element in bucket order */
-#define RK(e) (P->context ? rank[order[e]] : pos[e] - P->lo)
+#define RK(e) (P->context ? rko[e] : pos[e] - P->lo)
     /* Rice parameter per bucket: the least k with n_b 2^(k+2) >= sum of u */
     int kb[NB];
     uint64_t cq[NB][QA], ch[NB][MAXA], ct[MAXW + 1][1 << TOPB];
@@ -557,6 +605,9 @@ static int lanes_encode_record(const Params *P, const int64_t *pos, const uint8_
         if (HAVE_VBMI2) {
             p = lanes_put_avx512(fc, i, x, p);
             i = -1;
+        } else if (HAVE_AVX2) {
+            p = lanes_put_avx2(fc, i, x, p);
+            i = -1;
         }
 #endif
         for (; i >= 0; i -= LN) { /* whole groups, lanes 15 .. 0, unrolled: lane indices are constants */
@@ -652,241 +703,6 @@ __attribute__((noinline)) static int lanes_positions(const Params *P, uint32_t a
     return (left || found != nnz) ? -1 : 0;
 }
 
-#if defined(__x86_64__)
-/* lanes_positions for 2-byte float bases on AVX2, with the walk fused into the block scan:
- * each 64-element block's bucket ids become two 32-byte vectors, and for each bucket between
- * the block's least and greatest id that still has ranks to place, one compare gives its
- * mask there; the bucket's distance to its next target rank either falls inside the block
- * (select the element, advance to the next rank) or shrinks by the mask's count.  Blocks go
- * in order, so positions come out in order; no per-segment bitmaps are stored or walked
- * again.  Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
-AVX2 static int lanes_positions_avx2_w2(const Params *P, uint32_t active, const int64_t *rk, const int64_t *first,
-                                        const int64_t *nbk, int64_t nnz, int64_t *pos, uint8_t *bko,
-                                        uint64_t *basev) {
-    const __m128i sh = _mm_cvtsi32_si128(P->eshift);
-    const __m256i emask = _mm256_set1_epi16((short)((1u << P->ebits) - 1));
-    const __m256i elo = _mm256_set1_epi16((short)P->e_lo);
-    const __m256i top = _mm256_set1_epi16(NB - 1);
-    const uint16_t *base = (const uint16_t *)P->base;
-    int64_t dist[NB], idx[NB];
-    for (int b = 0; b < NB; b++) {
-        idx[b] = 0;
-        dist[b] = (active >> b & 1) ? rk[first[b]] : 0; /* rank of the next target minus b's elements passed */
-    }
-    uint32_t left = active;
-    int64_t found = 0;
-    for (int64_t s = P->lo; s < P->hi && left; s += BLK) {
-        __m256i b0, b1;
-        uint64_t valid = ~0ull;
-        if (P->hi - s >= BLK) {
-            __m256i q[4];
-            for (int k = 0; k < 4; k++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(base + s + 16 * k));
-                __m256i e = _mm256_and_si256(_mm256_srl_epi16(v, sh), emask);
-                q[k] = _mm256_min_epu16(_mm256_subs_epu16(e, elo), top);
-            }
-            b0 = pack16_8(q[0], q[1]);
-            b1 = pack16_8(q[2], q[3]);
-        } else { /* the partial last block: ids element by element, 255 past the end */
-            uint8_t ids[BLK];
-            int n = (int)(P->hi - s);
-            for (int j = 0; j < BLK; j++) ids[j] = j < n ? (uint8_t)bucket_of(P, base[s + j]) : 255;
-            b0 = _mm256_loadu_si256((const __m256i *)ids);
-            b1 = _mm256_loadu_si256((const __m256i *)(ids + 32));
-            valid = (1ull << n) - 1;
-        }
-        /* least id in the low lane, 255 - greatest in the high lane (255 padding excluded by
-         * the min; the max may be 255, which only widens the range) */
-        __m256i mn = _mm256_min_epu8(b0, b1);
-        __m256i nx = _mm256_xor_si256(_mm256_max_epu8(b0, b1), _mm256_set1_epi8(-1));
-        __m128i l = _mm_min_epu8(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
-        __m128i h = _mm_min_epu8(_mm256_castsi256_si128(nx), _mm256_extracti128_si256(nx, 1));
-        __m256i r = _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
-        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 8));
-        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 4));
-        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 2));
-        r = _mm256_min_epu8(r, _mm256_srli_si256(r, 1));
-        int lo = _mm256_extract_epi8(r, 0) & 0xFF, hi = 255 - (_mm256_extract_epi8(r, 16) & 0xFF);
-        if (hi > NB - 1) hi = NB - 1;
-        uint32_t want = left & (uint32_t)(((2ull << hi) - 1) & ~((1ull << lo) - 1));
-        uint64_t ev = 0;
-        for (; want; want &= want - 1) {
-            int b = __builtin_ctz(want);
-            __m256i bv = _mm256_set1_epi8((char)b);
-            uint64_t m = ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b0, bv)) |
-                          (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(b1, bv)) << 32) & valid;
-            int64_t c = __builtin_popcountll(m), d = dist[b];
-            if (d >= c) { dist[b] = d - c; continue; }
-            const int64_t *rb = rk + first[b];
-            int64_t i = idx[b];
-            while (d < c) {
-                ev |= 1ull << select_bit(m, d);
-                if (++i == nbk[b]) { left &= ~(1u << b); break; }
-                d += rb[i] - rb[i - 1];
-            }
-            idx[b] = i;
-            dist[b] = d - c;
-        }
-        for (; ev; ev &= ev - 1) {
-            int64_t at = s + __builtin_ctzll(ev);
-            if (found >= nnz) return -1;
-            basev[found] = base[at];
-            bko[found] = (uint8_t)bucket_of(P, basev[found]);
-            pos[found++] = at;
-        }
-    }
-    return (left || found != nnz) ? -1 : 0;
-}
-#endif
-
-#if defined(__x86_64__)
-/* Step 4 of lanes_positions_avx512_w2: a segment's targets (bit j of segev[g]: element
- * s0 + 64 g + j; evblk: the blocks with any) in range order into pos, bko (their buckets, from
- * ids_s) and bv16 (their base bits), from `found`, clearing segev; returns the new count, or
- * -1 past nnz.  With VBMI2 each block's outputs are compressed out of its vectors in a few
- * whole-vector stores (bko, bv16 have 64 bytes of slack; pos gets a masked store at its end);
- * without it, element by element. */
-typedef int64_t (*EmitFn)(const Params *, int64_t, uint64_t, uint64_t *, const uint8_t *, int64_t, int64_t, int64_t *,
-                          uint8_t *, uint16_t *);
-
-static int64_t emit_scalar(const Params *P, int64_t s0, uint64_t evblk, uint64_t *segev, const uint8_t *ids_s,
-                           int64_t found, int64_t nnz, int64_t *pos, uint8_t *bko, uint16_t *bv16) {
-    const uint16_t *base = (const uint16_t *)P->base;
-    for (; evblk; evblk &= evblk - 1) {
-        int g = __builtin_ctzll(evblk);
-        uint64_t ev = segev[g];
-        segev[g] = 0;
-        if (__builtin_popcountll(ev) > nnz - found) return -1;
-        int64_t s = s0 + (int64_t)g * BLK;
-        for (; ev; ev &= ev - 1) {
-            int j = __builtin_ctzll(ev);
-            pos[found] = s + j;
-            bv16[found] = base[s + j];
-            bko[found++] = ids_s[(size_t)g * BLK + (size_t)j];
-        }
-    }
-    return found;
-}
-
-AVX512 __attribute__((target("bmi2,avx512vbmi,avx512vbmi2"))) static int64_t emit_vbmi2(
-    const Params *P, int64_t s0, uint64_t evblk, uint64_t *segev, const uint8_t *ids_s, int64_t found, int64_t nnz,
-    int64_t *pos, uint8_t *bko, uint16_t *bv16) {
-    const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
-                                         43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25,
-                                         24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                         3, 2, 1, 0);
-    const uint16_t *base = (const uint16_t *)P->base;
-    for (; evblk; evblk &= evblk - 1) {
-        int g = __builtin_ctzll(evblk);
-        uint64_t ev = segev[g];
-        segev[g] = 0;
-        int c = __builtin_popcountll(ev), c0 = __builtin_popcount((uint32_t)ev);
-        if (c > nnz - found) return -1;
-        int64_t s = s0 + (int64_t)g * BLK;
-        __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
-        _mm512_storeu_si512((void *)(bko + found), _mm512_maskz_compress_epi8(ev, ids));
-        __m512i offs = _mm512_maskz_compress_epi8(ev, iota);
-        const __m512i sv = _mm512_set1_epi64(s);
-        for (int t = 0; t < c; t += 8) { /* 8 positions per store; more than 8 is rare below 12% changed */
-            __m512i o = t ? _mm512_permutexvar_epi8(_mm512_add_epi8(iota, _mm512_set1_epi8((char)t)), offs) : offs;
-            __m512i p = _mm512_add_epi64(_mm512_cvtepu8_epi64(_mm512_castsi512_si128(o)), sv);
-            if (found + t + 8 <= nnz)
-                _mm512_storeu_si512((void *)(pos + found + t), p);
-            else
-                _mm512_mask_storeu_epi64(pos + found + t, (__mmask8)_bzhi_u32(0xFF, (unsigned)(c - t)), p);
-        }
-        __m512i w0 = _mm512_maskz_loadu_epi16((__mmask32)ev, base + s);
-        __m512i w1 = _mm512_maskz_loadu_epi16((__mmask32)(ev >> 32), base + s + 32);
-        _mm512_storeu_si512((void *)(bv16 + found), _mm512_maskz_compress_epi16((__mmask32)ev, w0));
-        _mm512_storeu_si512((void *)(bv16 + found + c0), _mm512_maskz_compress_epi16((__mmask32)(ev >> 32), w1));
-        found += c;
-    }
-    return found;
-}
-
-/* lanes_positions for 2-byte float bases with AVX-512BW, a segment (64 blocks of 64) at a
- * time and branch-light:
- *   1. each block's bucket ids (one 64-byte vector, kept for the segment) and, for each of the
- *      top WIN active buckets (a window fixed per record, from the highest active bucket
- *      down), its running count at the block's end: one compare into a mask register and a
- *      popcount, unrolled, no branch;
- *   2. per window bucket with a target rank inside the segment, each such target's block is
- *      the number of running counts not above it (two vector compares), and its element one
- *      bit select in that block's mask;
- *   3. active buckets below the window (the smallest magnitudes: rare) walk only the blocks
- *      that hold an id below it;
- *   4. the targets, marked in a bitmap of the segment, come out in range order (`emit`:
- *      emit_vbmi2 where the CPU has AVX-512 VBMI2, Ice Lake and Zen 4, else emit_scalar).
- *      The base bits go out as 16-bit words (bv16), not lanes_positions' u64.
- * Same arrays as lanes_positions (tests/codec/test_lanes_coding.py). */
-AVX512 __attribute__((target("bmi2"))) static int lanes_positions_avx512_w2(
-    const Params *P, uint32_t active, const int64_t *rk, const int64_t *first, const int64_t *nbk, int64_t nnz,
-    int64_t *pos, uint8_t *bko, uint16_t *bv16, EmitFn emit) {
-    const int64_t INF = INT64_MAX / 2; /* a bucket with no rank left */
-    if (!active) return nnz ? -1 : 0;
-    int64_t dist[NB], idx[NB]; /* rank of b's next target minus b's elements passed; b's next target */
-    for (int b = 0; b < NB; b++) {
-        dist[b] = (active >> b & 1) ? rk[first[b]] : INF;
-        idx[b] = 0;
-    }
-    Win w;
-    win_init(&w, active);
-    const int wlo = w.wlo, wn = w.wn;
-    const uint32_t below = w.below;
-    _Alignas(64) uint8_t ids_s[SEG];
-    _Alignas(64) uint16_t pre[WIN][SEGB]; /* running count at each block's end */
-    uint64_t segev[SEGB];
-    memset(segev, 0, sizeof(segev));
-    int64_t found = 0;
-    for (int64_t s0 = P->lo; s0 < P->hi && found < nnz; s0 += SEG) {
-        int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
-        uint32_t run[WIN];
-        uint64_t evblk = 0, lowblk = seg_counts_w2(P, &w, s0, nblk, ids_s, pre, run); /* 1 */
-        for (int k = 0; k < wn; k++) { /* 2 */
-            int b = wlo + k;
-            int64_t d = dist[b], T = run[k];
-            if (d >= T) { dist[b] = d - T; continue; }
-            for (int g = nblk; g < SEGB; g++) pre[k][g] = 0xFFFF; /* never at or below a target */
-            const int64_t *rb = rk + first[b];
-            int64_t i = idx[b], r;
-            do {
-                int g = seg_locate(pre, k, d, &r);
-                segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, seg_mask(ids_s, g, b)));
-                evblk |= 1ull << g;
-                if (++i == nbk[b]) { d = INF; break; }
-                d += rb[i] - rb[i - 1];
-            } while (d < T);
-            idx[b] = i;
-            dist[b] = d - T;
-        }
-        if (below) /* 3 */
-            for (uint64_t lw = lowblk; lw; lw &= lw - 1) {
-                int g = __builtin_ctzll(lw);
-                __m512i ids = _mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK));
-                for (uint32_t pr = below; pr; pr &= pr - 1) {
-                    int b = __builtin_ctz(pr);
-                    uint64_t m = _mm512_cmpeq_epi8_mask(ids, _mm512_set1_epi8((char)b));
-                    int64_t c = __builtin_popcountll(m), d = dist[b];
-                    if (d >= c) { dist[b] = d - c; continue; }
-                    const int64_t *rb = rk + first[b];
-                    int64_t i = idx[b];
-                    do {
-                        segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << d, m));
-                        if (++i == nbk[b]) { d = INF; break; }
-                        d += rb[i] - rb[i - 1];
-                    } while (d < c);
-                    evblk |= 1ull << g;
-                    idx[b] = i;
-                    dist[b] = d - c;
-                }
-            }
-        found = emit(P, s0, evblk, segev, ids_s, found, nnz, pos, bko, bv16); /* 4 */
-        if (found < 0) return -1;
-    }
-    return found == nnz ? 0 : -1;
-}
-#undef WIN
-#endif
 
 #if defined(__x86_64__)
 /* The values of a context-mode record of 16-bit floats, 16 at a time (n a multiple of 16):
@@ -924,6 +740,43 @@ AVX512 static uint64_t values16_avx512(const uint8_t *hs, const uint16_t *bv16, 
         bp += (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(ps, 3), 3);
     }
     *zx |= z != 0;
+    return bp;
+}
+#endif
+
+#if defined(__x86_64__)
+/* values16_avx512 with 8 lanes per AVX2 vector (n a multiple of 8): the same arithmetic, the
+ * prefix sum across the two 128-bit halves by a broadcast of the low half's last sum, the
+ * float-order flips by blends. */
+AVX2B static uint64_t values16_avx2(const uint8_t *hs, const uint16_t *bv16, int64_t n, const uint8_t *rb, uint64_t bp,
+                                    uint16_t *out, uint32_t xo, uint32_t *zx) {
+    const __m256i one = _mm256_set1_epi32(1), m16 = _mm256_set1_epi32(0xFFFF), top = _mm256_set1_epi32(0x8000);
+    const __m256i zero = _mm256_setzero_si256(), xov = _mm256_set1_epi32((int)xo), seven = _mm256_set1_epi32(7);
+    __m256i z = zero;
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hs + j)));
+        __m256i ps = _mm256_add_epi32(h, _mm256_slli_si256(h, 4)); /* inclusive prefix sum in each half */
+        ps = _mm256_add_epi32(ps, _mm256_slli_si256(ps, 8));
+        __m256i lo3 = _mm256_shuffle_epi32(ps, 0xFF); /* each half's last sum, in all its lanes */
+        ps = _mm256_add_epi32(ps, _mm256_permute2x128_si256(lo3, lo3, 0x08)); /* high half += low half's */
+        __m256i st = _mm256_add_epi32(_mm256_sub_epi32(ps, h), _mm256_set1_epi32((int)(bp & 7)));
+        __m256i g = _mm256_i32gather_epi32((const int *)(rb + (bp >> 3)), _mm256_srli_epi32(st, 3), 1);
+        __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(g, _mm256_and_si256(st, seven)),
+                                        _mm256_sub_epi32(_mm256_sllv_epi32(one, h), one));
+        __m256i mag = _mm256_or_si256(_mm256_srli_epi32(bits, 1), _mm256_sllv_epi32(one, _mm256_sub_epi32(h, one)));
+        __m256i neg = _mm256_sub_epi32(zero, _mm256_and_si256(bits, one));
+        __m256i k = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
+        __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(bv16 + j)));
+        __m256i bneg = _mm256_cmpeq_epi32(_mm256_and_si256(b, top), top);
+        __m256i o = _mm256_and_si256(_mm256_add_epi32(_mm256_xor_si256(b, _mm256_blendv_epi8(top, m16, bneg)), k), m16);
+        __m256i oneg = _mm256_cmpeq_epi32(_mm256_and_si256(o, top), top);
+        __m256i v = _mm256_xor_si256(_mm256_xor_si256(o, _mm256_blendv_epi8(m16, top, oneg)), _mm256_and_si256(b, xov));
+        z = _mm256_or_si256(z, _mm256_cmpeq_epi32(v, zero));
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+        _mm_storeu_si128((__m128i *)(out + j), _mm256_castsi256_si128(p));
+        bp += (uint32_t)_mm256_extract_epi32(ps, 7);
+    }
+    *zx |= !_mm256_testz_si256(z, z);
     return bp;
 }
 #endif
@@ -1076,14 +929,14 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
     if (P->context) {
         int rp;
 #if defined(__x86_64__)
-        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
-            rp = lanes_positions_avx512_w2(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev,
-                                           HAVE_VBMI2 ? emit_vbmi2 : emit_scalar);
+        if (seg_isa(P) == 2) {
+            rp = lanes_positions_w2_512(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev,
+                                        HAVE_VBMI2 ? emit_vbmi2 : emit_scalar);
             bv16 = (const uint16_t *)basev;
-        }
-        else if (HAVE_AVX2 && P->width == 2 && P->ebits)
-            rp = lanes_positions_avx2_w2(P, active, rk, first, nbk, nnz, pos, bko, basev);
-        else
+        } else if (seg_isa(P) == 1) {
+            rp = lanes_positions_w2_256(P, active, rk, first, nbk, nnz, pos, bko, (uint16_t *)basev, emit_scalar);
+            bv16 = (const uint16_t *)basev;
+        } else
 #endif
             rp = lanes_positions(P, active, rk, first, nbk, nnz, pos, bko, basev, bm);
         if (rp < 0) goto out;
@@ -1136,6 +989,9 @@ static int lanes_decode_record(const Params *P, const uint8_t *buf, size_t len, 
         if (HAVE_AVX512 && bv16) {
             j = nnz & ~(int64_t)15;
             bp = values16_avx512(hs, bv16, j, rb, bp, out16, xo, &zx);
+        } else if (HAVE_AVX2 && bv16) {
+            j = nnz & ~(int64_t)7;
+            bp = values16_avx2(hs, bv16, j, rb, bp, out16, xo, &zx);
         }
 #endif
         for (; j < nnz; j++) {

@@ -45,8 +45,9 @@
  * encoder's initial 2^16, that every rANS and raw byte is consumed and that padding is zero.
  *
  * Both entry points release the GIL; a scan over base bits uses AVX-512BW or else AVX2 where
- * the CPU has it (2- and 4-byte float dtypes), a scalar loop otherwise: all produce the same
- * bytes (set_simd picks one, for tests and benchmarks).
+ * the CPU has it (2- and 4-byte float dtypes; for 2-byte ones with BMI2, segcount.h's segment
+ * pass and segwalk.h's walks), a scalar loop otherwise: all produce the same bytes (set_simd
+ * picks one, for tests and benchmarks).
  */
 #include "record.h"
 #include <stdint.h>
@@ -100,6 +101,7 @@ typedef struct {
 static uint64_t RCP_M[PTOT + 1];
 static uint8_t RCP_S[PTOT + 1];
 static int HAVE_AVX512 = 0, HAVE_AVX2 = 0, HAVE_VBMI2 = 0, HAVE_BMI2 = 0; /* VBMI2: AVX-512 byte/word compress (Ice Lake, Zen 4) */
+static int FAST_PDEP = 0; /* pdep is one instruction: BMI2, and not AMD before Zen 3 (microcoded there, hundreds of cycles) */
 
 /* j-th (0-based) set bit of m; m has more than j set bits.  Branch-free: an event's
  * place in its mask is as good as random, so a branchy search mispredicts. */
@@ -136,7 +138,7 @@ static int cpu_vbmi2(void) {
 #endif
 
 static void set_paths(int level) {
-    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = HAVE_BMI2 = 0;
+    HAVE_AVX512 = HAVE_AVX2 = HAVE_CLMUL = HAVE_VBMI2 = HAVE_BMI2 = FAST_PDEP = 0;
     select_bit = select_bit_portable;
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -145,7 +147,8 @@ static void set_paths(int level) {
     HAVE_AVX2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
     HAVE_BMI2 = __builtin_cpu_supports("bmi2");
     HAVE_VBMI2 = cpu_vbmi2();
-    if (HAVE_BMI2) select_bit = select_bit_bmi2;
+    FAST_PDEP = HAVE_BMI2 && !__builtin_cpu_is("amdfam15h") && !__builtin_cpu_is("amdfam17h");
+    if (FAST_PDEP) select_bit = select_bit_bmi2;
     HAVE_CLMUL = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
     (void)level;
@@ -778,6 +781,26 @@ typedef struct {
     size_t len;
 } Coded;
 
+#if defined(__x86_64__)
+/* The segment walks of segwalk.h, for AVX-512BW and for AVX2 (both with BMI2), and which one
+ * a record takes: 2, 1, or 0 for the generic walks (other widths, integer dtypes, no SIMD). */
+#define SW_ISA _512
+#define SW_T AVX512 __attribute__((target("bmi,bmi2")))
+#include "segwalk.h"
+#undef SW_ISA
+#undef SW_T
+#define SW_ISA _256
+#define SW_T AVX2B
+#include "segwalk.h"
+#undef SW_ISA
+#undef SW_T
+
+static inline int seg_isa(const Params *P) {
+    if (P->width != 2 || !P->ebits || !HAVE_BMI2) return 0;
+    return HAVE_AVX512 ? 2 : HAVE_AVX2 ? 1 : 0;
+}
+#endif
+
 /* Rank of each changed element within its bucket (context mode), with its bucket and base
  * bits, from one scan of the range in segments; cnt[b] gets bucket b's size in the range when
  * `full` (else only up to the segment of the last changed element) and *active the buckets
@@ -786,8 +809,8 @@ typedef struct {
 static int rank_scan(const Params *P, const int64_t *pos, int64_t nnz, uint8_t *bk, int64_t *rank, uint64_t *basev,
                      int64_t *cnt, uint32_t *active_out, int64_t *order, int full) {
 #if defined(__x86_64__)
-    if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
-        seg_ranks_w2(P, pos, nnz, bk, rank, basev, cnt, active_out, order, full);
+    if (seg_isa(P)) {
+        (seg_isa(P) == 2 ? seg_ranks_w2_512 : seg_ranks_w2_256)(P, pos, nnz, bk, rank, basev, cnt, active_out, order, full);
         return 0;
     }
 #endif
@@ -935,76 +958,6 @@ out:
     return rc;
 }
 
-#if defined(__x86_64__)
-/* decode_body's context-mode positions for 2-byte float bases with AVX-512BW: the segment
- * pass of segcount.h instead of every bucket's bitmaps (seg_masks), and each target's block by
- * two vector compares over its bucket's running counts.  The gaps are decoded in the same
- * order (segment by segment, bucket by bucket ascending, each in rank order), so the adaptive
- * state runs the same: same arrays as the generic walk (tests/codec/test_simd_paths.py).
- * rem[b]: the rank of b's next target past the elements walked.  0, or -1 malformed. */
-AVX512 __attribute__((target("bmi2"))) static int bucket_positions_avx512_w2(Model *m, const Params *P, RDec *d, BitR *br,
-                                                                           uint32_t active, int64_t *rem, int64_t nnz,
-                                                                           int64_t *pos, uint64_t *basev) {
-    Win w;
-    win_init(&w, active);
-    _Alignas(64) uint8_t ids_s[SEG];
-    _Alignas(64) uint16_t pre[WIN][SEGB];
-    uint32_t run[WIN];
-    uint64_t segev[SEGB];
-    memset(segev, 0, sizeof(segev));
-    const uint16_t *base = (const uint16_t *)P->base;
-    int64_t found = 0;
-    for (int64_t s0 = P->lo; s0 < P->hi && found < nnz; s0 += SEG) {
-        int nblk = (int)((P->hi - s0 + BLK - 1) / BLK < SEGB ? (P->hi - s0 + BLK - 1) / BLK : SEGB);
-        uint64_t lowblk = seg_counts_w2(P, &w, s0, nblk, ids_s, pre, run), evw = 0;
-        for (int k = 0; k < WIN; k++)
-            for (int g = nblk; g < SEGB; g++) pre[k][g] = 0xFFFF;
-        int64_t nev = 0;
-        for (uint32_t pr = active; pr; pr &= pr - 1) { /* ascending: the gaps' order */
-            int b = __builtin_ctz(pr), k = b - w.wlo;
-            int64_t r = rem[b];
-            if (k >= 0) {
-                int64_t T = run[k], rr;
-                while (r < T) {
-                    int g = seg_locate(pre, k, r, &rr);
-                    segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << rr, seg_mask(ids_s, g, b)));
-                    evw |= 1ull << g;
-                    nev++;
-                    r += (int64_t)dec_gap(m, d, br, b);
-                    if (d->bad || br->bad || found + nev > nnz) return -1;
-                }
-                rem[b] = r - T;
-            } else { /* below the window: only the blocks with an id below it hold b */
-                for (uint64_t lw = lowblk; lw; lw &= lw - 1) {
-                    int g = __builtin_ctzll(lw);
-                    uint64_t mb = seg_mask(ids_s, g, b);
-                    int64_t c = __builtin_popcountll(mb);
-                    while (r < c) {
-                        segev[g] |= 1ull << __builtin_ctzll(_pdep_u64(1ull << r, mb));
-                        evw |= 1ull << g;
-                        nev++;
-                        r += (int64_t)dec_gap(m, d, br, b);
-                        if (d->bad || br->bad || found + nev > nnz) return -1;
-                    }
-                    r -= c;
-                }
-                rem[b] = r;
-            }
-        }
-        for (; evw; evw &= evw - 1) {
-            int g = __builtin_ctzll(evw);
-            for (uint64_t ev = segev[g]; ev; ev &= ev - 1) {
-                int64_t at = s0 + ((int64_t)g << 6) + __builtin_ctzll(ev);
-                basev[found] = base[at];
-                pos[found++] = at;
-            }
-            segev[g] = 0;
-        }
-    }
-    return found == nnz ? 0 : -1;
-}
-#endif
-
 static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *pos, uint8_t *vals, int64_t nnz) {
     int64_t found = 0;
     uint64_t *basev = NULL;
@@ -1015,10 +968,11 @@ static int decode_body(Model *m, const Params *P, RDec *d, BitR *br, int64_t *po
         for (uint32_t pr = active; pr; pr &= pr - 1) rem[__builtin_ctz(pr)] = (int64_t)dec_gap(m, d, br, __builtin_ctz(pr)) - 1;
         if (d->bad || br->bad) return -1;
 #if defined(__x86_64__)
-        if (HAVE_AVX512 && HAVE_BMI2 && P->width == 2 && P->ebits) {
+        if (seg_isa(P)) {
             basev = (uint64_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(uint64_t));
             if (!basev) return -2;
-            int rc = bucket_positions_avx512_w2(m, P, d, br, active, rem, nnz, pos, basev);
+            int rc = seg_isa(P) == 2 ? bucket_positions_w2_512(m, P, d, br, active, rem, nnz, pos, basev)
+                                     : bucket_positions_w2_256(m, P, d, br, active, rem, nnz, pos, basev);
             if (rc < 0) { free(basev); return rc; }
             found = nnz;
         } else {
@@ -1369,7 +1323,22 @@ static PyObject *py_set_vbmi2(PyObject *self, PyObject *args) {
     return PyBool_FromLong(HAVE_VBMI2);
 }
 
+static PyObject *py_set_pdep(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    FAST_PDEP = on && HAVE_BMI2;
+    select_bit = select_bit_portable;
+#if defined(__x86_64__)
+    if (FAST_PDEP) select_bit = select_bit_bmi2;
+#endif
+    return PyBool_FromLong(FAST_PDEP);
+}
+
 static PyMethodDef methods[] = {
+    {"set_pdep", py_set_pdep, METH_VARARGS,
+     "set_pdep(on) -> whether bit selects use BMI2 pdep now; off: the portable select, as on AMD before Zen 3 "
+     "(where pdep is microcoded); for tests"},
     {"set_vbmi2", py_set_vbmi2, METH_VARARGS,
      "set_vbmi2(on) -> whether the AVX-512 VBMI2 paths (LANES: the decoder's compressed outputs, the encoder's "
      "vector rANS) are used now; off: as on an AVX-512BW CPU without VBMI2 (Skylake-SP); for tests"},
