@@ -22,6 +22,7 @@ from nemo_dcr.codec.types import DeltaOp, TensorDelta  # noqa: E402
 from nemo_dcr.receiver.errors import DeltaValidationError  # noqa: E402
 from nemo_dcr.receiver.verify import StateComparison, compare_tensors  # noqa: E402
 from nemo_dcr.runtimes.vllm import VLLMRuntime  # noqa: E402
+from vllm_packs import vllm_packs_bf16_linears
 
 pytestmark = pytest.mark.vllm
 
@@ -140,25 +141,8 @@ def refit(request, versions) -> Refit:
         rx.close()
 
 
-def _vllm_packs_bf16_linears() -> bool:
-    """Whether vLLM's CPU build replaces bf16 linear weights by packed oneDNN handles on
-    this machine: its own test (``dispatch_cpu_unquantized_gemm``) is whether a oneDNN
-    matmul can be created; on a CPU without AVX-512 it cannot, and the weights stay plain
-    tensors (nothing to stage)."""
-    import torch
-    from vllm import _custom_ops as ops
-
-    if not ops._supports_onednn:
-        return False
-    try:
-        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16).t(), 32)
-    except RuntimeError:
-        return False
-    return True
-
-
 def test_prewarm_places_every_tensor_without_mirror(refit, versions):
-    packs = _vllm_packs_bf16_linears()
+    packs = vllm_packs_bf16_linears()
     for worker in refit.prewarm["workers"]:
         kinds = worker["kinds"]
         assert sum(kinds.values()) == len(versions.states[0])
