@@ -95,13 +95,6 @@ AVX512 static inline uint64_t seg_mask_512(const uint8_t *ids_s, int g, int b) {
     return _mm512_cmpeq_epi8_mask(_mm512_load_si512((const __m512i *)(ids_s + (size_t)g * BLK)), _mm512_set1_epi8((char)b));
 }
 
-/* Elements of bucket b (below the window) in the blocks of `blocks` before block g. */
-AVX512 static inline int64_t below_count_512(const uint8_t *ids_s, uint64_t blocks, int g, int b) {
-    int64_t c = 0;
-    for (uint64_t lw = blocks & ((1ull << g) - 1); lw; lw &= lw - 1) c += __builtin_popcountll(seg_mask_512(ids_s, __builtin_ctzll(lw), b));
-    return c;
-}
-
 /* The block g (< nblk) holding window bucket k's element of segment rank r (r < run[k]), and
  * r's rank within the block (*rr): g is the number of running counts at or below r, two
  * vector compares over pre[k] (whose entries from nblk on must be PRE_END). */
@@ -169,12 +162,6 @@ AVX2B static inline uint64_t seg_mask_256(const uint8_t *ids_s, int g, int b) {
     const uint8_t *ids = ids_s + (size_t)g * BLK;
     return mask64_256(_mm256_cmpeq_epi8(_mm256_load_si256((const __m256i *)ids), bv),
                       _mm256_cmpeq_epi8(_mm256_load_si256((const __m256i *)(ids + 32)), bv));
-}
-
-AVX2B static inline int64_t below_count_256(const uint8_t *ids_s, uint64_t blocks, int g, int b) {
-    int64_t c = 0;
-    for (uint64_t lw = blocks & ((1ull << g) - 1); lw; lw &= lw - 1) c += __builtin_popcountll(seg_mask_256(ids_s, __builtin_ctzll(lw), b));
-    return c;
 }
 
 /* seg_locate_512 by signed compares (counts and ranks are below PRE_END): g = 64 - the

@@ -8,6 +8,13 @@
 #define SW_CAT(a, b) SW_CAT2(a, b)
 #define SW(name) SW_CAT(name, SW_ISA)
 
+/* Elements of bucket b (below the window) in the blocks of `blocks` before block g. */
+SW_T static inline int64_t SW(below_count)(const uint8_t *ids_s, uint64_t blocks, int g, int b) {
+    int64_t c = 0;
+    for (uint64_t lw = blocks & ((1ull << g) - 1); lw; lw &= lw - 1) c += __builtin_popcountll(SW(seg_mask)(ids_s, __builtin_ctzll(lw), b));
+    return c;
+}
+
 /* rank_scan for 2-byte float bases (rans.c dispatches here; same outputs): each changed
  * element's bucket and base bits first (O(changed)), then per segment the counts above, and
  * each changed element's rank is its bucket's count before the segment, plus the running
