@@ -14,7 +14,7 @@ from nemo_dcr.receiver.apply import DeltaApplier
 from nemo_dcr.receiver.errors import DeltaValidationError, LoaderError
 from nemo_dcr.receiver.gated import GateClosed, GatedModel, WriteGate
 from nemo_dcr.receiver.served import InProcessModel
-from nemo_dcr.receiver.verify import compare_with_dense
+from nemo_dcr.receiver.verify import compare_with_dense, load_dense
 from nemo_dcr.runtimes.hf import HFTransformersAdapter
 
 from receiver_helpers import bits, canonical_state, deltas, flip_one_bit, llama, perturb
@@ -176,3 +176,46 @@ def test_gated_model_applies_the_rest_inside_the_window(case):
     assert gate.stage_s > 0
     report = compare_with_dense(adapter.module, TwoPhaseAdapter(llama()), target)
     assert report.equal, report.summary()
+
+
+def test_a_kernel_weight_with_tensors_fused_into_it_is_copied_whole():
+    """q, k and v land in slices of one served weight a kernel is built from (vLLM's fused
+    qkv): ``prepare`` gets one patched copy of the whole weight, each record at its slice's
+    offset, and the served weight is not written before ``apply``."""
+    from test_receiver_placement import SPECS, ToyAdapter, _state
+
+    class FusedKernel(ToyAdapter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.copies: list[dict] = []
+
+        def unserved(self):
+            return frozenset()
+
+        def kernel_weights(self):
+            return frozenset({"qkv"})
+
+        def prepare(self, names, copies):
+            self.copies.append({n: c.clone() for n, c in copies.items()})
+            return {}
+
+        def install(self, prepared, names, covered):
+            pass
+
+    base = {n: t for n, t in _state(0).items() if n in ("q", "k", "v")}
+    target = perturb(base, np.random.default_rng(5), frac=0.2)
+    adapter = FusedKernel(specs={n: SPECS[n] for n in base})
+    load_dense(adapter, base)
+    applier = DeltaApplier(adapter)
+    applier.prewarm()
+    served = bits(adapter.module.qkv)
+    staged = applier.stage(deltas(base, target, split_every=1000))
+
+    assert staged.covered == {"q", "k", "v"} and not staged.names
+    np.testing.assert_array_equal(bits(adapter.module.qkv), served)  # the served weight waits
+    (copies,) = adapter.copies
+    want = np.concatenate([bits(target[n]) for n in ("q", "k", "v")])
+    np.testing.assert_array_equal(copies["qkv"].numpy().view(np.uint16), want)
+    assert not np.array_equal(served, want)  # control: the bits moved
+    applier.apply(deltas(base, target, split_every=1000), staged)
+    np.testing.assert_array_equal(bits(adapter.module.qkv), want)

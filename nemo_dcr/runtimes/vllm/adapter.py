@@ -200,7 +200,9 @@ class VLLMWorkerAdapter:
         the engine's layer untouched.  When the kernel owns a copy of the weight (writing the
         weight leaves it unchanged), a staging weight joins ``unserved()`` if the engine's
         kernel also ignores the weight argument it is passed, and a weight vLLM keeps joins
-        ``kernel_weights()``."""
+        ``kernel_weights()``.  A kernel that computes from the weight argument (vLLM's torch
+        fallback where oneDNN cannot pack, e.g. an AVX2 CPU) joins neither: there is nothing
+        to build ahead of the window."""
         layer = self._model.get_submodule(lname)
         weight = layer._parameters["weight"]
         k = weight.shape[1]
@@ -229,6 +231,10 @@ class VLLMWorkerAdapter:
             return
         self._by_proxy.add(lname)
         with torch.no_grad():
+            if not torch.equal(kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
+                               after.view(torch.int16)):
+                return  # it computes from the weight it is passed (vLLM's torch fallback, an
+                # AVX2 CPU): it owns no copy, writes are served at once, nothing is built ahead
             int_bits = source.view(torch.int16)
             int_bits.bitwise_xor_(1)  # the kernel's own copy must not see this
             owns_copy = torch.equal(kernel(x, weight, bias).view(torch.int16), after.view(torch.int16))
