@@ -57,14 +57,16 @@ class SteppingStore:
 
 def _idle(follower) -> int:
     """Step ``follower`` until it has nothing to do, waiting for the prefetch's downloads
-    (they run on the stream state's own threads); returns the chunks decoded meanwhile."""
-    decoded = 0
+    (they run on the stream state's own threads); returns the chunks decoded meanwhile.  A
+    chunk whose decode ended before the follower's own poll collected it counts in
+    ``follower.prefetched``, not in ``drain``'s result (a race a loaded machine lost)."""
+    decoded, before = 0, follower.prefetched
     while True:
         while follower.step():
             decoded += 1
         state = follower.rx._stream
         if state is None or not state.in_flight:
-            return decoded
+            return decoded + follower.prefetched - before
         decoded += state.drain()
 
 
