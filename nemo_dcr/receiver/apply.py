@@ -216,14 +216,13 @@ class DeltaApplier:
             return Staging(frozenset(), None, {})
         with torch.no_grad():
             copies: dict[str, torch.Tensor] = {}
-            owners = {o.name: o.tensor for o in module_storages(self._adapter.module).values()}
+            owners = {o.name: o.tensor for o in module_storages(self._adapter.module).values()} if copied else {}
             for n, recs in copied.items():  # patched copies of served weights, for prepare only
-                dest = plan.placements[n].copies[0].dest
-                if dest not in copies:  # the whole weight: several tensors may be fused into it
-                    copies[dest] = int_view(owners[dest].detach().reshape(-1)).clone()
-                view = plan.direct[n]
-                at = (view.data_ptr() - owners[dest].data_ptr()) // view.element_size()
-                _write_direct(copies[dest][at:at + view.numel()], self._prepare(n, recs))
+                (c,) = plan.placements[n].copies
+                if c.dest not in copies:  # the whole weight: several tensors may be fused into it
+                    copies[c.dest] = int_view(owners[c.dest].detach().reshape(-1)).clone()
+                at = c.dest_geometry.offset  # this tensor's slice, in the owner's elements
+                _write_direct(copies[c.dest][at:at + plan.direct[n].numel()], self._prepare(n, recs))
             touched, written = self._write(plan, early)
             try:
                 prepared = self._adapter.prepare(frozenset(touched | copied.keys()), copies)

@@ -209,7 +209,8 @@ def test_a_kernel_weight_with_tensors_fused_into_it_is_copied_whole():
     applier = DeltaApplier(adapter)
     applier.prewarm()
     served = bits(adapter.module.qkv)
-    staged = applier.stage(deltas(base, target, split_every=1000))
+    batch = deltas(base, target, split_every=1000)
+    staged = applier.stage(batch)
 
     assert staged.covered == {"q", "k", "v"} and not staged.names
     np.testing.assert_array_equal(bits(adapter.module.qkv), served)  # the served weight waits
@@ -217,5 +218,5 @@ def test_a_kernel_weight_with_tensors_fused_into_it_is_copied_whole():
     want = np.concatenate([bits(target[n]) for n in ("q", "k", "v")])
     np.testing.assert_array_equal(copies["qkv"].numpy().view(np.uint16), want)
     assert not np.array_equal(served, want)  # control: the bits moved
-    applier.apply(deltas(base, target, split_every=1000), staged)
+    applier.apply(batch, staged)
     np.testing.assert_array_equal(bits(adapter.module.qkv), want)

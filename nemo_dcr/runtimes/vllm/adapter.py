@@ -197,12 +197,12 @@ class VLLMWorkerAdapter:
     def _check_rebuilt_kernel(self, lname: str) -> None:
         """A kernel rebuilt from the layer's plain weight must give the engine's kernel's bits on
         a fixed input.  Built on a stand-in (:func:`_build_kernel`) where vLLM's method allows,
-        the engine's layer untouched.  When the kernel owns a copy of the weight (writing the
-        weight leaves it unchanged), a staging weight joins ``unserved()`` if the engine's
-        kernel also ignores the weight argument it is passed, and a weight vLLM keeps joins
-        ``kernel_weights()``.  A kernel that computes from the weight argument (vLLM's torch
-        fallback where oneDNN cannot pack, e.g. an AVX2 CPU) joins neither: there is nothing
-        to build ahead of the window."""
+        the engine's layer untouched.  When the engine's kernel ignores the weight argument it
+        is passed (a zero weight gives the same bits) and the kernel owns a copy of the weight
+        (writing the weight leaves it unchanged), a staging weight joins ``unserved()`` and a
+        weight vLLM keeps joins ``kernel_weights()``.  A kernel that computes from the weight
+        argument (vLLM's torch fallback where oneDNN cannot pack, e.g. an AVX2 CPU) joins
+        neither: its writes are served at once, there is nothing to build ahead of the window."""
         layer = self._model.get_submodule(lname)
         weight = layer._parameters["weight"]
         k = weight.shape[1]
@@ -231,19 +231,16 @@ class VLLMWorkerAdapter:
             return
         self._by_proxy.add(lname)
         with torch.no_grad():
-            if not torch.equal(kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
-                               after.view(torch.int16)):
-                return  # it computes from the weight it is passed (vLLM's torch fallback, an
-                # AVX2 CPU): it owns no copy, writes are served at once, nothing is built ahead
+            if not torch.equal(engine_kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
+                               before.view(torch.int16)):
+                return  # it computes from the weight it is passed: nothing is built ahead
             int_bits = source.view(torch.int16)
             int_bits.bitwise_xor_(1)  # the kernel's own copy must not see this
             owns_copy = torch.equal(kernel(x, weight, bias).view(torch.int16), after.view(torch.int16))
-            ignores_arg = torch.equal(engine_kernel(x, torch.zeros_like(weight), bias).view(torch.int16),
-                                      before.view(torch.int16))
         if not owns_copy:
             return
         owner = module_storages(self._model).get(weight.untyped_storage().data_ptr())
-        if ignores_arg and not owner.aliases and lname in self._staged:
+        if not owner.aliases and lname in self._staged:
             self._unserved[lname] = owner.name
         else:  # a weight vLLM keeps (embedding, lm_head) is served, or at least reported
             self._copied[lname] = owner.name  # (/weight_checker): written inside the window
